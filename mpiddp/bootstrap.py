@@ -1,0 +1,289 @@
+"""From mpirun to a torch process group: agreement on errors, rendezvous, device, set-up/teardown, abort on failure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, TypeVar
+
+from mpiddp.config import Config, HelpRequested
+from mpiddp.errors import UserError
+from mpiddp.netif import choose_network, local_interfaces
+from mpiddp.topology import LauncherMismatch, Topology
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+EXIT_CRASH = 1
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class AgreedExit(Exception):
+    """Every rank raises this together, so the job ends without an abort and rank 0 speaks for all."""
+
+    def __init__(self, message: str, exit_code: int, to_stdout: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+        self.to_stdout = to_stdout
+
+
+def agree(comm: Any, attempt: Callable[[], T]) -> T:
+    """Collective: run `attempt` on every rank; if a user error hits any rank, every rank raises AgreedExit.
+
+    Only errors the user can fix are agreed on; anything else propagates and aborts the job.
+    """
+    problem: tuple[str, str] | None = None
+    try:
+        result = attempt()
+    except HelpRequested as exc:
+        result, problem = None, ("help", exc.text)  # type: ignore[assignment]
+    except UserError as exc:
+        result, problem = None, ("error", str(exc))  # type: ignore[assignment]
+    problems = comm.allgather(problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not failed:
+        return result
+    if all(kind == "help" for _, (kind, _) in failed):
+        raise AgreedExit(failed[0][1][1], 0, to_stdout=True)
+    errors = [(rank, text) for rank, (kind, text) in failed if kind == "error"]
+    texts = {text for _, text in errors}
+    if len(texts) == 1 and len(errors) == comm.Get_size():
+        raise AgreedExit(f"error: {errors[0][1]}", EXIT_USER_ERROR)
+    lines = [f"error on rank {rank}: {text}" for rank, text in errors]
+    raise AgreedExit("\n".join(lines), EXIT_USER_ERROR)
+
+
+class FailFast:
+    """Turns any failure on any rank into the end of the whole job, with one report from the failing rank.
+
+    A rank that raises (or calls sys.exit, even with 0) while its peers may sit in a collective would leave
+    them blocked forever; MPI_Abort is the only way out that works whatever the peers are doing.
+    """
+
+    def __init__(self) -> None:
+        self.comm: Any = None
+        self.topology: Topology | None = None
+
+    def __enter__(self) -> FailFast:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, AgreedExit):
+            self._exit_agreed(exc)
+        self._abort(exc)
+        return False  # not reached: both paths end the process
+
+    def _world_size(self) -> int:
+        return 1 if self.comm is None else self.comm.Get_size()
+
+    def _rank(self) -> int:
+        return 0 if self.comm is None else self.comm.Get_rank()
+
+    def _exit_agreed(self, exc: AgreedExit) -> None:
+        if self._rank() == 0 and exc.message:
+            stream = sys.stdout if exc.to_stdout else sys.stderr
+            prefix = "" if exc.to_stdout else "mpiddp: "
+            stream.write(f"{prefix}{exc.message.rstrip()}\n")
+            stream.flush()
+        _flush_logs()
+        raise SystemExit(exc.exit_code)
+
+    def _abort(self, exc: BaseException) -> None:
+        if isinstance(exc, LauncherMismatch):
+            # Each process is alone in its world: let the launcher's rank 0 alone explain.
+            if exc.launcher_rank == 0:
+                _report(f"mpiddp: error: {exc}")
+            raise SystemExit(EXIT_USER_ERROR)
+        where = self.topology.label if self.topology is not None else f"rank {self._rank()} on {_hostname()}"
+        if isinstance(exc, UserError):
+            code, text = EXIT_USER_ERROR, f"mpiddp: error on {where}: {exc}"
+        elif isinstance(exc, SystemExit):
+            code = exc.code if isinstance(exc.code, int) and exc.code != 0 else EXIT_CRASH
+            text = (
+                f"mpiddp: {where} exited early (status {exc.code}) while the other ranks may be waiting "
+                f"for it; ending the job"
+            )
+        elif isinstance(exc, KeyboardInterrupt):
+            code, text = EXIT_INTERRUPTED, f"mpiddp: {where} interrupted; ending the job"
+        else:
+            formatted = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+            code, text = EXIT_CRASH, f"mpiddp: {where} failed; ending the job.\n{formatted}"
+        _report(text)
+        if self._world_size() > 1:
+            self.comm.Abort(code)
+        raise SystemExit(code)
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
+def _report(text: str) -> None:
+    _flush_logs()
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What the rest of the job needs from the distributed set-up."""
+
+    topology: Topology
+    comm: Any  # the MPI communicator of the job, for barriers and metric reductions
+    device: Any  # torch.device
+    backend: str
+    master_addr: str
+    master_port: int
+    num_threads: int
+
+
+def choose_device(cfg: Config, topo: Topology) -> tuple[str, str]:
+    """(device type, backend) for this rank; raises UserError when the flags cannot work on this host."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    device = cfg.device if cfg.device != "auto" else ("cuda" if has_cuda else "cpu")
+    if device == "cuda":
+        if not has_cuda:
+            raise UserError(f"--device cuda, but {topo.hostname} has no usable CUDA GPU: use --device cpu")
+        num_gpus = torch.cuda.device_count()
+        if topo.local_world_size > num_gpus:
+            raise UserError(
+                f"{topo.hostname} runs {topo.local_world_size} ranks but has {num_gpus} GPUs: start at most "
+                f"{num_gpus} ranks on it (e.g. -H {topo.hostname}:{num_gpus}) or use --device cpu"
+            )
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    if backend == "nccl" and device != "cuda":
+        raise UserError("--backend nccl needs CUDA devices: use --backend gloo on CPU")
+    return device, backend
+
+
+def fair_thread_count(cfg: Config, topo: Topology) -> int:
+    """Each rank's share of the host's cores, so co-located ranks do not oversubscribe the CPU."""
+    if cfg.num_threads is not None:
+        return cfg.num_threads
+    cores = os.cpu_count() or 1
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    return max(1, min(allowed, cores // topo.local_world_size))
+
+
+def _choose_address(cfg: Config, topo: Topology, comm: Any) -> str:
+    """Collective: the address rank 0 advertises; also points gloo/NCCL at the same network on every host."""
+    interfaces = local_interfaces() if topo.local_rank == 0 else None
+    gathered = comm.allgather(interfaces)
+    if cfg.master_addr:
+        return cfg.master_addr
+    per_host = [gathered[ranks[0]] for _, ranks in topo.hosts]
+    choice = choose_network(per_host, [name for name, _ in topo.hosts])
+    interface = choice.interface_per_host[topo.host_index]
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, interface)
+    log.info("rendezvous on %s (interface per host: %s)", choice.master_addr, dict(zip(
+        [name for name, _ in topo.hosts], choice.interface_per_host)))
+    return choice.master_addr
+
+
+def _rendezvous(cfg: Config, topo: Topology, comm: Any) -> tuple[Any, str, int]:
+    """Rank 0 opens a TCPStore on a kernel-chosen port and broadcasts (address, port); the others connect."""
+    import torch.distributed as dist
+
+    address = agree(comm, lambda: _choose_address(cfg, topo, comm))
+    timeout = timedelta(seconds=cfg.rendezvous_timeout_s)
+    store = None
+    opened: tuple[str, int] | str
+    if topo.is_main:
+        try:
+            store = dist.TCPStore(address, 0, topo.world_size, True, timeout=timeout, wait_for_workers=False)
+            opened = (address, store.port)
+        except Exception as exc:  # reported on every rank below, so nobody waits for a store that never opened
+            opened = f"rank 0 on {topo.hostname} could not open the rendezvous store on {address}: {exc}"
+    else:
+        opened = ""
+    opened = comm.bcast(opened, root=0)
+    if isinstance(opened, str):
+        raise UserError(opened + " (use --master-addr with an address of this host)")
+    address, port = opened
+    if store is None:
+        try:
+            store = dist.TCPStore(address, port, topo.world_size, False, timeout=timeout)
+        except Exception as exc:
+            raise UserError(
+                f"{topo.label} could not reach rank 0's rendezvous store at {address}:{port} within "
+                f"{cfg.rendezvous_timeout_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+                f"Check that {topo.hostname} can reach {address} (firewall, wrong interface) or set --master-addr"
+            ) from None
+    return store, address, port
+
+
+def export_environment(topo: Topology, address: str, port: int) -> None:
+    """The variables torchrun would set, for libraries that read them."""
+    os.environ.update(
+        RANK=str(topo.rank),
+        WORLD_SIZE=str(topo.world_size),
+        LOCAL_RANK=str(topo.local_rank),
+        LOCAL_WORLD_SIZE=str(topo.local_world_size),
+        GROUP_RANK=str(topo.host_index),
+        MASTER_ADDR=address,
+        MASTER_PORT=str(port),
+    )
+
+
+@contextmanager
+def distributed(cfg: Config, topo: Topology, comm: Any) -> Iterator[DistContext]:
+    """Set up the torch process group for this job; tear it down on a clean exit.
+
+    On an exception there is no teardown: FailFast aborts the whole job, which is the only safe end when
+    peers may be blocked in a collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device_type, backend = agree(comm, lambda: choose_device(cfg, topo))
+    if device_type == "cuda":
+        device = torch.device("cuda", topo.local_rank)
+        torch.cuda.set_device(device)  # before the process group, so nothing lands on GPU 0 by accident
+    else:
+        device = torch.device("cpu")
+    num_threads = fair_thread_count(cfg, topo)
+    torch.set_num_threads(num_threads)
+
+    store, address, port = _rendezvous(cfg, topo, comm)
+    export_environment(topo, address, port)
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        timeout=timedelta(seconds=cfg.collective_timeout_s),
+        device_id=device if device_type == "cuda" else None,
+    )
+    log.info(
+        "process group ready: %s on %s, %d ranks on %d hosts, rendezvous %s:%d, %d CPU threads per rank",
+        backend, device_type, topo.world_size, topo.num_hosts, address, port, num_threads,
+    )
+    yield DistContext(topo, comm, device, backend, address, port, num_threads)
+    # Only reached when the body finished on this rank: wait for every rank before tearing down, so a
+    # fast rank never destroys the group (or finalises MPI) while a slow one still talks to it.
+    comm.Barrier()
+    dist.destroy_process_group()
+    del store

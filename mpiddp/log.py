@@ -1,0 +1,82 @@
+"""Logging with a rank prefix, and rank 0's progress bar (a do-nothing bar elsewhere, so call sites never branch)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import TextIO
+
+from mpiddp.topology import Topology
+
+
+def setup_logging(topo: Topology | None, level: str = "info") -> None:
+    """Rank 0 logs at `level`; the other ranks only warnings and errors, each line naming its rank."""
+    if topo is None:
+        prefix, chosen = "mpiddp", logging.WARNING
+    else:
+        prefix = f"mpiddp r{topo.rank}/{topo.world_size} {topo.hostname}"
+        chosen = getattr(logging, level.upper()) if topo.is_main else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [{prefix}] %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(chosen)
+
+
+class ProgressBar:
+    """A one-line bar redrawn at most every `min_interval` seconds."""
+
+    def __init__(self, total: int, desc: str, stream: TextIO | None = None, min_interval: float = 0.25) -> None:
+        self.total, self.desc, self.count = total, desc, 0
+        self.stream = stream or sys.stdout
+        self.drawn = -1
+        self.min_interval = min_interval
+        self.started = self.last_draw = time.perf_counter()
+        self.postfix = ""
+
+    def update(self, n: int = 1, postfix: str | None = None) -> None:
+        self.count += n
+        if postfix is not None:
+            self.postfix = postfix
+        now = time.perf_counter()
+        if now - self.last_draw >= self.min_interval or self.count >= self.total:
+            self.last_draw = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        self.drawn = self.count
+        width = 24
+        filled = int(width * min(self.count, self.total) / max(self.total, 1))
+        rate = self.count / max(now - self.started, 1e-9)
+        line = f"{self.desc} |{'#' * filled}{'.' * (width - filled)}| {self.count}/{self.total} {rate:.1f} it/s"
+        self.stream.write(f"\r{line} {self.postfix}".rstrip() + " ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn != self.count:
+            self._draw(time.perf_counter())
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+class NullProgress:
+    """Stands in for the bar on ranks that do not draw one."""
+
+    def update(self, n: int = 1, postfix: str | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_wanted(setting: str) -> bool:
+    """`auto` draws the bar only where someone is likely watching: a terminal, and not CI."""
+    if setting == "auto":
+        return sys.stdout.isatty() and not os.environ.get("CI")
+    return setting == "on"
+
+
+def make_progress(enabled: bool, total: int, desc: str) -> ProgressBar | NullProgress:
+    return ProgressBar(total, desc) if enabled else NullProgress()

@@ -1,0 +1,134 @@
+"""Metric reductions over MPI, the run's metric log (rank 0 writes, a do-nothing logger elsewhere), the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from mpiddp.topology import Topology
+
+
+def allreduce(comm: Any, values: Sequence[float], op: str) -> list[float]:
+    """Element-wise sum or max of a short vector across all ranks, in one MPI call."""
+    from mpi4py import MPI
+
+    ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+    send = np.asarray(values, dtype=np.float64)
+    receive = np.empty_like(send)
+    comm.Allreduce(send, receive, op=ops[op])
+    return receive.tolist()
+
+
+class RunLogger(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlLogger:
+    """Appends one JSON object per line to metrics.jsonl; line-buffered so a crash loses at most one line."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("a", buffering=1)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class NullLogger:
+    """Used on every rank that does not log; keeps call sites branch-free."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def make_run_logger(run_dir: Path, topo: Topology) -> RunLogger:
+    return JsonlLogger(run_dir / "metrics.jsonl") if topo.is_main else NullLogger()
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds), so start-up cost includes interpreter and imports."""
+    try:
+        with open("/proc/self/stat") as stat:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as uptime:
+            seconds_since_boot = float(uptime.read().split()[0])
+        return time.time() - seconds_since_boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORT_TIME
+
+
+_IMPORT_TIME = time.time()
+
+
+def distribution(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90 and max of a sample (zeros when empty)."""
+    if len(values) == 0:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+    array = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(array.mean()),
+        "p50": float(np.percentile(array, 50)),
+        "p90": float(np.percentile(array, 90)),
+        "max": float(array.max()),
+    }
+
+
+def build_summary(
+    *,
+    config: dict[str, Any],
+    topo: Topology,
+    backend: str,
+    device: str,
+    epochs: list[dict[str, Any]],
+    rank_step_times: list[list[float]],
+    rank_images_after_warmup: list[int],
+    rank_seconds_after_warmup: list[float],
+    first_step_done_at: list[float | None],
+    job_started_at: float,
+    finished_at: float,
+    torch_version: str,
+) -> dict[str, Any]:
+    """summary.json from values every rank holds after the final gather (pure, so it is unit-tested)."""
+    from mpiddp import __version__
+
+    assert len(rank_step_times) == topo.world_size
+    slowest = max(rank_seconds_after_warmup)
+    last = epochs[-1] if epochs else {}
+    done = [t for t in first_step_done_at if t is not None]
+    return {
+        "mpiddp_version": __version__,
+        "world_size": topo.world_size,
+        "num_hosts": topo.num_hosts,
+        "hosts": topo.hosts_dict,
+        "backend": backend,
+        "device": device,
+        "epochs": len(epochs),
+        "steps": len(rank_step_times[0]),
+        "train_loss": last.get("train_loss"),
+        "eval_loss": last.get("eval_loss"),
+        "eval_accuracy": last.get("eval_accuracy"),
+        # Global images per second after warm-up: all ranks' images over the slowest rank's time.
+        "images_per_second": sum(rank_images_after_warmup) / slowest if slowest > 0 else 0.0,
+        "step_time_s": distribution([t for times in rank_step_times for t in times]),
+        "rank_step_time_s": [float(np.mean(times)) if times else 0.0 for times in rank_step_times],
+        "time_to_first_step_s": (max(done) - job_started_at) if done else None,
+        "wall_time_s": finished_at - job_started_at,
+        "mpi_library": topo.mpi_library,
+        "torch_version": torch_version,
+        "python_version": platform.python_version(),
+        "config": config,
+    }

@@ -1,0 +1,67 @@
+"""The run directory: created by global rank 0 and agreed on by all (collective by contract), atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mpiddp.errors import UserError
+from mpiddp.topology import Topology
+
+
+def _create(run_dir: str | None, runs_root: str) -> str:
+    if run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path(runs_root) / stamp
+        suffix = 1
+        while path.exists():  # two jobs started in the same second
+            path = Path(runs_root) / f"{stamp}-{suffix}"
+            suffix += 1
+    else:
+        path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
+        probe.close()
+    except OSError as exc:
+        raise UserError(
+            f"cannot write to the run directory {str(path)!r} ({exc.strerror or exc}): "
+            f"choose a writable --run-dir"
+        ) from None
+    return str(path.resolve())
+
+
+def prepare_run_dir(run_dir: str | None, runs_root: str, topo: Topology, comm: Any) -> Path:
+    """Collective: global rank 0 creates the directory (naming it when not given) and broadcasts the result.
+
+    Every rank raises the same UserError when rank 0 could not create it.
+    """
+    outcome: tuple[bool, str] | None = None
+    if topo.is_main:
+        try:
+            outcome = (True, _create(run_dir, runs_root))
+        except UserError as exc:
+            outcome = (False, str(exc))
+    ok, text = comm.bcast(outcome, root=0)
+    if not ok:
+        raise UserError(text)
+    return Path(text)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename: readers see the old file or the new one."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.write("\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
