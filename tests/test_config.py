@@ -1,0 +1,67 @@
+"""Flag parsing and validation: needs no MPI."""
+
+import pytest
+
+from mpiddp.config import Config, ConfigError, FaultInjection, HelpRequested, parse_args
+
+
+def test_defaults_parse_to_the_documented_job():
+    cfg = parse_args([])
+    assert cfg == Config()
+    assert cfg.device == "auto" and cfg.backend == "auto"
+    assert cfg.epochs >= 1 and cfg.batch_size >= 1
+
+
+def test_flags_reach_the_config():
+    cfg = parse_args(["--epochs", "3", "--batch-size", "8", "--lr", "0.1", "--run-dir", "/tmp/x", "--device", "cpu"])
+    assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.run_dir, cfg.device) == (3, 8, 0.1, "/tmp/x", "cpu")
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--batch-size", "-2"], "--batch-size must be at least 1"),
+        (["--lr", "0"], "--lr must be in (0, 10]"),
+        (["--lr", "50"], "--lr must be in (0, 10]"),
+        (["--momentum", "1.5"], "--momentum"),
+        (["--device", "tpu"], "--device must be one of auto, cpu, cuda"),
+        (["--backend", "ucc"], "--backend must be one of"),
+        (["--device", "cpu", "--backend", "nccl"], "--backend nccl needs GPUs"),
+        (["--master-addr", " "], "--master-addr is empty"),
+        (["--epochs", "two"], "invalid int value"),
+        (["--no-such-flag"], "unrecognized arguments"),
+        (["--inject-fault", "explode:1:2"], "--inject-fault must be KIND:RANK:STEP"),
+    ],
+)
+def test_bad_flags_raise_one_clear_config_error(argv, fragment):
+    with pytest.raises(ConfigError) as caught:
+        parse_args(argv)
+    assert fragment in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_help_is_raised_not_printed(capsys):
+    with pytest.raises(HelpRequested) as caught:
+        parse_args(["--help"])
+    assert "--batch-size" in caught.value.text
+    assert capsys.readouterr().out == ""
+
+
+def test_master_addr_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MPIDDP_MASTER_ADDR", "10.1.2.3")
+    assert parse_args([]).master_addr == "10.1.2.3"
+    assert parse_args(["--master-addr", "nodea"]).master_addr == "nodea"
+
+
+def test_fault_spec_parses():
+    assert FaultInjection.parse("raise:1:3") == FaultInjection("raise", 1, 3)
+    with pytest.raises(ValueError):
+        FaultInjection.parse("raise:x:3")
+
+
+def test_config_is_json_ready():
+    import json
+
+    cfg = parse_args(["--inject-fault", "exit0:0:1"])
+    assert json.loads(json.dumps(cfg.to_dict()))["inject_fault"] == {"kind": "exit0", "rank": 0, "step": 1}

@@ -1,0 +1,79 @@
+"""The abort path and user errors under real mpirun: the job ends quickly, non-zero, and says why, once."""
+
+import os
+import sys
+
+import pytest
+
+from conftest import job_env, run_command
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit0", "exit1"])
+def test_one_failing_rank_ends_the_whole_job(run_job, kind):
+    job = run_job(2, "--epochs", "3", "--no-progress", "--inject-fault", f"{kind}:1:3", timeout=60)
+    assert job.returncode != 0
+    assert job.seconds < 30
+    assert "rank 1/2" in job.output
+    if kind == "raise":
+        assert "RuntimeError: injected fault on rank 1 at step 3" in job.output
+        assert job.output.count("Traceback (most recent call last)") == 1
+    else:
+        assert "exited early" in job.output
+    assert not (job.run_dir / "summary.json").exists()
+
+
+def test_bad_flag_on_every_rank_is_reported_once(run_job):
+    job = run_job(3, "--epochs", "0", timeout=60)
+    assert job.returncode == 2
+    assert job.output.count("mpiddp: error: --epochs must be at least 1, got 0") == 1
+    assert "Traceback" not in job.output
+
+
+def test_bad_flag_on_one_rank_only_ends_the_job(mpirun, tmp_path):
+    # MPMD: rank 0 gets good flags, rank 1 a bad one
+    base = [sys.executable, "-m", "mpiddp", "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    command = [mpirun, "-np", "1", *base, "--epochs", "1", ":", "-np", "1", *base, "--epochs", "-3"]
+    job = run_command(command, tmp_path, timeout=60)
+    assert job.returncode == 2
+    assert "error on rank 1: --epochs must be at least 1, got -3" in job.output
+    assert job.seconds < 30
+
+
+def test_help_prints_once_and_exits_zero(run_job):
+    job = run_job(2, "--help", timeout=60)
+    assert job.returncode == 0
+    assert job.output.count("usage:") == 1
+
+
+def test_unwritable_run_dir_is_one_clear_error(run_job, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    job = run_job(2, "--run-dir", str(blocker / "run"), timeout=60)
+    assert job.returncode == 2
+    assert job.output.count("cannot write to the run directory") == 1
+    assert "Traceback" not in job.output
+
+
+def test_cuda_without_gpu_is_one_clear_error(run_job):
+    job = run_job(2, "--device", "cuda", "--epochs", "1", timeout=60)
+    if "no usable CUDA GPU" not in job.output and job.returncode == 0:
+        pytest.skip("this machine has a GPU")
+    assert job.returncode == 2
+    assert job.output.count("has no usable CUDA GPU: use --device cpu") == 1
+
+
+@pytest.mark.parametrize("launcher_rank", [0, 1])
+def test_launcher_mpi_mismatch_is_detected(tmp_path, launcher_rank):
+    # An MPICH launcher starting processes whose mpi4py uses Open MPI: each process sees a world of one.
+    env = job_env(PMI_SIZE="2", PMI_RANK=str(launcher_rank))
+    command = [sys.executable, "-m", "mpiddp", "--run-dir", str(tmp_path / "run")]
+    job = run_command(command, tmp_path, timeout=60, env=env)
+    assert job.returncode == 2
+    if launcher_rank == 0:
+        assert "started 2 processes (PMI_SIZE=2), but mpi4py sees a world of 1" in job.output
+        assert "pip install --no-binary=mpi4py" in job.output
+    else:
+        assert job.output.strip() == ""  # the launcher's rank 0 speaks for everyone
+    assert not (tmp_path / "run").exists()

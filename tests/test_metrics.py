@@ -1,0 +1,96 @@
+"""Summary fields, statistics, atomic writes and the eval sharding: no MPI needed."""
+
+import json
+import time
+
+import pytest
+
+from mpiddp.data import EvalShardSampler, digits_split
+from mpiddp.metrics import build_summary, distribution, process_start_time
+from mpiddp.rundir import write_json_atomic
+from mpiddp.topology import RankRecord, build_topology
+
+REQUIRED = {
+    "world_size", "num_hosts", "hosts", "backend", "device", "epochs", "train_loss", "eval_accuracy",
+    "images_per_second", "step_time_s", "rank_step_time_s", "time_to_first_step_s", "wall_time_s",
+    "mpi_library", "torch_version",
+}
+
+
+def test_distribution():
+    stats = distribution([1.0, 2.0, 3.0, 4.0, 10.0])
+    assert stats["mean"] == pytest.approx(4.0)
+    assert stats["p50"] == pytest.approx(3.0)
+    assert stats["max"] == 10.0
+    assert 4.0 < stats["p90"] < 10.0
+    assert distribution([]) == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+
+
+def test_summary_has_every_documented_field_and_right_arithmetic():
+    records = [RankRecord(0, "a", 0, 0, 1), RankRecord(1, "b", 1, 0, 1)]
+    topo = build_topology(0, records, "Open MPI v5")
+    summary = build_summary(
+        config={"epochs": 2},
+        topo=topo,
+        backend="gloo",
+        device="cpu",
+        epochs=[{"train_loss": 1.0, "eval_accuracy": 0.5}, {"train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.3}],
+        rank_step_times=[[0.1, 0.2, 0.3], [0.3, 0.3, 0.3]],
+        rank_images_after_warmup=[64, 64],
+        rank_seconds_after_warmup=[0.5, 0.8],
+        first_step_done_at=[105.0, 106.0],
+        job_started_at=100.0,
+        finished_at=130.0,
+        torch_version="2.x",
+    )
+    assert REQUIRED <= summary.keys()
+    assert summary["hosts"] == {"a": [0], "b": [1]}
+    assert summary["num_hosts"] == 2 and summary["epochs"] == 2
+    assert summary["train_loss"] == 0.5 and summary["eval_accuracy"] == 0.9
+    assert summary["images_per_second"] == pytest.approx(128 / 0.8)  # all images over the slowest rank
+    assert summary["rank_step_time_s"] == pytest.approx([0.2, 0.3])
+    assert summary["step_time_s"]["max"] == pytest.approx(0.3)
+    assert summary["time_to_first_step_s"] == pytest.approx(6.0)
+    assert summary["wall_time_s"] == pytest.approx(30.0)
+    json.dumps(summary)
+
+
+def test_process_start_time_is_in_the_recent_past():
+    started = process_start_time()
+    assert 0 <= time.time() - started < 3600
+
+
+@pytest.mark.parametrize("num_samples, world_size", [(359, 2), (359, 3), (10, 4), (3, 8)])
+def test_eval_shards_cover_every_sample_exactly_once(num_samples, world_size):
+    seen = [i for rank in range(world_size) for i in EvalShardSampler(num_samples, rank, world_size)]
+    assert sorted(seen) == list(range(num_samples))
+
+
+def test_digits_split_is_deterministic_stratified_and_disjoint():
+    train, test = digits_split(seed=0)
+    train_again, test_again = digits_split(seed=0)
+    assert len(train) + len(test) == 1797
+    assert abs(len(test) - 0.2 * 1797) < 10
+    assert (test.tensors[0] == test_again.tensors[0]).all()
+    assert set(test.tensors[1].tolist()) == set(range(10))
+    assert train.tensors[0].shape[1:] == (1, 8, 8)
+    train_rows = {tuple(row.flatten().tolist()) for row in train.tensors[0]}
+    overlap = sum(tuple(row.flatten().tolist()) in train_rows for row in test.tensors[0])
+    assert overlap < 5  # the digits set has a few exact duplicate images; no systematic leak
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    target = tmp_path / "summary.json"
+    write_json_atomic(target, {"a": 1})
+    write_json_atomic(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_atomic_write_failure_keeps_previous_file(tmp_path):
+    target = tmp_path / "summary.json"
+    write_json_atomic(target, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(target, {"a": object()})
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

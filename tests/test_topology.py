@@ -1,0 +1,106 @@
+"""Topology arithmetic, launcher-mismatch detection and the network choice: pure logic, no MPI."""
+
+import pytest
+
+from mpiddp.netif import Interface, choose_network
+from mpiddp.errors import UserError
+from mpiddp.topology import RankRecord, TopologyError, build_topology, launcher_info, mismatch_message
+
+
+def records_for(layout):
+    """layout: list of (hostname, shared-memory leader) per world rank."""
+    out, next_local = [], {}
+    sizes = {}
+    for _, leader in layout:
+        sizes[leader] = sizes.get(leader, 0) + 1
+    for rank, (host, leader) in enumerate(layout):
+        local = next_local.get(leader, 0)
+        next_local[leader] = local + 1
+        out.append(RankRecord(rank, host, leader, local, sizes[leader]))
+    return out
+
+
+def test_two_hosts_of_two_ranks():
+    records = records_for([("a", 0), ("a", 0), ("b", 2), ("b", 2)])
+    topo = build_topology(3, records, "Open MPI")
+    assert (topo.rank, topo.world_size, topo.local_rank, topo.local_world_size) == (3, 4, 1, 2)
+    assert (topo.host_index, topo.num_hosts, topo.hostname) == (1, 2, "b")
+    assert topo.hosts_dict == {"a": [0, 1], "b": [2, 3]}
+    assert not topo.is_main and build_topology(0, records).is_main
+
+
+def test_round_robin_placement_numbers_hosts_by_lowest_rank():
+    # mpirun --map-by node: ranks alternate between hosts
+    records = records_for([("a", 0), ("b", 1), ("a", 0), ("b", 1), ("a", 0)])
+    topo = build_topology(3, records)
+    assert topo.hosts_dict == {"a": [0, 2, 4], "b": [1, 3]}
+    assert (topo.host_index, topo.local_rank, topo.local_world_size) == (1, 1, 2)
+
+
+def test_uneven_hosts():
+    records = records_for([("a", 0), ("b", 1), ("b", 1), ("b", 1)])
+    assert build_topology(0, records).hosts_dict == {"a": [0], "b": [1, 2, 3]}
+    assert build_topology(2, records).local_rank == 1
+
+
+def test_one_hostname_in_two_shared_memory_groups_is_refused():
+    # two groups would both start at local rank 0 and put two ranks on cuda:0
+    records = records_for([("a", 0), ("a", 1)])
+    with pytest.raises(TopologyError, match="separate shared-memory groups"):
+        build_topology(0, records)
+
+
+def test_one_group_with_two_hostnames_is_refused():
+    records = records_for([("a", 0), ("b", 0)])
+    with pytest.raises(TopologyError, match="different host names"):
+        build_topology(1, records)
+
+
+def test_launcher_info_reads_each_launcher():
+    assert launcher_info({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"}).size == 4
+    info = launcher_info({"PMI_SIZE": "8", "PMI_RANK": "3"})
+    assert (info.size, info.rank, info.variable) == (8, 3, "PMI_SIZE")
+    assert launcher_info({"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}).size == 16
+    assert launcher_info({}) is None
+
+
+def test_slurm_batch_step_is_not_a_launch():
+    # inside an sbatch script, plain `python -m mpiddp` is one process: not a mismatch
+    assert launcher_info({"SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_ID": "4294967291"}) is None
+    assert launcher_info({"SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_ID": "batch"}) is None
+
+
+def test_mismatch_message_names_library_and_fix():
+    info = launcher_info({"PMI_SIZE": "2", "PMI_RANK": "0"})
+    text = mismatch_message(info, "Open MPI v5.0.11", "/venv/mpi4py/__init__.py", "/venv/bin/python")
+    assert "PMI_SIZE=2" in text and "Open MPI v5.0.11" in text and "--no-binary=mpi4py" in text
+
+
+def iface(name, address, netmask="255.255.255.0"):
+    return Interface(name, address, netmask)
+
+
+def test_single_host_uses_loopback():
+    choice = choose_network([[iface("lo", "127.0.0.1", "255.0.0.0"), iface("eth0", "10.0.0.5")]], ["a"])
+    assert choice.master_addr == "127.0.0.1" and choice.interface_per_host == ("lo",)
+
+
+def test_multi_host_skips_loopback_and_lookalike_bridges():
+    lo = iface("lo", "127.0.0.1", "255.0.0.0")
+    docker = iface("docker0", "172.17.0.1", "255.255.0.0")  # same address on every host
+    host_a = [lo, docker, iface("eth0", "192.168.50.1"), iface("ib0", "10.9.0.1")]
+    host_b = [lo, docker, iface("ens5", "192.168.60.2"), iface("ib0", "10.9.0.2")]
+    choice = choose_network([host_a, host_b], ["a", "b"])
+    assert choice.master_addr == "10.9.0.1"
+    assert choice.interface_per_host == ("ib0", "ib0")
+
+
+def test_interface_names_may_differ_per_host():
+    host_a = [iface("eth0", "10.0.0.1")]
+    host_b = [iface("enp3s0", "10.0.0.2")]
+    assert choose_network([host_a, host_b], ["a", "b"]).interface_per_host == ("eth0", "enp3s0")
+
+
+def test_no_common_network_is_a_clear_error():
+    with pytest.raises(UserError, match="--master-addr"):
+        choose_network([[iface("eth0", "10.0.0.1")], [iface("eth0", "10.1.0.1")]], ["a", "b"])
