@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from mpiddp.config import Config, HelpRequested
-from mpiddp.errors import UserError
+from mpiddp.errors import AgreedError, UserError
 from mpiddp.netif import choose_network, local_interfaces
 from mpiddp.topology import LauncherMismatch, Topology
 
@@ -26,24 +26,16 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-class AgreedExit(Exception):
-    """Every rank raises this together, so the job ends without an abort and rank 0 speaks for all."""
-
-    def __init__(self, message: str, exit_code: int, to_stdout: bool = False) -> None:
-        super().__init__(message)
-        self.message = message
-        self.exit_code = exit_code
-        self.to_stdout = to_stdout
-
-
 def agree(comm: Any, attempt: Callable[[], T]) -> T:
-    """Collective: run `attempt` on every rank; if a user error hits any rank, every rank raises AgreedExit.
+    """Collective: run `attempt` on every rank; if a user error hits any rank, every rank raises AgreedError.
 
     Only errors the user can fix are agreed on; anything else propagates and aborts the job.
     """
     problem: tuple[str, str] | None = None
     try:
         result = attempt()
+    except AgreedError:
+        raise  # already raised on every rank
     except HelpRequested as exc:
         result, problem = None, ("help", exc.text)  # type: ignore[assignment]
     except UserError as exc:
@@ -53,13 +45,13 @@ def agree(comm: Any, attempt: Callable[[], T]) -> T:
     if not failed:
         return result
     if all(kind == "help" for _, (kind, _) in failed):
-        raise AgreedExit(failed[0][1][1], 0, to_stdout=True)
+        raise AgreedError(failed[0][1][1], 0, to_stdout=True)
     errors = [(rank, text) for rank, (kind, text) in failed if kind == "error"]
     texts = {text for _, text in errors}
     if len(texts) == 1 and len(errors) == comm.Get_size():
-        raise AgreedExit(f"error: {errors[0][1]}", EXIT_USER_ERROR)
+        raise AgreedError(f"error: {errors[0][1]}", EXIT_USER_ERROR)
     lines = [f"error on rank {rank}: {text}" for rank, text in errors]
-    raise AgreedExit("\n".join(lines), EXIT_USER_ERROR)
+    raise AgreedError("\n".join(lines), EXIT_USER_ERROR)
 
 
 class FailFast:
@@ -81,7 +73,7 @@ class FailFast:
     ) -> bool:
         if exc is None:
             return False
-        if isinstance(exc, AgreedExit):
+        if isinstance(exc, AgreedError):
             self._exit_agreed(exc)
         self._abort(exc)
         return False  # not reached: both paths end the process
@@ -92,7 +84,7 @@ class FailFast:
     def _rank(self) -> int:
         return 0 if self.comm is None else self.comm.Get_rank()
 
-    def _exit_agreed(self, exc: AgreedExit) -> None:
+    def _exit_agreed(self, exc: AgreedError) -> None:
         if self._rank() == 0 and exc.message:
             stream = sys.stdout if exc.to_stdout else sys.stderr
             prefix = "" if exc.to_stdout else "mpiddp: "
@@ -175,6 +167,11 @@ def choose_device(cfg: Config, topo: Topology) -> tuple[str, str]:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         raise UserError("--backend nccl needs CUDA devices: use --backend gloo on CPU")
+    if backend == "mpi" and not torch.distributed.is_mpi_available():
+        raise UserError(
+            "--backend mpi needs a torch built with MPI support, and this one was not: use --backend gloo "
+            "(CPU) or nccl (GPU); mpiddp uses MPI for start-up and metrics either way"
+        )
     return device, backend
 
 

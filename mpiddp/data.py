@@ -1,20 +1,26 @@
-"""Datasets and loaders. Every rank gets its shard through samplers told its rank explicitly."""
+"""Datasets and loaders. Every rank gets its shard through samplers told its rank explicitly; workers never touch MPI."""
 
 from __future__ import annotations
 
 import importlib.util
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from mpiddp.config import Config
 from mpiddp.errors import UserError
 from mpiddp.topology import Topology
 
 DIGITS_TEST_FRACTION = 0.2
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class EvalShardSampler(Sampler[int]):
@@ -35,15 +41,43 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class SyntheticBatches:
+    """The same random batch, made once on the device, `steps` times per epoch: measures compute, not I/O."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, steps: int) -> None:
+        self.inputs, self.labels, self.steps = inputs, labels, steps
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(self.steps):
+            yield self.inputs, self.labels
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+@dataclass
+class Datasets:
+    """What the loaders are built from; `train` is None for synthetic data."""
+
+    train: Dataset | None
+    eval: Dataset | None
+    num_classes: int
+    channels: int
+
+
 @dataclass
 class Loaders:
-    train: DataLoader
-    eval: DataLoader
-    train_sampler: DistributedSampler
+    train: Any  # DataLoader or SyntheticBatches
+    eval: DataLoader | None
+    train_sampler: DistributedSampler | None
     num_train: int
     num_eval: int
     num_classes: int
-    input_shape: tuple[int, ...]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle: every rank draws the same permutation for `epoch` and takes its own shard of it."""
+        if self.train_sampler is not None:
+            self.train_sampler.set_epoch(epoch)
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +98,7 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return digits.images.astype(np.float32), digits.target.astype(np.int64)
 
 
-def digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+def digits_split(seed: int = 0, channels: int = 1) -> tuple[TensorDataset, TensorDataset]:
     """The UCI handwritten digits (1797 8x8 images), split 80/20 per class.
 
     The split depends only on `seed`, so every rank computes the same one without communicating.
@@ -79,30 +113,184 @@ def digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
         test_mask[chosen] = True
     # Normalise with training statistics only.
     mean, std = images[~test_mask].mean(), images[~test_mask].std()
-    tensors = torch.from_numpy((images - mean) / std).unsqueeze(1), torch.from_numpy(labels)
-    train = TensorDataset(tensors[0][~test_mask], tensors[1][~test_mask])
-    test = TensorDataset(tensors[0][test_mask], tensors[1][test_mask])
-    return train, test
+    inputs = torch.from_numpy((images - mean) / std).unsqueeze(1).repeat(1, channels, 1, 1)
+    targets = torch.from_numpy(labels)
+    return TensorDataset(inputs[~test_mask], targets[~test_mask]), TensorDataset(inputs[test_mask], targets[test_mask])
 
 
-def build_loaders(
-    train_set: Dataset, eval_set: Dataset, topo: Topology, batch_size: int, eval_batch_size: int, seed: int
-) -> Loaders:
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """CIFAR-10's batches are pickles; allow only what they contain (dicts, lists, bytes, numpy arrays)."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+class Cifar10(Dataset):
+    """CIFAR-10 in torchvision's on-disk layout (DIR/cifar-10-batches-py/data_batch_1..5, test_batch)."""
+
+    TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+    TEST_FILES = ("test_batch",)
+
+    def __init__(self, root: str, train: bool, transform: Any) -> None:
+        folder = Path(root) / "cifar-10-batches-py"
+        images, labels = [], []
+        for name in self.TRAIN_FILES if train else self.TEST_FILES:
+            path = folder / name
+            if not path.is_file():
+                raise UserError(
+                    f"{path} is missing: --dataset cifar10 expects torchvision's layout "
+                    f"(DIR/cifar-10-batches-py/data_batch_1..5 and test_batch); add --download to fetch it"
+                )
+            try:
+                with path.open("rb") as handle:
+                    entry = _NumpyOnlyUnpickler(handle, encoding="latin1").load()
+                data = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+                batch_labels = list(entry["labels"])
+            except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as exc:
+                raise UserError(f"{path} is not a CIFAR-10 batch file ({type(exc).__name__}: {exc})") from None
+            if len(batch_labels) != len(data):
+                raise UserError(f"{path} has {len(data)} images but {len(batch_labels)} labels")
+            images.append(data)
+            labels.extend(batch_labels)
+        self.images = np.concatenate(images).transpose(0, 2, 3, 1)  # NHWC, as PIL wants
+        self.labels = labels
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[index])), self.labels[index]
+
+
+def _transforms(cfg: Config, channels: int) -> tuple[Any, Any]:
+    from torchvision import transforms as T
+
+    if cfg.dataset == "cifar10":
+        size = cfg.image_size or 32
+        resize = [T.Resize(size)] if size != 32 else []
+        normalize = T.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+        train = T.Compose([*resize, T.RandomCrop(size, padding=size // 8), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+        return train, T.Compose([*resize, T.ToTensor(), normalize])
+    if cfg.dataset == "mnist":
+        size = cfg.image_size or 28
+        steps = [T.Resize(size)] if size != 28 else []
+        if channels == 3:
+            steps.append(T.Grayscale(num_output_channels=3))
+        pipeline = T.Compose([*steps, T.ToTensor(), T.Normalize((MNIST_MEAN,) * channels, (MNIST_STD,) * channels)])
+        return pipeline, pipeline
+    size = cfg.image_size or 224
+    normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    train = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+    evaluation = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), normalize])
+    return train, evaluation
+
+
+def fetch(cfg: Config, topo: Topology, comm: Any) -> None:
+    """Collective: with --download, local rank 0 of each host fetches the dataset while the others wait.
+
+    One download per host, never one per rank: concurrent writers corrupt the archive.
+    """
+    if cfg.download and topo.local_rank == 0:
+        import torchvision
+
+        dataset_class = torchvision.datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision.datasets.MNIST
+        for train in (True, False):
+            dataset_class(root=cfg.data_dir, train=train, download=True)
+    comm.Barrier()
+
+
+def load_datasets(cfg: Config, model_channels_for: Any) -> Datasets:
+    """Open the configured dataset on this rank; a UserError names what is missing or malformed.
+
+    `model_channels_for(data_channels)` says how many channels the model wants.
+    """
+    if cfg.dataset == "digits":
+        channels = model_channels_for(1)
+        train, test = digits_split(cfg.seed, channels)
+        return Datasets(train, test, 10, channels)
+    if cfg.dataset == "synthetic":
+        return Datasets(None, None, cfg.num_classes, model_channels_for(3))
+    data_dir = Path(cfg.data_dir or "")
+    if not data_dir.is_dir():
+        raise UserError(f"--data-dir {str(data_dir)!r} is not a directory")
+    if cfg.dataset == "cifar10":
+        channels = model_channels_for(3)
+        train_tf, eval_tf = _transforms(cfg, channels)
+        return Datasets(Cifar10(str(data_dir), True, train_tf), Cifar10(str(data_dir), False, eval_tf), 10, channels)
+    if cfg.dataset == "mnist":
+        import torchvision
+
+        channels = model_channels_for(1)
+        train_tf, eval_tf = _transforms(cfg, channels)
+        try:
+            train = torchvision.datasets.MNIST(str(data_dir), train=True, transform=train_tf)
+            test = torchvision.datasets.MNIST(str(data_dir), train=False, transform=eval_tf)
+        except RuntimeError as exc:
+            raise UserError(
+                f"no MNIST under {data_dir} ({exc}): expected torchvision's layout "
+                f"DIR/MNIST/raw/train-images-idx3-ubyte etc.; add --download to fetch it"
+            ) from None
+        return Datasets(train, test, 10, channels)
+    import torchvision
+
+    channels = model_channels_for(3)
+    train_tf, eval_tf = _transforms(cfg, channels)
+    folders = {}
+    for split in ("train", "val"):
+        if not (data_dir / split).is_dir():
+            raise UserError(f"--dataset imagefolder needs {data_dir / split}/ with one folder of images per class")
+        try:
+            folders[split] = torchvision.datasets.ImageFolder(str(data_dir / split), train_tf if split == "train" else eval_tf)
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise UserError(f"{data_dir / split}: {exc}") from None
+    if folders["train"].classes != folders["val"].classes:
+        raise UserError(f"{data_dir}/train and {data_dir}/val have different class folders")
+    return Datasets(folders["train"], folders["val"], len(folders["train"].classes), channels)
+
+
+def build_loaders(cfg: Config, datasets: Datasets, topo: Topology, device: torch.device) -> Loaders:
+    if datasets.train is None:
+        size = cfg.image_size or 32
+        generator = torch.Generator(device=device).manual_seed(cfg.seed + topo.rank)
+        inputs = torch.rand((cfg.batch_size, datasets.channels, size, size), generator=generator, device=device)
+        labels = torch.randint(0, datasets.num_classes, (cfg.batch_size,), generator=generator, device=device)
+        batches = SyntheticBatches(inputs, labels, cfg.steps_per_epoch)
+        return Loaders(batches, None, None, cfg.steps_per_epoch * cfg.batch_size, 0, datasets.num_classes)
+    assert datasets.eval is not None
+    on_disk = cfg.dataset in ("cifar10", "mnist", "imagefolder")
+    workers = cfg.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time
+    loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": device.type == "cuda"}
+    if workers > 0:
+        loader_options.update(
+            persistent_workers=True,
+            prefetch_factor=4,
+            # Workers must never inherit an initialised MPI: fork is unsafe with InfiniBand and friends.
+            multiprocessing_context=cfg.worker_start_method,
+        )
     train_sampler = DistributedSampler(
-        train_set, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=seed
+        datasets.train, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=cfg.seed  # type: ignore[arg-type]
     )
-    eval_sampler = EvalShardSampler(len(eval_set), topo.rank, topo.world_size)  # type: ignore[arg-type]
-    # In-memory tensors: worker processes would only add start-up time (and fork after MPI_Init).
-    train = DataLoader(train_set, batch_size=batch_size, sampler=train_sampler, num_workers=0)
-    evaluation = DataLoader(eval_set, batch_size=eval_batch_size, sampler=eval_sampler, num_workers=0)
-    sample, _ = train_set[0]
-    labels = eval_set.tensors[1] if isinstance(eval_set, TensorDataset) else None
-    num_classes = int(labels.max()) + 1 if labels is not None else 0
-    return Loaders(
-        train, evaluation, train_sampler, len(train_set), len(eval_set), num_classes, tuple(sample.shape)  # type: ignore[arg-type]
+    # A trailing batch of one would break BatchNorm; drop it when the shard holds at least one full batch.
+    train = DataLoader(
+        datasets.train, batch_size=cfg.batch_size, sampler=train_sampler,
+        drop_last=len(train_sampler) >= cfg.batch_size, **loader_options,
     )
-
-
-def digits_loaders(topo: Topology, batch_size: int, eval_batch_size: int, seed: int) -> Loaders:
-    train_set, test_set = digits_split(seed)
-    return build_loaders(train_set, test_set, topo, batch_size, eval_batch_size, seed)
+    evaluation = DataLoader(
+        datasets.eval, batch_size=cfg.eval_batch_size,
+        sampler=EvalShardSampler(len(datasets.eval), topo.rank, topo.world_size), **loader_options,  # type: ignore[arg-type]
+    )
+    return Loaders(train, evaluation, train_sampler, len(datasets.train), len(datasets.eval), datasets.num_classes)  # type: ignore[arg-type]

@@ -3,3 +3,13 @@
 
 class UserError(ValueError):
     """A problem with flags, data, files or the environment that the message tells the user how to fix."""
+
+
+class AgreedError(UserError):
+    """Raised on every rank at the same point, so the job can end without an abort and rank 0 speaks for all."""
+
+    def __init__(self, message: str, exit_code: int = 2, to_stdout: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+        self.to_stdout = to_stdout

@@ -1,4 +1,4 @@
-"""Orchestration only: parse -> bootstrap -> build -> train -> summarise -> close."""
+"""Orchestration only: parse -> bootstrap -> build -> restore -> train -> summarise -> close."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mpiddp.bootstrap import DistContext, FailFast, agree, distributed
 from mpiddp.config import Config, parse_args
@@ -17,33 +18,114 @@ from mpiddp.topology import check_launcher, discover, init_mpi
 log = logging.getLogger("mpiddp")
 
 
-def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
-    """Collective: build, train and summarise on every rank; rank 0's logger writes the files."""
+def _configure_torch(cfg: Config) -> None:
+    import os
+
+    import torch
+
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def build_state(cfg: Config, ctx: DistContext, loaders: Any, channels: int) -> Any:
+    """Model, DDP wrapper, optimizer, schedule and scaler, identical on every rank."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from mpiddp.data import digits_loaders
     from mpiddp.models import build_model
+    from mpiddp.optim import build_optimizer, build_scheduler
+    from mpiddp.train import TrainState, optimizer_steps_per_epoch
+
+    torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
+    model = build_model(cfg.model_name, loaders.num_classes, channels)
+    if cfg.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model = model.to(ctx.device, memory_format=memory_format)
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    wrapped = torch.compile(ddp) if cfg.compile else ddp
+    optimizer = build_optimizer(cfg, ddp.parameters())
+    scheduler = build_scheduler(cfg, optimizer, optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum))
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
+    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler)
+
+
+def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
+    """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files."""
+    import torch
+
+    from mpiddp import checkpoint
+    from mpiddp.data import build_loaders, fetch, load_datasets
+    from mpiddp.models import check_arch, input_channels
     from mpiddp.train import train
 
     topo, comm = ctx.topology, ctx.comm
     (job_started_at,) = allreduce(comm, [process_start_time()], "min")
-    torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
-    loaders = digits_loaders(topo, cfg.batch_size, cfg.eval_batch_size, cfg.seed)
-    model = build_model("digits_cnn", loaders.num_classes).to(ctx.device)
-    ddp_model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(
-        ddp_model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-    )
+    _configure_torch(cfg)
+    agree(comm, lambda: check_arch(cfg.model_name))
+    fetch(cfg, topo, comm)
+    datasets = agree(comm, lambda: load_datasets(cfg, lambda data_channels: input_channels(cfg.model_name, data_channels)))
+    loaders = build_loaders(cfg, datasets, topo, ctx.device)
+    state = build_state(cfg, ctx, loaders, datasets.channels)
+    checkpoint_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+
+    resume_id = None
+    restored = checkpoint.restore(cfg.resume, checkpoint_dir, cfg.model_name, topo, comm) if cfg.resume else None
+    if cfg.resume and restored is None:
+        log.info("--resume auto: no snapshot in %s yet, starting from scratch", checkpoint_dir)
+    if restored is not None:
+        path, payload = restored
+        state.unwrapped.load_state_dict(payload["model"])
+        state.optimizer.load_state_dict(payload["optimizer"])
+        state.scheduler.load_state_dict(payload["scheduler"])
+        state.scaler.load_state_dict(payload["scaler"])
+        state.epoch, state.step = payload["epoch"], payload["step"]
+        resume_id = payload.get("wandb_run_id")
+        rng_states = payload["rng"]
+        if topo.rank < len(rng_states):
+            checkpoint.set_rng_state(rng_states[topo.rank], ctx.device)
+        else:
+            torch.manual_seed(cfg.seed + topo.rank)
+        if payload["world_size"] != topo.world_size:
+            log.warning(
+                "resuming a %d-rank snapshot on %d ranks: the sampler reshards the data over the new world "
+                "(the global batch is now %d)", payload["world_size"], topo.world_size, cfg.batch_size * topo.world_size,
+            )
+        log.info("resumed from %s: epoch %d, step %d", path, state.epoch, state.step)
+
     log.info(
-        "training digits_cnn on %d train / %d test digits, global batch %d (%d per rank x %d ranks)",
-        loaders.num_train, loaders.num_eval, cfg.batch_size * topo.world_size, cfg.batch_size, topo.world_size,
+        "training %s on %s: %d train / %d eval samples, global batch %d (%d per rank x %d ranks x %d accumulation)",
+        cfg.model_name, cfg.dataset, loaders.num_train, loaders.num_eval,
+        cfg.batch_size * topo.world_size * cfg.grad_accum, cfg.batch_size, topo.world_size, cfg.grad_accum,
     )
-    run_logger = make_run_logger(run_dir, topo)
+    run_logger, wandb_run_id = make_run_logger(cfg, run_dir, topo, resume_id)
+
+    def on_epoch_end(train_state: Any) -> None:
+        if train_state.epoch % cfg.save_every and train_state.epoch != cfg.epochs:
+            return
+        payload = {
+            "arch": cfg.model_name,
+            "model": train_state.unwrapped.state_dict(),
+            "optimizer": train_state.optimizer.state_dict(),
+            "scheduler": train_state.scheduler.state_dict(),
+            "scaler": train_state.scaler.state_dict(),
+            "epoch": train_state.epoch,
+            "step": train_state.step,
+            "config": cfg.to_dict(),
+            "wandb_run_id": wandb_run_id,
+        }
+        checkpoint.save(checkpoint_dir, train_state.epoch, payload, topo, comm, ctx.device, cfg.keep_last)
+
     try:
-        outcome = train(cfg, ddp_model, optimizer, loaders, topo, comm, ctx.device, run_logger)
+        outcome = train(cfg, state, loaders, topo, comm, ctx.device, run_logger, on_epoch_end)
     finally:
         run_logger.close()
+    if cfg.model_filename:
+        checkpoint.save_weights(checkpoint_dir / cfg.model_filename, state.unwrapped.state_dict(), topo, comm)
 
     timing = outcome.timing
     gathered = comm.allgather(
@@ -64,6 +146,13 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
         finished_at=finished_at,
         torch_version=torch.__version__,
     )
+    summary.update(
+        arch=cfg.model_name,
+        dataset=cfg.dataset,
+        resumed_from=str(restored[0]) if restored is not None else None,
+        checkpoint_dir=str(checkpoint_dir),
+        wandb_run_id=wandb_run_id,
+    )
     if topo.is_main:
         write_json_atomic(run_dir / "summary.json", summary)
     return summary
@@ -79,14 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         guard.topology = topo
         cfg = agree(comm, lambda: parse_args(argv))
         setup_logging(topo, cfg.log_level)
-        log.info("mpiddp: %d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_library)
+        log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_library)
         log.info("config: %s", cfg.to_dict())
-        run_dir = agree(comm, lambda: prepare_run_dir(cfg.run_dir, cfg.runs_root, topo, comm))
+        run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, topo, comm)
         with distributed(cfg, topo, comm) as ctx:
             summary = run(cfg, ctx, run_dir)
+        accuracy = summary["eval_accuracy"]
         log.info(
-            "done: eval accuracy %.2f%%, %.0f images/s, wall time %.1f s; outputs in %s",
-            100 * summary["eval_accuracy"], summary["images_per_second"], summary["wall_time_s"], run_dir,
+            "done: eval accuracy %s, %.0f images/s, wall time %.1f s; outputs in %s",
+            "n/a" if accuracy is None else f"{100 * accuracy:.2f}%", summary["images_per_second"],
+            summary["wall_time_s"], run_dir,
         )
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -12,7 +13,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mpiddp.config import Config
 from mpiddp.topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 def allreduce(comm: Any, values: Sequence[float], op: str) -> list[float]:
@@ -55,8 +59,114 @@ class NullLogger:
         pass
 
 
-def make_run_logger(run_dir: Path, topo: Topology) -> RunLogger:
-    return JsonlLogger(run_dir / "metrics.jsonl") if topo.is_main else NullLogger()
+class WandbLogger:
+    """Rank 0's wandb run. A failure to log never stops training: it warns once and goes quiet."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.run is None else self.run.id
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        values: dict[str, Any] = {}
+        for key, value in record.items():
+            if key in ("kind", "step", "time") or value is None:
+                continue
+            if isinstance(value, list):  # per-rank values: one series per rank, so a slow host stands out
+                values.update({f"{record['kind']}/{key}/rank_{rank}": v for rank, v in enumerate(value)})
+            else:
+                values[f"{record['kind']}/{key}"] = value
+        try:
+            self.run.log(values, step=record["step"])
+        except Exception as exc:  # wandb lost its service or connection: keep training
+            log.warning("wandb logging failed (%s); continuing without wandb", exc)
+            self.run = None
+
+    def close(self) -> None:
+        if self.run is not None:
+            try:
+                self.run.finish()
+            except Exception as exc:
+                log.warning("wandb did not finish cleanly: %s", exc)
+
+
+class FanOut:
+    def __init__(self, *loggers: RunLogger) -> None:
+        self.loggers = loggers
+
+    def log(self, record: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log(record)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def wandb_mode(requested: str, env: dict[str, str], netrc: Path) -> str:
+    """auto -> online when credentials exist (WANDB_API_KEY or a netrc entry for wandb), else offline."""
+    if requested != "auto":
+        return requested
+    if env.get("WANDB_MODE") in ("offline", "disabled"):
+        return env["WANDB_MODE"]
+    if env.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if "api.wandb.ai" in netrc.read_text():
+            return "online"
+    except OSError:
+        pass
+    return "offline"
+
+
+def start_wandb(cfg: Config, run_dir: Path, resume_id: str | None) -> WandbLogger | None:
+    """Rank 0 only. Never prompts; bounded start-up; offline or nothing when online cannot start."""
+    mode = wandb_mode(cfg.wandb, dict(os.environ), Path.home() / ".netrc")
+    if mode == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        log.warning("wandb is not installed; continuing without it (pip install wandb)")
+        return None
+    attempts = [mode] if mode == "offline" else [mode, "offline"]
+    for attempt in attempts:
+        try:
+            run = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.wandb_name or run_dir.name,
+                group=cfg.wandb_group,
+                tags=list(cfg.wandb_tags) or None,
+                config=cfg.to_dict(),
+                dir=str(run_dir),
+                mode=attempt,
+                id=resume_id,
+                resume="allow" if resume_id else None,
+                settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S, console="off", silent=True),
+            )
+            log.info("wandb %s run %s in %s", attempt, run.id, run_dir / "wandb")
+            return WandbLogger(run)
+        except Exception as exc:
+            log.warning("wandb %s start failed (%s)", attempt, str(exc).splitlines()[0] if str(exc) else exc)
+    log.warning("continuing without wandb")
+    return None
+
+
+WANDB_INIT_TIMEOUT_S = 60
+
+
+def make_run_logger(cfg: Config, run_dir: Path, topo: Topology, resume_id: str | None) -> tuple[RunLogger, str | None]:
+    """Rank 0: metrics.jsonl plus wandb; every other rank: a logger that does nothing (and never imports wandb)."""
+    if not topo.is_main:
+        return NullLogger(), None
+    wandb_logger = start_wandb(cfg, run_dir, resume_id)
+    if wandb_logger is None:
+        return JsonlLogger(run_dir / "metrics.jsonl"), None
+    return FanOut(JsonlLogger(run_dir / "metrics.jsonl"), wandb_logger), wandb_logger.run_id
 
 
 def process_start_time() -> float:

@@ -1,12 +1,18 @@
-"""Model construction by name. No distributed code here."""
+"""Model construction by name: the small digits CNN or any torchvision classification model. No distributed code."""
 
 from __future__ import annotations
 
+import difflib
+
 from torch import nn
+
+from mpiddp.errors import UserError
+
+BUILTIN = ("digits_cnn",)
 
 
 class DigitsCNN(nn.Module):
-    """A small CNN for 8x8 grey images: two conv blocks and a two-layer head (about 140k parameters)."""
+    """A small CNN for small grey or colour images: two conv blocks and a two-layer head (about 140k parameters)."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1) -> None:
         super().__init__()
@@ -15,7 +21,7 @@ class DigitsCNN(nn.Module):
             nn.ReLU(inplace=True),
             nn.Conv2d(32, 64, kernel_size=3, padding=1),
             nn.ReLU(inplace=True),
-            nn.MaxPool2d(2),  # 8x8 -> 4x4
+            nn.AdaptiveMaxPool2d(4),  # 8x8 digits -> 4x4; larger inputs pool to the same head
         )
         self.head = nn.Sequential(
             nn.Flatten(),
@@ -28,7 +34,37 @@ class DigitsCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def build_model(name: str = "digits_cnn", num_classes: int = 10) -> nn.Module:
+def available_models() -> list[str]:
+    """Every name --arch accepts."""
+    import torchvision
+
+    return sorted([*BUILTIN, *torchvision.models.list_models(module=torchvision.models)])
+
+
+def check_arch(name: str) -> None:
+    """Raise a UserError naming close matches when `name` is not a model mpiddp can build."""
+    names = available_models()
+    if name in names:
+        return
+    close = difflib.get_close_matches(name.lower(), names, n=5, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else f"choose one of {', '.join(names[:12])}, ..."
+    raise UserError(f"unknown --arch {name!r}: {hint} (python -m mpiddp.models lists all {len(names)})")
+
+
+def build_model(name: str = "digits_cnn", num_classes: int = 10, in_channels: int = 1) -> nn.Module:
+    """A freshly initialised model; torchvision models expect 3 input channels (grey data is repeated)."""
     if name == "digits_cnn":
-        return DigitsCNN(num_classes)
-    raise ValueError(f"unknown model {name!r}")
+        return DigitsCNN(num_classes, in_channels)
+    check_arch(name)
+    import torchvision
+
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def input_channels(name: str, data_channels: int) -> int:
+    """Channels the data must have for this model: the CNN takes what the data has; torchvision wants RGB."""
+    return data_channels if name in BUILTIN else 3
+
+
+if __name__ == "__main__":
+    print("\n".join(available_models()))

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpiddp.errors import UserError
+from mpiddp.errors import AgreedError, UserError
 from mpiddp.topology import Topology
 
 
@@ -38,7 +38,7 @@ def _create(run_dir: str | None, runs_root: str) -> str:
 def prepare_run_dir(run_dir: str | None, runs_root: str, topo: Topology, comm: Any) -> Path:
     """Collective: global rank 0 creates the directory (naming it when not given) and broadcasts the result.
 
-    Every rank raises the same UserError when rank 0 could not create it.
+    Every rank raises the same AgreedError when rank 0 could not create it.
     """
     outcome: tuple[bool, str] | None = None
     if topo.is_main:
@@ -48,7 +48,7 @@ def prepare_run_dir(run_dir: str | None, runs_root: str, topo: Topology, comm: A
             outcome = (False, str(exc))
     ok, text = comm.bcast(outcome, root=0)
     if not ok:
-        raise UserError(text)
+        raise AgreedError(f"error: {text}")
     return Path(text)
 
 
