@@ -164,6 +164,8 @@ def choose_device(cfg: Config, topo: Topology) -> tuple[str, str]:
                 f"{topo.hostname} runs {topo.local_world_size} ranks but has {num_gpus} GPUs: start at most "
                 f"{num_gpus} ranks on it (e.g. -H {topo.hostname}:{num_gpus}) or use --device cpu"
             )
+    if cfg.sync_bn and device != "cuda":
+        raise UserError("--sync-bn needs CUDA devices (torch's SyncBatchNorm is GPU-only): drop it on CPU")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         raise UserError("--backend nccl needs CUDA devices: use --backend gloo on CPU")

@@ -172,6 +172,8 @@ class Config:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.device == "cpu" and self.backend == "nccl":
             raise ValueError("--backend nccl needs GPUs: use --device cuda (or auto on a GPU host), or --backend gloo")
+        if self.device == "cpu" and self.sync_bn:
+            raise ValueError("--sync-bn needs GPUs (torch's SyncBatchNorm is GPU-only): drop it with --device cpu")
         if self.rendezvous_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ValueError("--rendezvous-timeout and --collective-timeout must be positive seconds")
         if self.num_threads is not None and self.num_threads < 1:

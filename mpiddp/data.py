@@ -128,6 +128,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
         ("numpy", "dtype"),
         ("numpy.core.numeric", "_frombuffer"),
         ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 carry bytes
     }
 
     def find_class(self, module: str, name: str) -> Any:

@@ -149,6 +149,8 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
     summary.update(
         arch=cfg.model_name,
         dataset=cfg.dataset,
+        num_train=loaders.num_train,
+        num_eval=loaders.num_eval,
         resumed_from=str(restored[0]) if restored is not None else None,
         checkpoint_dir=str(checkpoint_dir),
         wandb_run_id=wandb_run_id,

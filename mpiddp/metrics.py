@@ -226,7 +226,7 @@ def build_summary(
         "hosts": topo.hosts_dict,
         "backend": backend,
         "device": device,
-        "epochs": len(epochs),
+        "epochs": last.get("epoch", 0),  # completed epochs, counting those before a resume
         "steps": len(rank_step_times[0]),
         "train_loss": last.get("train_loss"),
         "eval_loss": last.get("eval_loss"),

@@ -85,8 +85,9 @@ def mpirun() -> str:
 def run_job(mpirun: str, tmp_path: Path):
     """run_job(np, *flags, timeout=..., mpirun_args=[...]) -> JobResult for `mpirun -np N python -m mpiddp`."""
 
-    def run(np: int, *flags: str, timeout: float = 180, mpirun_args: tuple[str, ...] = (), env=None) -> JobResult:
-        run_dir = tmp_path / f"run-np{np}"
+    def run(np: int, *flags: str, timeout: float = 180, mpirun_args: tuple[str, ...] = (), env=None,
+            run_dir: Path | str | None = None) -> JobResult:
+        run_dir = Path(run_dir) if run_dir is not None else tmp_path / f"run-np{np}"
         command = [mpirun, "-np", str(np), *mpirun_args, sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *flags]
         return run_command(command, run_dir, timeout, env)
 

@@ -34,7 +34,10 @@ def test_summary_has_every_documented_field_and_right_arithmetic():
         topo=topo,
         backend="gloo",
         device="cpu",
-        epochs=[{"train_loss": 1.0, "eval_accuracy": 0.5}, {"train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.3}],
+        epochs=[
+            {"epoch": 1, "train_loss": 1.0, "eval_accuracy": 0.5},
+            {"epoch": 2, "train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.3},
+        ],
         rank_step_times=[[0.1, 0.2, 0.3], [0.3, 0.3, 0.3]],
         rank_images_after_warmup=[64, 64],
         rank_seconds_after_warmup=[0.5, 0.8],

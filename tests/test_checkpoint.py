@@ -1,0 +1,148 @@
+"""Snapshots: atomic collective saves, exact resume, resharding on a new world size, and clear load errors."""
+
+import math
+
+import pytest
+import torch
+
+from mpiddp import checkpoint
+
+FAST = ("--no-progress", "--wandb", "disabled")
+
+
+@pytest.fixture(scope="module")
+def comm_self():
+    from mpiddp.topology import init_mpi
+
+    init_mpi()
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+@pytest.fixture
+def solo():
+    from mpiddp.topology import RankRecord, build_topology
+
+    return build_topology(0, [RankRecord(0, "solo", 0, 0, 1)])
+
+
+def payload(value):
+    return {"arch": "digits_cnn", "model": {"w": torch.full((3,), float(value))}, "optimizer": {}, "scheduler": {},
+            "scaler": {}, "epoch": value, "step": value * 10, "config": {}, "wandb_run_id": None}
+
+
+def test_save_rotates_and_points_latest(tmp_path, comm_self, solo):
+    for epoch in range(1, 6):
+        checkpoint.save(tmp_path, epoch, payload(epoch), solo, comm_self, torch.device("cpu"), keep_last=2)
+    assert [p.name for p in checkpoint.list_snapshots(tmp_path)] == ["snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]
+    assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0005.pt"
+    path, loaded = checkpoint.resolve("auto", tmp_path)
+    assert loaded["epoch"] == 5 and loaded["world_size"] == 1 and len(loaded["rng"]) == 1
+
+
+def test_interrupted_save_keeps_previous_snapshot(tmp_path, comm_self, solo, monkeypatch):
+    checkpoint.save(tmp_path, 1, payload(1), solo, comm_self, torch.device("cpu"), keep_last=3)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")  # where a full disk often surfaces: flushing the data
+
+    monkeypatch.setattr(checkpoint.os, "fsync", disk_full)
+    with pytest.raises(checkpoint.AgreedError, match="No space left on device.*snapshot-epoch0001.pt is intact"):
+        checkpoint.save(tmp_path, 2, payload(2), solo, comm_self, torch.device("cpu"), keep_last=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "snapshot-epoch0001.pt"]
+    assert checkpoint.resolve("auto", tmp_path)[1]["epoch"] == 1
+
+
+def test_auto_skips_a_truncated_newest_snapshot(tmp_path, comm_self, solo):
+    for epoch in (1, 2):
+        checkpoint.save(tmp_path, epoch, payload(epoch), solo, comm_self, torch.device("cpu"), keep_last=3)
+    newest = tmp_path / "snapshot-epoch0002.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    assert checkpoint.resolve("auto", tmp_path)[1]["epoch"] == 1
+    with pytest.raises(checkpoint.UserError, match="corrupt, truncated"):
+        checkpoint.resolve(str(newest), tmp_path)
+
+
+def test_a_snapshot_that_would_run_code_is_refused(tmp_path):
+    class Sneaky:
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"format": 1, "x": Sneaky()}, path)
+    with pytest.raises(checkpoint.UserError, match="corrupt, truncated or not an mpiddp snapshot"):
+        checkpoint.load(path)
+
+
+def test_a_plain_state_dict_is_not_a_snapshot(tmp_path):
+    path = tmp_path / "weights.pth"
+    torch.save({"fc.weight": torch.zeros(2)}, path)
+    with pytest.raises(checkpoint.UserError, match="not an mpiddp snapshot"):
+        checkpoint.load(path)
+
+
+def steps_per_epoch(world_size, batch_size, num_train=1438):
+    return math.ceil(num_train / world_size) // batch_size
+
+
+@pytest.mark.mpi
+def test_crash_then_resume_equals_straight_run(run_job, tmp_path):
+    flags = ("--epochs", "4", "--batch-size", "64", "--deterministic", *FAST)
+    straight = run_job(2, *flags, run_dir=tmp_path / "straight")
+    assert straight.returncode == 0, straight.output[-3000:]
+
+    interrupted_dir = tmp_path / "interrupted"
+    first_step_of_epoch_3 = 2 * steps_per_epoch(2, 64) + 1
+    crashed = run_job(2, *flags, "--inject-fault", f"raise:0:{first_step_of_epoch_3}", run_dir=interrupted_dir)
+    assert crashed.returncode != 0
+    resumed = run_job(2, *flags, "--resume", run_dir=interrupted_dir)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.summary["resumed_from"].endswith("snapshot-epoch0002.pt")
+    assert resumed.summary["epochs"] == 4
+
+    a = torch.load(tmp_path / "straight" / "checkpoints" / "snapshot-epoch0004.pt", weights_only=True)
+    b = torch.load(tmp_path / "interrupted" / "checkpoints" / "snapshot-epoch0004.pt", weights_only=True)
+    assert a["step"] == b["step"] == 4 * steps_per_epoch(2, 64)
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert resumed.summary["train_loss"] == pytest.approx(straight.summary["train_loss"], rel=1e-9)
+
+
+@pytest.mark.mpi
+def test_resume_on_another_world_size_reshards_and_continues_wandb(run_job, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_job(2, "--epochs", "2", "--no-progress", "--wandb", "offline", run_dir=run_dir)
+    assert first.returncode == 0, first.output[-3000:]
+    second = run_job(3, "--epochs", "3", "--resume", "--no-progress", "--wandb", "offline", run_dir=run_dir)
+    assert second.returncode == 0, second.output[-3000:]
+    assert "resuming a 2-rank snapshot on 3 ranks" in second.output
+    summary = second.summary
+    assert summary["world_size"] == 3 and summary["epochs"] == 3
+    assert summary["steps"] == steps_per_epoch(3, 32)  # one epoch in this job, on the 3-way shards
+    assert summary["wandb_run_id"] == first.summary["wandb_run_id"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "setup, flags, message",
+    [
+        ("none", ("--resume", "{tmp}/nope.pt"), "snapshot {tmp}/nope.pt does not exist"),
+        ("truncate", ("--resume", "{snap}"), "is corrupt, truncated or not an mpiddp snapshot"),
+        ("none", ("--resume", "{snap}", "--arch", "resnet18"), "holds a 'digits_cnn' model but this run builds 'resnet18'"),
+    ],
+)
+def test_bad_snapshots_are_one_clear_error(run_job, tmp_path, setup, flags, message):
+    source = run_job(1, "--epochs", "1", *FAST, run_dir=tmp_path / "src")
+    assert source.returncode == 0, source.output[-3000:]
+    snap = tmp_path / "src" / "checkpoints" / "snapshot-epoch0001.pt"
+    original = snap.read_bytes()
+    if setup == "truncate":
+        snap.write_bytes(original[: len(original) // 2])
+    fill = {"tmp": str(tmp_path), "snap": str(snap)}
+    job = run_job(2, "--epochs", "2", *(f.format(**fill) for f in flags), *FAST, timeout=90)
+    assert job.returncode == 2
+    assert job.output.count(message.format(**fill)) == 1
+    assert "Traceback" not in job.output
+    if setup == "none":
+        assert snap.read_bytes() == original  # nothing already saved is touched
