@@ -147,6 +147,7 @@ class DistContext:
     master_addr: str
     master_port: int
     num_threads: int
+    interface_per_host: dict[str, str]  # the network interface gloo/NCCL use on each host (empty: left to them)
 
 
 def choose_device(cfg: Config, topo: Topology) -> tuple[str, str]:
@@ -186,27 +187,37 @@ def fair_thread_count(cfg: Config, topo: Topology) -> int:
     return max(1, min(allowed, cores // topo.local_world_size))
 
 
-def _choose_address(cfg: Config, topo: Topology, comm: Any) -> str:
-    """Collective: the address rank 0 advertises; also points gloo/NCCL at the same network on every host."""
+def _choose_address(cfg: Config, topo: Topology, comm: Any) -> tuple[str, dict[str, str]]:
+    """Collective: the address rank 0 advertises, and the interface gloo/NCCL should use on each host.
+
+    Unless the user set them, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are pointed at that interface on every
+    host, so the collectives use the same network as the rendezvous.
+    """
     interfaces = local_interfaces() if topo.local_rank == 0 else None
     gathered = comm.allgather(interfaces)
-    if cfg.master_addr:
-        return cfg.master_addr
+    host_names = [name for name, _ in topo.hosts]
     per_host = [gathered[ranks[0]] for _, ranks in topo.hosts]
-    choice = choose_network(per_host, [name for name, _ in topo.hosts])
-    interface = choice.interface_per_host[topo.host_index]
+    if cfg.iface:
+        missing = [host for host, found in zip(host_names, per_host) if cfg.iface not in {i.name for i in found}]
+        if missing:
+            raise UserError(f"--iface {cfg.iface} has no IPv4 address on {', '.join(missing)}")
+        address = next(i.address for i in per_host[0] if i.name == cfg.iface)
+        chosen = {host: cfg.iface for host in host_names}
+    elif cfg.master_addr:
+        return cfg.master_addr, {}
+    else:
+        choice = choose_network(per_host, host_names)
+        address, chosen = choice.master_addr, dict(zip(host_names, choice.interface_per_host))
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, interface)
-    log.info("rendezvous on %s (interface per host: %s)", choice.master_addr, dict(zip(
-        [name for name, _ in topo.hosts], choice.interface_per_host)))
-    return choice.master_addr
+        os.environ.setdefault(variable, chosen[topo.hostname])
+    log.info("rendezvous on %s; gloo/NCCL interface per host: %s", cfg.master_addr or address, chosen)
+    return cfg.master_addr or address, chosen
 
 
-def _rendezvous(cfg: Config, topo: Topology, comm: Any) -> tuple[Any, str, int]:
+def _rendezvous(cfg: Config, topo: Topology, comm: Any, address: str) -> tuple[Any, str, int]:
     """Rank 0 opens a TCPStore on a kernel-chosen port and broadcasts (address, port); the others connect."""
     import torch.distributed as dist
 
-    address = agree(comm, lambda: _choose_address(cfg, topo, comm))
     timeout = timedelta(seconds=cfg.rendezvous_timeout_s)
     store = None
     opened: tuple[str, int] | str
@@ -266,7 +277,8 @@ def distributed(cfg: Config, topo: Topology, comm: Any) -> Iterator[DistContext]
     num_threads = fair_thread_count(cfg, topo)
     torch.set_num_threads(num_threads)
 
-    store, address, port = _rendezvous(cfg, topo, comm)
+    address, interface_per_host = agree(comm, lambda: _choose_address(cfg, topo, comm))
+    store, address, port = _rendezvous(cfg, topo, comm, address)
     export_environment(topo, address, port)
     dist.init_process_group(
         backend=backend,
@@ -280,7 +292,7 @@ def distributed(cfg: Config, topo: Topology, comm: Any) -> Iterator[DistContext]
         "process group ready: %s on %s, %d ranks on %d hosts, rendezvous %s:%d, %d CPU threads per rank",
         backend, device_type, topo.world_size, topo.num_hosts, address, port, num_threads,
     )
-    yield DistContext(topo, comm, device, backend, address, port, num_threads)
+    yield DistContext(topo, comm, device, backend, address, port, num_threads, interface_per_host)
     # Only reached when the body finished on this rank: wait for every rank before tearing down, so a
     # fast rank never destroys the group (or finalises MPI) while a slow one still talks to it.
     comm.Barrier()

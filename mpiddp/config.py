@@ -108,6 +108,7 @@ class Config:
     device: str = "auto"
     backend: str = "auto"
     master_addr: str | None = None
+    iface: str | None = None
     rendezvous_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
     num_threads: int | None = None
@@ -295,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--backend", default=d.backend, help=f"one of {', '.join(BACKENDS)} (mpi: only if torch was built with it)")
     dist.add_argument("--master-addr", default=os.environ.get(MASTER_ADDR_ENV),
                       help=f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV}; default: chosen automatically)")
+    dist.add_argument("--iface", default=None,
+                      help="network interface for the rendezvous and gloo/NCCL on every host (default: chosen automatically)")
     dist.add_argument("--rendezvous-timeout", dest="rendezvous_timeout_s", type=float, default=d.rendezvous_timeout_s,
                       help="seconds a rank waits to reach rank 0's store")
     dist.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=d.collective_timeout_s,

@@ -51,6 +51,8 @@ def build_state(cfg: Config, ctx: DistContext, loaders: Any, channels: int) -> A
     optimizer = build_optimizer(cfg, ddp.parameters())
     scheduler = build_scheduler(cfg, optimizer, optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum))
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
+    # Same weights everywhere, but each rank its own stream for augmentation and dropout.
+    torch.manual_seed(cfg.seed + 1 + ctx.topology.rank)
     return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler)
 
 
@@ -153,6 +155,11 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
         num_eval=loaders.num_eval,
         resumed_from=str(restored[0]) if restored is not None else None,
         checkpoint_dir=str(checkpoint_dir),
+        rendezvous={
+            "master_addr": ctx.master_addr,
+            "master_port": ctx.master_port,
+            "interfaces": ctx.interface_per_host,
+        },
         wandb_run_id=wandb_run_id,
     )
     if topo.is_main:

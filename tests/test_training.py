@@ -17,7 +17,7 @@ def ok(job):
     "dataset, writer, num_train, num_eval, extra",
     [
         ("cifar10", write_cifar10, 80, 20, ("--num-workers", "2")),
-        ("mnist", write_mnist, 64, 20, ("--num-workers", "0")),
+        ("mnist", write_mnist, 64, 20, ("--num-workers", "0", "--download")),  # present: nothing to fetch
         ("imagefolder", write_imagefolder, 24, 12, ("--num-workers", "0", "--image-size", "32")),
     ],
 )

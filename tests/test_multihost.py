@@ -1,0 +1,128 @@
+"""Real multi-host jobs on fake hosts (network namespaces): mpirun typed on nodea launches ranks on every host."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, JobResult, job_env, run_command
+from fakehosts import FakeHosts, unavailable_reason
+
+pytestmark = pytest.mark.mpi
+FAST = ("--epochs", "1", "--no-progress", "--wandb", "disabled")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory, mpirun):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = FakeHosts(["nodea", "nodeb", "nodec"], tmp_path_factory.mktemp("fakehosts"))
+    try:
+        cluster.up()
+    except subprocess.CalledProcessError as exc:
+        cluster.down()
+        pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def host_env():
+    # Slots come from -H / the hostfile here; a default "oversubscribe" mapping policy would pile ranks on nodea.
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    return env
+
+
+def launch(hosts, mpirun, tmp_path, placement, *flags, timeout=240) -> JobResult:
+    run_dir = tmp_path / "run"
+    command = [mpirun, *hosts.openmpi_args(), *placement, sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *FAST, *flags]
+    return run_command(hosts.command_on("nodea", command), run_dir, timeout, env=host_env())
+
+
+def assert_layout(job, expected_hosts):
+    assert job.returncode == 0, job.output[-5000:]
+    summary = job.summary
+    assert summary["hosts"] == expected_hosts
+    assert summary["num_hosts"] == len(expected_hosts)
+    assert summary["world_size"] == sum(len(r) for r in expected_hosts.values())
+    return summary
+
+
+def test_two_hosts_two_ranks_each(hosts, mpirun, tmp_path):
+    job = launch(hosts, mpirun, tmp_path, ["-np", "4", "-H", "nodea:2,nodeb:2"])
+    summary = assert_layout(job, {"nodea": [0, 1], "nodeb": [2, 3]})
+    # nodea's address on the shared link: not loopback, not the decoy docker0 that every host carries
+    assert summary["rendezvous"]["master_addr"] == hosts.address("nodea")
+    assert summary["rendezvous"]["interfaces"] == {"nodea": "eth0", "nodeb": "eth0"}
+    assert "rendezvous on 10.77.0.1" in job.output
+    assert summary["eval_accuracy"] is not None and summary["images_per_second"] > 0
+
+
+def test_openmpi_hostfile_and_uneven_hosts(hosts, mpirun, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# Open MPI syntax\nnodea slots=1\nnodeb slots=3\n")
+    job = launch(hosts, mpirun, tmp_path, ["--hostfile", str(hostfile), "-np", "4"])
+    assert_layout(job, {"nodea": [0], "nodeb": [1, 2, 3]})
+
+
+def test_three_hosts_round_robin(hosts, mpirun, tmp_path):
+    job = launch(hosts, mpirun, tmp_path, ["-np", "3", "-H", "nodea:1,nodeb:1,nodec:1"])
+    assert_layout(job, {"nodea": [0], "nodeb": [1], "nodec": [2]})
+
+
+def test_master_addr_override(hosts, mpirun, tmp_path):
+    job = launch(hosts, mpirun, tmp_path, ["-np", "2", "-H", "nodea:1,nodeb:1"], "--master-addr", "nodea")
+    summary = assert_layout(job, {"nodea": [0], "nodeb": [1]})
+    assert summary["rendezvous"]["master_addr"] == "nodea"
+
+
+def test_unreachable_master_addr_fails_fast_with_the_address(hosts, mpirun, tmp_path):
+    job = launch(hosts, mpirun, tmp_path, ["-np", "2", "-H", "nodea:1,nodeb:1"], "--master-addr", "172.17.0.1",
+                 "--rendezvous-timeout", "10", timeout=120)
+    assert job.returncode != 0
+    assert "could not reach rank 0's rendezvous store at 172.17.0.1" in job.output
+
+
+def assert_no_process_left(marker: str, within_s: float) -> None:
+    """Ranks being torn down may outlive mpirun by a moment; none may survive `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        leftovers = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
+        if not leftovers:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"processes of the job still running {within_s} s after it ended:\n{leftovers}")
+        time.sleep(0.2)  # polling a condition with a deadline, not synchronising
+
+
+def test_a_host_that_dies_ends_the_job(hosts, mpirun, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [mpirun, *hosts.openmpi_args(), "-np", "4", "-H", "nodea:2,nodeb:2", sys.executable, "-m", "mpiddp",
+               "--run-dir", str(run_dir), "--epochs", "200", "--no-progress", "--wandb", "disabled", "--log-every", "1"]
+    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=host_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in process.stdout:  # wait until training is under way
+            seen.append(line)
+            if "epoch 1/200" in line:
+                break
+        assert hosts.kill_host("nodeb") > 0
+        killed_at = time.monotonic()
+        output, _ = process.communicate(timeout=90)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    everything = "".join(seen) + output
+    # Open MPI 5.0.11's prterun itself exits 0 when it loses a daemon (its own message above says why);
+    # what mpiddp guarantees is the end of the job, quickly, with no rank left behind.
+    assert elapsed < 60, f"job took {elapsed:.0f} s to end after nodeb died"
+    assert "nodeb" in everything.split("epoch 1/200", 1)[1], everything[-3000:]
+    assert_no_process_left(str(run_dir), within_s=15)
+    assert not (run_dir / "summary.json").exists()
+    assert (run_dir / "checkpoints" / "snapshot-epoch0001.pt").exists()  # what was saved survives
