@@ -92,3 +92,17 @@ def run_job(mpirun: str, tmp_path: Path):
         return run_command(command, run_dir, timeout, env)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def mpich() -> Path:
+    """A second MPI (pip's mpich, installed by .ci/run into .mpich/) to prove nothing depends on Open MPI."""
+    prefix = Path(os.environ.get("MPIDDP_TEST_MPICH", REPO / ".mpich"))
+    if not (prefix / "bin" / "mpiexec").exists():
+        pytest.skip(f"no MPICH at {prefix}: pip install --prefix .mpich mpich (the README's test command does)")
+    return prefix
+
+
+def mpich_env(prefix: Path, **extra: str) -> dict[str, str]:
+    """Environment for ranks that load MPICH: mpi4py's wheel picks the library named here."""
+    return job_env(MPI4PY_LIBMPI=str(prefix / "lib" / "libmpi.so.12"), **extra)

