@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 from mpiddp.config import Config, HelpRequested
 from mpiddp.errors import AgreedError, UserError
 from mpiddp.netif import choose_network, local_interfaces
+from mpiddp.stopping import Stopped
 from mpiddp.topology import LauncherMismatch, Topology
 
 log = logging.getLogger(__name__)
@@ -23,6 +25,7 @@ T = TypeVar("T")
 
 EXIT_CRASH = 1
 EXIT_USER_ERROR = 2
+EXIT_STOPPED = 3  # a stop signal: every rank saved a snapshot at the same step; --resume continues
 EXIT_INTERRUPTED = 130
 
 
@@ -64,6 +67,8 @@ class FailFast:
     def __init__(self) -> None:
         self.comm: Any = None
         self.topology: Topology | None = None
+        # Once the rendezvous store exists: True for the first failing rank only, so one full report is printed.
+        self.claim_report: Callable[[], bool] | None = None
 
     def __enter__(self) -> FailFast:
         return self
@@ -83,6 +88,15 @@ class FailFast:
 
     def _rank(self) -> int:
         return 0 if self.comm is None else self.comm.Get_rank()
+
+    def _first_to_report(self) -> bool:
+        if self.claim_report is None:
+            return True
+        try:
+            return self.claim_report()
+        except Exception:
+            # The store died with rank 0: that failure is the root cause (mpirun names it); this one follows.
+            return False
 
     def _exit_agreed(self, exc: AgreedError) -> None:
         if self._rank() == 0 and exc.message:
@@ -110,9 +124,11 @@ class FailFast:
             )
         elif isinstance(exc, KeyboardInterrupt):
             code, text = EXIT_INTERRUPTED, f"mpiddp: {where} interrupted; ending the job"
-        else:
+        elif self._first_to_report():
             formatted = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
             code, text = EXIT_CRASH, f"mpiddp: {where} failed; ending the job.\n{formatted}"
+        else:
+            code, text = EXIT_CRASH, f"mpiddp: {where} also failed: {type(exc).__name__}: {exc}"
         _report(text)
         if self._world_size() > 1:
             self.comm.Abort(code)
@@ -120,8 +136,6 @@ class FailFast:
 
 
 def _hostname() -> str:
-    import socket
-
     return socket.gethostname()
 
 
@@ -214,16 +228,21 @@ def _choose_address(cfg: Config, topo: Topology, comm: Any) -> tuple[str, dict[s
     return cfg.master_addr or address, chosen
 
 
-def _rendezvous(cfg: Config, topo: Topology, comm: Any, address: str) -> tuple[Any, str, int]:
+def _rendezvous(cfg: Config, topo: Topology, comm: Any, address: str) -> tuple[tuple[Any, Any], str, int]:
     """Rank 0 opens a TCPStore on a kernel-chosen port and broadcasts (address, port); the others connect."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=cfg.rendezvous_timeout_s)
-    store = None
+    store = listener = None
     opened: tuple[str, int] | str
     if topo.is_main:
         try:
-            store = dist.TCPStore(address, 0, topo.world_size, True, timeout=timeout, wait_for_workers=False)
+            # Our own socket, bound to the chosen address only (not every interface), port picked by the kernel.
+            listener = socket.create_server((address, 0), backlog=max(128, topo.world_size))
+            store = dist.TCPStore(
+                address, listener.getsockname()[1], topo.world_size, True, timeout=timeout,
+                wait_for_workers=False, master_listen_fd=listener.fileno(),
+            )
             opened = (address, store.port)
         except Exception as exc:  # reported on every rank below, so nobody waits for a store that never opened
             opened = f"rank 0 on {topo.hostname} could not open the rendezvous store on {address}: {exc}"
@@ -242,7 +261,7 @@ def _rendezvous(cfg: Config, topo: Topology, comm: Any, address: str) -> tuple[A
                 f"{cfg.rendezvous_timeout_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
                 f"Check that {topo.hostname} can reach {address} (firewall, wrong interface) or set --master-addr"
             ) from None
-    return store, address, port
+    return (store, listener), address, port
 
 
 def export_environment(topo: Topology, address: str, port: int) -> None:
@@ -259,11 +278,10 @@ def export_environment(topo: Topology, address: str, port: int) -> None:
 
 
 @contextmanager
-def distributed(cfg: Config, topo: Topology, comm: Any) -> Iterator[DistContext]:
-    """Set up the torch process group for this job; tear it down on a clean exit.
-
-    On an exception there is no teardown: FailFast aborts the whole job, which is the only safe end when
-    peers may be blocked in a collective.
+def distributed(cfg: Config, topo: Topology, comm: Any, guard: FailFast | None = None) -> Iterator[DistContext]:
+    """Set up the torch process group for this job; tear it down on a clean exit, or when every rank raised
+    together (AgreedError, Stopped). After any other exception there is no teardown: FailFast aborts the whole
+    job, the only safe end when peers may be blocked in a collective.
     """
     import torch
     import torch.distributed as dist
@@ -278,8 +296,12 @@ def distributed(cfg: Config, topo: Topology, comm: Any) -> Iterator[DistContext]
     torch.set_num_threads(num_threads)
 
     address, interface_per_host = agree(comm, lambda: _choose_address(cfg, topo, comm))
-    store, address, port = _rendezvous(cfg, topo, comm, address)
+    (store, listener), address, port = _rendezvous(cfg, topo, comm, address)
     export_environment(topo, address, port)
+    if guard is not None:
+        # A separate client with a short timeout, so reporting a failure can never hang on the store.
+        reporter = dist.TCPStore(address, port, topo.world_size, False, timeout=timedelta(seconds=2))
+        guard.claim_report = lambda: reporter.add("mpiddp/failures", 1) == 1
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -292,9 +314,20 @@ def distributed(cfg: Config, topo: Topology, comm: Any) -> Iterator[DistContext]
         "process group ready: %s on %s, %d ranks on %d hosts, rendezvous %s:%d, %d CPU threads per rank",
         backend, device_type, topo.world_size, topo.num_hosts, address, port, num_threads,
     )
-    yield DistContext(topo, comm, device, backend, address, port, num_threads, interface_per_host)
-    # Only reached when the body finished on this rank: wait for every rank before tearing down, so a
-    # fast rank never destroys the group (or finalises MPI) while a slow one still talks to it.
+    try:
+        yield DistContext(topo, comm, device, backend, address, port, num_threads, interface_per_host)
+    except (AgreedError, Stopped):
+        _teardown(comm, listener)  # raised on every rank at the same point: a clean teardown is safe
+        raise
+    _teardown(comm, listener)
+
+
+def _teardown(comm: Any, listener: socket.socket | None) -> None:
+    import torch.distributed as dist
+
+    # Wait for every rank before tearing down, so a fast rank never destroys the group (or finalises MPI)
+    # while a slow one still talks to it.
     comm.Barrier()
     dist.destroy_process_group()
-    del store
+    if listener is not None:
+        listener.close()

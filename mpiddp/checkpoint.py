@@ -20,12 +20,13 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LATEST = "latest"
-_SNAPSHOT = re.compile(r"^snapshot-epoch(\d{4,})\.pt$")
+_SNAPSHOT = re.compile(r"^snapshot-epoch(\d{4,})(?:-batch(\d+))?\.pt$")
 REQUIRED_KEYS = ("format", "arch", "model", "optimizer", "scheduler", "epoch", "step", "rng", "world_size")
 
 
-def snapshot_name(epoch: int) -> str:
-    return f"snapshot-epoch{epoch:04d}.pt"
+def snapshot_name(epoch: int, batches_done: int = 0) -> str:
+    """`epoch` completed epochs, plus `batches_done` batches of the next one for a stopped run."""
+    return f"snapshot-epoch{epoch:04d}-batch{batches_done:06d}.pt" if batches_done else f"snapshot-epoch{epoch:04d}.pt"
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -78,12 +79,13 @@ def list_snapshots(directory: Path) -> list[Path]:
     """Snapshots in `directory`, oldest first."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _SNAPSHOT.match(p.name))]
+    found = [((int(m.group(1)), int(m.group(2) or 0)), p) for p in directory.iterdir() if (m := _SNAPSHOT.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
 def save(
-    directory: Path, epoch: int, payload: dict[str, Any], topo: Topology, comm: Any, device: torch.device, keep_last: int
+    directory: Path, epoch: int, payload: dict[str, Any], topo: Topology, comm: Any, device: torch.device,
+    keep_last: int, batches_done: int = 0,
 ) -> Path:
     """Collective: gather every rank's RNG state, rank 0 writes the snapshot, every rank learns the outcome.
 
@@ -91,7 +93,7 @@ def save(
     which `latest` still names, stays loadable.
     """
     rng_states = comm.gather(rng_state(device), root=0)
-    path = directory / snapshot_name(epoch)
+    path = directory / snapshot_name(epoch, batches_done)
     problem: str | None = None
     if topo.is_main:
         try:

@@ -22,7 +22,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 START_METHODS = ("forkserver", "spawn", "fork")
 PROGRESS = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-FAULT_KINDS = ("raise", "exit0", "exit1")
+FAULT_KINDS = ("raise", "exit0", "exit1", "stall")
 MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"
 
 
@@ -38,9 +38,12 @@ class HelpRequested(Exception):
         self.text = text
 
 
+ALL_RANKS = -1
+
+
 @dataclass(frozen=True)
 class FaultInjection:
-    """A deliberate failure for testing the abort path: `KIND:RANK:STEP` (KIND: raise, exit0, exit1)."""
+    """A deliberate failure for testing: `KIND:RANK:STEP`; KIND raise, exit0, exit1 or stall; RANK a number or `all`."""
 
     kind: str
     rank: int
@@ -52,12 +55,15 @@ class FaultInjection:
         if len(parts) != 3 or parts[0] not in FAULT_KINDS:
             raise ValueError(f"--inject-fault must be KIND:RANK:STEP with KIND in {FAULT_KINDS}, got {spec!r}")
         try:
-            rank, step = int(parts[1]), int(parts[2])
+            rank, step = (ALL_RANKS if parts[1] == "all" else int(parts[1])), int(parts[2])
         except ValueError:
-            raise ValueError(f"--inject-fault RANK and STEP must be integers, got {spec!r}") from None
-        if rank < 0 or step < 0:
+            raise ValueError(f"--inject-fault RANK must be an integer or 'all', STEP an integer, got {spec!r}") from None
+        if (rank < 0 and rank != ALL_RANKS) or step < 0:
             raise ValueError(f"--inject-fault RANK and STEP must be >= 0, got {spec!r}")
         return cls(parts[0], rank, step)
+
+    def hits(self, rank: int, step: int) -> bool:
+        return self.step == step and self.rank in (rank, ALL_RANKS)
 
 
 @dataclass(frozen=True)

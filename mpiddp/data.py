@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,18 +42,36 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class SkippingSampler(Sampler[int]):
+    """DistributedSampler that can start an epoch part-way, where a stopped run left off."""
+
+    def __init__(self, base: DistributedSampler) -> None:
+        self.base = base
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.base), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.base) - self.skip
+
+
 class SyntheticBatches:
     """The same random batch, made once on the device, `steps` times per epoch: measures compute, not I/O."""
 
     def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, steps: int) -> None:
         self.inputs, self.labels, self.steps = inputs, labels, steps
+        self.skip = 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for _ in range(self.steps):
+        for _ in range(self.steps - self.skip):
             yield self.inputs, self.labels
 
     def __len__(self) -> int:
-        return self.steps
+        return self.steps - self.skip
 
 
 @dataclass
@@ -69,15 +88,20 @@ class Datasets:
 class Loaders:
     train: Any  # DataLoader or SyntheticBatches
     eval: DataLoader | None
-    train_sampler: DistributedSampler | None
+    train_sampler: SkippingSampler | None
     num_train: int
     num_eval: int
     num_classes: int
+    batch_size: int
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle: every rank draws the same permutation for `epoch` and takes its own shard of it."""
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Reshuffle: every rank draws the same permutation for `epoch` and takes its own shard of it,
+        starting after `skip_batches` batches (those a stopped run already trained on)."""
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch)
+            self.train_sampler.skip = skip_batches * self.batch_size
+        else:
+            self.train.skip = skip_batches
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -270,7 +294,7 @@ def build_loaders(cfg: Config, datasets: Datasets, topo: Topology, device: torch
         inputs = torch.rand((cfg.batch_size, datasets.channels, size, size), generator=generator, device=device)
         labels = torch.randint(0, datasets.num_classes, (cfg.batch_size,), generator=generator, device=device)
         batches = SyntheticBatches(inputs, labels, cfg.steps_per_epoch)
-        return Loaders(batches, None, None, cfg.steps_per_epoch * cfg.batch_size, 0, datasets.num_classes)
+        return Loaders(batches, None, None, cfg.steps_per_epoch * cfg.batch_size, 0, datasets.num_classes, cfg.batch_size)
     assert datasets.eval is not None
     on_disk = cfg.dataset in ("cifar10", "mnist", "imagefolder")
     workers = cfg.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time
@@ -282,9 +306,9 @@ def build_loaders(cfg: Config, datasets: Datasets, topo: Topology, device: torch
             # Workers must never inherit an initialised MPI: fork is unsafe with InfiniBand and friends.
             multiprocessing_context=cfg.worker_start_method,
         )
-    train_sampler = DistributedSampler(
+    train_sampler = SkippingSampler(DistributedSampler(
         datasets.train, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=cfg.seed  # type: ignore[arg-type]
-    )
+    ))
     # A trailing batch of one would break BatchNorm; drop it when the shard holds at least one full batch.
     train = DataLoader(
         datasets.train, batch_size=cfg.batch_size, sampler=train_sampler,
@@ -294,4 +318,6 @@ def build_loaders(cfg: Config, datasets: Datasets, topo: Topology, device: torch
         datasets.eval, batch_size=cfg.eval_batch_size,
         sampler=EvalShardSampler(len(datasets.eval), topo.rank, topo.world_size), **loader_options,  # type: ignore[arg-type]
     )
-    return Loaders(train, evaluation, train_sampler, len(datasets.train), len(datasets.eval), datasets.num_classes)  # type: ignore[arg-type]
+    return Loaders(
+        train, evaluation, train_sampler, len(datasets.train), len(datasets.eval), datasets.num_classes, cfg.batch_size  # type: ignore[arg-type]
+    )

@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpiddp.bootstrap import DistContext, FailFast, agree, distributed
+from mpiddp import preflight
+from mpiddp.bootstrap import EXIT_STOPPED, DistContext, FailFast, agree, distributed
 from mpiddp.config import Config, parse_args
 from mpiddp.log import setup_logging
 from mpiddp.metrics import allreduce, build_summary, make_run_logger, process_start_time
 from mpiddp.rundir import prepare_run_dir, write_json_atomic
+from mpiddp.stopping import Stopped, StopRequest
 from mpiddp.topology import check_launcher, discover, init_mpi
 
 log = logging.getLogger("mpiddp")
@@ -56,7 +58,7 @@ def build_state(cfg: Config, ctx: DistContext, loaders: Any, channels: int) -> A
     return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler)
 
 
-def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
+def run(cfg: Config, ctx: DistContext, run_dir: Path, stop: Any) -> dict:
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files."""
     import torch
 
@@ -86,12 +88,17 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
         state.scheduler.load_state_dict(payload["scheduler"])
         state.scaler.load_state_dict(payload["scaler"])
         state.epoch, state.step = payload["epoch"], payload["step"]
+        state.batches_done = payload.get("batches_done", 0)
         resume_id = payload.get("wandb_run_id")
         rng_states = payload["rng"]
         if topo.rank < len(rng_states):
             checkpoint.set_rng_state(rng_states[topo.rank], ctx.device)
         else:
             torch.manual_seed(cfg.seed + topo.rank)
+        if payload["world_size"] != topo.world_size and state.batches_done:
+            log.warning("the snapshot was taken part-way through epoch %d on another world size: that epoch "
+                        "restarts from its beginning", state.epoch + 1)
+            state.batches_done = 0
         if payload["world_size"] != topo.world_size:
             log.warning(
                 "resuming a %d-rank snapshot on %d ranks: the sampler reshards the data over the new world "
@@ -106,9 +113,7 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
     )
     run_logger, wandb_run_id = make_run_logger(cfg, run_dir, topo, resume_id)
 
-    def on_epoch_end(train_state: Any) -> None:
-        if train_state.epoch % cfg.save_every and train_state.epoch != cfg.epochs:
-            return
+    def save(train_state: Any) -> None:
         payload = {
             "arch": cfg.model_name,
             "model": train_state.unwrapped.state_dict(),
@@ -117,13 +122,16 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path) -> dict:
             "scaler": train_state.scaler.state_dict(),
             "epoch": train_state.epoch,
             "step": train_state.step,
+            "batches_done": train_state.batches_done,
             "config": cfg.to_dict(),
             "wandb_run_id": wandb_run_id,
         }
-        checkpoint.save(checkpoint_dir, train_state.epoch, payload, topo, comm, ctx.device, cfg.keep_last)
+        checkpoint.save(
+            checkpoint_dir, train_state.epoch, payload, topo, comm, ctx.device, cfg.keep_last, train_state.batches_done
+        )
 
     try:
-        outcome = train(cfg, state, loaders, topo, comm, ctx.device, run_logger, on_epoch_end)
+        outcome = train(cfg, state, loaders, topo, comm, ctx.device, run_logger, save, stop)
     finally:
         run_logger.close()
     if cfg.model_filename:
@@ -179,9 +187,19 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(topo, cfg.log_level)
         log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_library)
         log.info("config: %s", cfg.to_dict())
+        fingerprint = preflight.check(cfg, topo, comm)
+        log.info("every rank runs %s", fingerprint)
         run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, topo, comm)
-        with distributed(cfg, topo, comm) as ctx:
-            summary = run(cfg, ctx, run_dir)
+        stop = StopRequest().install()
+        try:
+            with distributed(cfg, topo, comm, guard) as ctx:
+                summary = run(cfg, ctx, run_dir, stop)
+        except Stopped as stopped:
+            # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.
+            if topo.is_main:  # one line for the job, not one per rank
+                log.warning("%s; snapshot saved in %s. Continue with --resume (exit status %d)",
+                            stopped, run_dir, EXIT_STOPPED)
+            return EXIT_STOPPED
         accuracy = summary["eval_accuracy"]
         log.info(
             "done: eval accuracy %s, %.0f images/s, wall time %.1f s; outputs in %s",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -17,6 +19,7 @@ from mpiddp.config import Config, FaultInjection
 from mpiddp.data import Loaders
 from mpiddp.log import make_progress, progress_wanted
 from mpiddp.metrics import RunLogger, allreduce
+from mpiddp.stopping import Stopped, StopRequest
 from mpiddp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class TrainState:
     scaler: torch.amp.GradScaler
     epoch: int = 0  # completed epochs
     step: int = 0  # completed optimizer steps
+    batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)
 
 
 @dataclass
@@ -106,11 +110,13 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, amp: str = "of
 
 def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
     """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or fault.rank != rank or fault.step != step:
+    if fault is None or not fault.hits(rank, step):
         return
     log.warning("injecting fault %r at step %d", fault.kind, step)
     if fault.kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if fault.kind == "stall":
+        threading.Event().wait()  # block forever, as a rank stuck in I/O or a deadlock would
     sys.exit(0 if fault.kind == "exit0" else 1)
 
 
@@ -126,18 +132,24 @@ def train(
     comm: Any,
     device: torch.device,
     run_logger: RunLogger,
-    on_epoch_end: Callable[[TrainState], None],
+    save: Callable[[TrainState], None],
+    stop: StopRequest,
 ) -> TrainOutcome:
-    """Collective: every rank runs the same number of steps and the same reductions, in the same order."""
+    """Collective: every rank runs the same number of steps and the same reductions, in the same order.
+
+    `save(state)` is called at the configured epochs, and at the step where the ranks agree to stop on a
+    signal; then Stopped is raised on every rank.
+    """
     loss_fn = nn.CrossEntropyLoss()
-    num_batches = len(loaders.train)
-    steps_per_epoch = optimizer_steps_per_epoch(num_batches, cfg.grad_accum)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     timing = RankTiming(cfg.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
     show_progress = progress_wanted(cfg.progress) and topo.is_main
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
-        loaders.set_epoch(epoch)
+        skipped = state.batches_done
+        loaders.set_epoch(epoch, skip_batches=skipped)
+        num_batches = len(loaders.train)
+        steps_per_epoch = optimizer_steps_per_epoch(num_batches, cfg.grad_accum)
         state.model.train()
         progress = make_progress(show_progress, steps_per_epoch, f"epoch {epoch}/{cfg.epochs}")
         epoch_loss = torch.zeros((), device=device)
@@ -179,6 +191,12 @@ def train(
             timing.record(elapsed, group_images)
             group_images = 0
             progress.update(1)
+            signum = stop.agreed(comm)
+            if signum:
+                progress.close()
+                state.batches_done = skipped + index + 1
+                save(state)
+                raise Stopped(signal.Signals(signum).name, state.step)
             if state.step % cfg.log_every == 0:
                 # The only per-window sync: one .item() and two small MPI reductions.
                 loss_total, images = allreduce(comm, [window_loss.item(), window_images], "sum")
@@ -228,6 +246,7 @@ def train(
             "epoch %d/%d | train loss %.4f | eval acc %s | %.0f images/s | %.2f s",
             epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], slowest_epoch,
         )
-        state.epoch = epoch
-        on_epoch_end(state)
+        state.epoch, state.batches_done = epoch, 0
+        if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
+            save(state)
     return TrainOutcome(history, timing)

@@ -76,6 +76,8 @@ def test_exports_torchrun_variables_and_fair_threads(mpirun, tmp_path):
     threads = max(1, (os.cpu_count() or 1) // 2)
     for rank, line in enumerate(lines):
         assert line == f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 threads={threads}"
+    # the rendezvous store listens on the chosen address only (127.0.0.1 = 0100007F), not on every interface
+    assert (tmp_path / "env.listen").read_text() == "0100007F"
 
 
 def test_local_script_prints_and_runs_its_command(tmp_path):

@@ -89,3 +89,21 @@ def test_real_launcher_mismatch_mpich_mpiexec_with_openmpi_mpi4py(mpich, tmp_pat
     assert job.output.count("started 2 processes (PMI_SIZE=2), but mpi4py sees a world of 1") == 1
     assert "Open MPI" in job.output
     assert job.seconds < 30
+
+
+def test_ranks_with_different_settings_are_refused_with_a_diff(mpirun, tmp_path):
+    base = [sys.executable, "-m", "mpiddp", "--run-dir", str(tmp_path / "run"), "--no-progress", "--epochs", "1"]
+    command = [mpirun, "-np", "1", *base, "--lr", "0.05", ":", "-np", "1", *base, "--lr", "0.1"]
+    job = run_command(command, tmp_path, timeout=60)
+    assert job.returncode == 2
+    assert job.output.count("the ranks of this job do not run the same thing") == 1
+    assert "lr=0.05 vs 0.1" in job.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_same_crash_on_every_rank_prints_one_traceback(run_job):
+    job = run_job(3, "--epochs", "2", "--no-progress", "--wandb", "disabled", "--inject-fault", "raise:all:2", timeout=60)
+    assert job.returncode != 0
+    assert job.seconds < 30
+    assert job.output.count("Traceback (most recent call last)") == 1
+    assert job.output.count("RuntimeError: injected fault on rank") >= 1

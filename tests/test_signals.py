@@ -1,0 +1,85 @@
+"""Stop signals: every rank stops at the same step, saves, exits 3; --resume continues exactly."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, JobResult, job_env
+
+pytestmark = pytest.mark.mpi
+FLAGS = ("--epochs", "3", "--batch-size", "8", "--deterministic", "--no-progress", "--wandb", "disabled")
+
+
+def start(mpirun, run_dir, *flags):
+    command = [mpirun, "-np", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *FLAGS, *flags]
+    return subprocess.Popen(command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(process, text, seen):
+    for line in process.stdout:
+        seen.append(line)
+        if text in line:
+            return
+    pytest.fail("job ended before: " + text + "\n" + "".join(seen)[-3000:])
+
+
+def rank_pid(run_dir: Path, rank: int) -> int:
+    for pid in subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(pid)
+    pytest.fail(f"no process of rank {rank}")
+
+
+def finish(process, seen, timeout=120) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("job did not stop: " + "".join(seen)[-3000:])
+    return "".join(seen) + output
+
+
+def final_weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "snapshot-epoch0003.pt", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("target", ["mpirun-SIGUSR1", "rank1-SIGTERM"])
+def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_path, target):
+    straight = tmp_path / "straight"
+    reference = start(mpirun, straight)
+    assert finish(reference, []) and reference.returncode == 0
+
+    run_dir = tmp_path / "stopped"
+    process, seen = start(mpirun, run_dir), []
+    wait_for(process, "epoch 1/3 |", seen)
+    if target == "mpirun-SIGUSR1":
+        process.send_signal(signal.SIGUSR1)  # Open MPI forwards SIGUSR1 to every rank
+    else:
+        os.kill(rank_pid(run_dir, 1), signal.SIGTERM)  # one rank only, as a preempting scheduler might
+    signalled_at = time.monotonic()
+    output = finish(process, seen)
+    assert process.returncode == 3, output[-3000:]
+    assert time.monotonic() - signalled_at < 30
+    stopped = [p.name for p in (run_dir / "checkpoints").glob("snapshot-epoch0001-batch*.pt")]
+    assert len(stopped) == 1, sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert output.count("snapshot saved in") == 1  # rank 0 speaks for the job
+
+    resumed = subprocess.run(
+        [mpirun, "-np", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *FLAGS, "--resume"],
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert JobResult(0, "", 0, run_dir).summary["resumed_from"].endswith(stopped[0])
+    expected, got = final_weights(straight), final_weights(run_dir)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
