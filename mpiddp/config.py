@@ -117,6 +117,7 @@ class Config:
     iface: str | None = None
     rendezvous_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
+    hang_timeout_s: float = 600.0  # 0 turns the watchdog off
     num_threads: int | None = None
     progress: str = "auto"
     log_level: str = "info"
@@ -181,6 +182,8 @@ class Config:
             raise ValueError("--backend nccl needs GPUs: use --device cuda (or auto on a GPU host), or --backend gloo")
         if self.device == "cpu" and self.sync_bn:
             raise ValueError("--sync-bn needs GPUs (torch's SyncBatchNorm is GPU-only): drop it with --device cpu")
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"--hang-timeout must be >= 0 seconds (0 turns it off), got {self.hang_timeout_s}")
         if self.rendezvous_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ValueError("--rendezvous-timeout and --collective-timeout must be positive seconds")
         if self.num_threads is not None and self.num_threads < 1:
@@ -308,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds a rank waits to reach rank 0's store")
     dist.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=d.collective_timeout_s,
                       help="seconds before a stuck gloo/NCCL collective fails")
+    dist.add_argument("--hang-timeout", dest="hang_timeout_s", type=float, default=d.hang_timeout_s,
+                      help="seconds without progress on a rank before the watchdog dumps stacks and aborts (0: off)")
     dist.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per rank (default: fair share)")
     # Accepted for scripts written for torch.distributed.launch, which passes it; mpiddp takes the local rank from MPI.
     dist.add_argument("--local-rank", "--local_rank", dest="ignored_local_rank", default=None, help=argparse.SUPPRESS)

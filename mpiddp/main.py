@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from mpiddp.log import setup_logging
 from mpiddp.metrics import allreduce, build_summary, make_run_logger, process_start_time
 from mpiddp.rundir import prepare_run_dir, write_json_atomic
 from mpiddp.stopping import Stopped, StopRequest
+from mpiddp.watchdog import Watchdog
 from mpiddp.topology import check_launcher, discover, init_mpi
 
 log = logging.getLogger("mpiddp")
@@ -112,8 +114,15 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path, stop: Any) -> dict:
         cfg.batch_size * topo.world_size * cfg.grad_accum, cfg.batch_size, topo.world_size, cfg.grad_accum,
     )
     run_logger, wandb_run_id = make_run_logger(cfg, run_dir, topo, resume_id)
+    watchdog = Watchdog(
+        cfg.hang_timeout_s, topo.rank, topo.world_size, topo.label,
+        torch.distributed.TCPStore(ctx.master_addr, ctx.master_port, topo.world_size, False,
+                                   timeout=timedelta(seconds=10)) if cfg.hang_timeout_s > 0 else None,
+        comm.Abort,
+    ).start()
 
     def save(train_state: Any) -> None:
+        watchdog.beat("save", train_state.step)
         payload = {
             "arch": cfg.model_name,
             "model": train_state.unwrapped.state_dict(),
@@ -129,10 +138,12 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path, stop: Any) -> dict:
         checkpoint.save(
             checkpoint_dir, train_state.epoch, payload, topo, comm, ctx.device, cfg.keep_last, train_state.batches_done
         )
+        watchdog.beat("train", train_state.step)
 
     try:
-        outcome = train(cfg, state, loaders, topo, comm, ctx.device, run_logger, save, stop)
+        outcome = train(cfg, state, loaders, topo, comm, ctx.device, run_logger, save, stop, watchdog.beat)
     finally:
+        watchdog.stop()
         run_logger.close()
     if cfg.model_filename:
         checkpoint.save_weights(checkpoint_dir / cfg.model_filename, state.unwrapped.state_dict(), topo, comm)

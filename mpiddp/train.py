@@ -86,7 +86,9 @@ def autocast_for(amp: str, device: torch.device) -> Any:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Any, device: torch.device, amp: str = "off",
-             memory_format: torch.memory_format = torch.contiguous_format) -> tuple[float, float, float]:
+             memory_format: torch.memory_format = torch.contiguous_format,
+             heartbeat: Callable[[str, int], None] = lambda phase, step: None,
+             step: int = 0) -> tuple[float, float, float]:
     """(correct, summed loss, count) over this rank's eval shard.
 
     Runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would deadlock
@@ -97,6 +99,7 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, amp: str = "of
     loss_sum = torch.zeros((), device=device)
     count = 0
     for inputs, targets in loader:
+        heartbeat("eval", step)
         inputs = inputs.to(device, non_blocking=True, memory_format=memory_format)
         targets = targets.to(device, non_blocking=True)
         with autocast_for(amp, device):
@@ -134,6 +137,7 @@ def train(
     run_logger: RunLogger,
     save: Callable[[TrainState], None],
     stop: StopRequest,
+    heartbeat: Callable[[str, int], None] = lambda phase, step: None,
 ) -> TrainOutcome:
     """Collective: every rank runs the same number of steps and the same reductions, in the same order.
 
@@ -191,6 +195,7 @@ def train(
             timing.record(elapsed, group_images)
             group_images = 0
             progress.update(1)
+            heartbeat("train", state.step)
             signum = stop.agreed(comm)
             if signum:
                 progress.close()
@@ -217,7 +222,9 @@ def train(
         progress.close()
 
         if loaders.eval is not None:
-            correct, eval_loss, eval_count = evaluate(state.unwrapped, loaders.eval, device, cfg.amp, memory_format)
+            correct, eval_loss, eval_count = evaluate(
+                state.unwrapped, loaders.eval, device, cfg.amp, memory_format, heartbeat, state.step
+            )
         else:
             correct = eval_loss = eval_count = 0.0
         train_loss_sum, train_images, correct, eval_loss, eval_count = allreduce(

@@ -107,3 +107,13 @@ def test_the_same_crash_on_every_rank_prints_one_traceback(run_job):
     assert job.seconds < 30
     assert job.output.count("Traceback (most recent call last)") == 1
     assert job.output.count("RuntimeError: injected fault on rank") >= 1
+
+
+def test_hang_watchdog_names_the_stalled_rank_dumps_stacks_and_aborts(run_job):
+    job = run_job(3, "--epochs", "3", "--no-progress", "--wandb", "disabled", "--inject-fault", "stall:1:4",
+                  "--hang-timeout", "8", timeout=120)
+    assert job.returncode == 4, job.output[-3000:]
+    assert job.seconds < 60
+    assert job.output.count("hang watchdog") >= 1
+    assert "ranks behind: 1 at step 3" in job.output  # rank 1 stalls inside step 4, the others wait after it
+    assert "in inject_fault" in job.output  # the stalled rank's own stack shows where it is stuck

@@ -1,0 +1,98 @@
+"""Hang watchdog: when a rank makes no progress for --hang-timeout seconds, show where every rank is and abort.
+
+It runs in a daemon thread and talks through the rendezvous store, not through MPI or gloo/NCCL, so it works
+while the main thread is stuck inside a collective.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EXIT_HANG = 4
+GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their stacks too
+
+
+class Watchdog:
+    """beat(phase, step) from the main thread; the thread fires when beats stop for `timeout_s`."""
+
+    def __init__(self, timeout_s: float, rank: int, world_size: int, label: str, store: Any,
+                 abort: Callable[[int], None]) -> None:
+        self.timeout_s = timeout_s
+        self.rank, self.world_size, self.label = rank, world_size, label
+        self.store = store
+        self.abort = abort
+        self.phase, self.step = "start", 0
+        self.last_beat = time.monotonic()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        if self.timeout_s > 0:
+            self.thread.start()
+        return self
+
+    def beat(self, phase: str, step: int) -> None:
+        self.phase, self.step, self.last_beat = phase, step, time.monotonic()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _publish(self) -> None:
+        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1)}
+        self.store.set(f"mpiddp/progress/{self.rank}", json.dumps(record))
+
+    def _watch(self) -> None:
+        interval = min(5.0, max(0.5, self.timeout_s / 10))
+        while not self.stopped.wait(interval):
+            try:
+                self._publish()
+            except Exception:  # the store is gone: the job is ending anyway
+                return
+            if time.monotonic() - self.last_beat > self.timeout_s:
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        idle = time.monotonic() - self.last_beat
+        lines = [f"mpiddp: hang watchdog: {self.label} made no progress for {idle:.0f} s "
+                 f"(--hang-timeout {self.timeout_s:g}); it is in phase {self.phase!r} after step {self.step}"]
+        try:
+            if self.store.add("mpiddp/hang-reports", 1) == 1:  # the first rank to fire describes the job
+                lines.append(describe_progress(self._progress_of_all()))
+        except Exception as exc:
+            lines.append(f"(progress of the other ranks unavailable: {exc})")
+        sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        time.sleep(GRACE_S)  # let the other ranks' watchdogs print their stacks before the abort
+        self.abort(EXIT_HANG)
+
+    def _progress_of_all(self) -> dict[int, dict[str, Any]]:
+        keys = [f"mpiddp/progress/{rank}" for rank in range(self.world_size)]
+        present = [k for k in keys if self.store.check([k])]
+        values = self.store.multi_get(present) if present else []
+        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in zip(present, values)}
+
+
+def describe_progress(progress: dict[int, dict[str, Any]]) -> str:
+    """Which ranks are behind, and where everyone is."""
+    if not progress:
+        return "no rank has reported progress"
+    lowest = min(p["step"] for p in progress.values())
+    behind = sorted(rank for rank, p in progress.items() if p["step"] == lowest)
+    ahead = len(progress) > len(behind)
+    where = "; ".join(f"rank {rank}: step {p['step']} ({p['phase']}, idle {p['idle_s']} s)"
+                      for rank, p in sorted(progress.items()))
+    head = (f"ranks behind: {', '.join(map(str, behind))} at step {lowest}" if ahead
+            else f"every rank is stuck at step {lowest}")
+    return f"{head}. Progress by rank: {where}"
