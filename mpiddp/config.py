@@ -232,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mpirun -np N python -m mpiddp",
         description="Train a model with PyTorch DDP on every rank that mpirun started. Underscore flags of "
-        "the classic DDP example script (--num_epochs, --batch_size, --use_syn, ...) are accepted as aliases.",
+        "the classic DDP example script (--num_epochs, --batch_size, --use_syn, ...) are accepted as aliases. "
+        "Other commands: `python -m mpiddp check [flags]` (under the same mpirun line: topology, versions, "
+        "bandwidth, run dir, wandb) and `python -m mpiddp report RUN_DIR` (plots and a summary of a run).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"mpiddp {__version__}")

@@ -186,7 +186,16 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path, stop: Any) -> dict:
     return summary
 
 
+COMMANDS = ("train", "check", "report")
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args.pop(0) if args and args[0] in COMMANDS else "train"
+    if command == "report":  # reads files; no MPI
+        from mpiddp import report
+
+        return report.main(args)
     guard = FailFast()
     with guard:
         comm = init_mpi()
@@ -194,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         check_launcher(comm)
         topo = agree(comm, lambda: discover(comm))
         guard.topology = topo
-        cfg = agree(comm, lambda: parse_args(argv))
+        cfg = agree(comm, lambda: parse_args(args))
         setup_logging(topo, cfg.log_level)
         log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_library)
+        if command == "check":
+            return _check(cfg, topo, comm, guard)
         log.info("config: %s", cfg.to_dict())
         fingerprint = preflight.check(cfg, topo, comm)
         log.info("every rank runs %s", fingerprint)
@@ -218,6 +229,17 @@ def main(argv: list[str] | None = None) -> int:
             summary["wall_time_s"], run_dir,
         )
     return 0
+
+
+def _check(cfg: Config, topo: Any, comm: Any, guard: FailFast) -> int:
+    """Collective: the `check` command; every rank returns the same status."""
+    from mpiddp.check import run_check
+
+    with distributed(cfg, topo, comm, guard) as ctx:
+        status, text = run_check(cfg, ctx, Path(cfg.run_dir or cfg.runs_root))
+    if topo.is_main:
+        print(text, flush=True)
+    return status
 
 
 def main_cli() -> None:

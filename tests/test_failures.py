@@ -117,3 +117,72 @@ def test_hang_watchdog_names_the_stalled_rank_dumps_stacks_and_aborts(run_job):
     assert job.output.count("hang watchdog") >= 1
     assert "ranks behind: 1 at step 3" in job.output  # rank 1 stalls inside step 4, the others wait after it
     assert "in inject_fault" in job.output  # the stalled rank's own stack shows where it is stuck
+
+
+def test_nccl_without_cuda_is_one_clear_error(run_job):
+    job = run_job(2, "--backend", "nccl", "--wandb", "disabled", timeout=90)
+    if job.returncode == 0:
+        pytest.skip("this machine has GPUs")
+    assert job.returncode == 2
+    assert job.output.count("--backend nccl needs CUDA devices") == 1
+
+
+def test_more_local_ranks_than_gpus_names_both_numbers(monkeypatch):
+    import torch
+
+    from mpiddp.bootstrap import choose_device
+    from mpiddp.config import Config
+    from mpiddp.errors import UserError
+    from mpiddp.topology import RankRecord, build_topology
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    topo = build_topology(0, [RankRecord(r, "gpu-a", 0, r, 3) for r in range(3)])
+    with pytest.raises(UserError, match="gpu-a runs 3 ranks but has 2 GPUs.*-H gpu-a:2"):
+        choose_device(Config(), topo)
+    assert choose_device(Config(device="cpu"), topo) == ("cpu", "gloo")
+
+
+def test_a_killed_rank_ends_the_job_and_keeps_the_snapshot(mpirun, tmp_path):
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from conftest import REPO
+
+    run_dir = tmp_path / "run"
+    command = [mpirun, "-np", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), "--epochs", "100",
+               "--no-progress", "--wandb", "disabled"]
+    process = subprocess.Popen(command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        if "saved " in line and "snapshot-epoch0001.pt" in line:
+            break
+    pids = subprocess.run(["pgrep", "-f", "--", f"-m mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout.split()
+    victim = next(p for p in pids if b"OMPI_COMM_WORLD_RANK=1" in Path(f"/proc/{p}/environ").read_bytes())
+    os.kill(int(victim), 9)  # as the OOM killer would
+    killed_at = time.monotonic()
+    try:
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    assert time.monotonic() - killed_at < 15
+    import torch
+
+    snapshot = torch.load(run_dir / "checkpoints" / "snapshot-epoch0001.pt", weights_only=True)
+    assert snapshot["epoch"] >= 1
+    deadline = time.monotonic() + 15
+    while subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a rank outlived the job"
+        time.sleep(0.2)  # polling a condition with a deadline, not synchronising
+
+
+def test_secrets_never_reach_logs_summary_or_snapshots(run_job):
+    secret = "wandb-secret-0123456789abcdef"
+    job = run_job(2, "--epochs", "1", "--no-progress", "--wandb", "disabled", env=job_env(WANDB_API_KEY=secret))
+    assert job.returncode == 0, job.output[-3000:]
+    assert secret not in job.output
+    for path in job.run_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path

@@ -150,3 +150,12 @@ def test_mpich_hydra_across_hosts(hosts, mpich, tmp_path):
     summary = assert_layout(job, {"nodea": [0, 1], "nodeb": [2, 3]})
     assert summary["mpi_library"].startswith("MPICH")
     assert summary["rendezvous"]["master_addr"] == hosts.address("nodea")
+
+
+def test_check_on_two_hosts(hosts, mpirun, tmp_path):
+    command = [mpirun, *hosts.openmpi_args(), "-np", "2", "-H", "nodea:1,nodeb:1", sys.executable, "-m", "mpiddp",
+               "check", "--runs-root", str(tmp_path / "runs"), "--wandb", "disabled"]
+    job = run_command(hosts.command_on("nodea", command), tmp_path, 120, env=host_env())
+    assert job.returncode == 0, job.output[-3000:]
+    assert "nodea" in job.output and "nodeb" in job.output
+    assert "interfaces {'nodea': 'eth0', 'nodeb': 'eth0'}" in job.output

@@ -1,0 +1,159 @@
+"""`mpirun ... python -m mpiddp check [training flags]`: is this job healthy before a long run?
+
+Topology, fingerprints, MPI latency and bandwidth, all-reduce bandwidth, a write test of the run directory
+on every host, and wandb. Every rank takes part; rank 0 prints one report; every rank returns the same status.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpiddp import preflight
+from mpiddp.bootstrap import DistContext
+from mpiddp.config import Config
+from mpiddp.metrics import allreduce, wandb_mode
+from mpiddp.topology import Topology
+
+ALLREDUCE_SIZES = tuple(4 ** k * 1024 for k in range(0, 7))  # bytes per rank: 1 KiB .. 4 MiB
+MPI_BANDWIDTH_BYTES = 4 * 1024 * 1024
+
+
+def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
+    """nccl-tests' bus bandwidth for all-reduce: what each link carries, comparable across world sizes."""
+    return algorithm_bandwidth * 2 * (world_size - 1) / world_size if world_size > 1 else algorithm_bandwidth
+
+
+def mpi_pingpong(comm: Any, topo: Topology, nbytes: int, repeats: int) -> float:
+    """Collective: median one-way time (s) between rank 0 and the last rank (on another host when there is one)."""
+    peer = topo.world_size - 1
+    buffer = np.zeros(max(1, nbytes), dtype=np.uint8)
+    times = []
+    comm.Barrier()
+    for _ in range(repeats):
+        started = time.perf_counter()
+        if topo.rank == 0:
+            comm.Send(buffer, dest=peer)
+            comm.Recv(buffer, source=peer)
+        elif topo.rank == peer:
+            comm.Recv(buffer, source=0)
+            comm.Send(buffer, dest=0)
+        times.append((time.perf_counter() - started) / 2)
+    return float(comm.bcast(np.median(times), root=0))
+
+
+def allreduce_bandwidth(ctx: DistContext, nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Collective: torch.distributed all-reduce of `nbytes` float32; the slowest rank's median time."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=ctx.device)
+    for _ in range(2):
+        dist.all_reduce(tensor)
+    times = []
+    for _ in range(repeats):
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - started)
+    (seconds,) = allreduce(ctx.comm, [float(np.median(times))], "max")
+    algbw = nbytes / seconds
+    return {"bytes": nbytes, "time_s": seconds, "algbw_GBps": algbw / 1e9,
+            "busbw_GBps": bus_bandwidth(algbw, ctx.topology.world_size) / 1e9}
+
+
+def write_test(directory: Path, topo: Topology) -> str | None:
+    """On each host's local rank 0: create, write, read back and remove a file in `directory`."""
+    if topo.local_rank != 0:
+        return None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = os.urandom(1024)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=f".mpiddp-check-{topo.hostname}-") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+            if Path(handle.name).read_bytes() != payload:
+                return f"{topo.hostname}: {directory} returned different bytes than were written"
+    except OSError as exc:
+        return f"{topo.hostname}: cannot write to {directory} ({exc.strerror or exc})"
+    return None
+
+
+def wandb_status(cfg: Config) -> tuple[str, str | None]:
+    """(what wandb would do, a problem or None); rank 0 only, and without starting a run."""
+    mode = wandb_mode(cfg.wandb, dict(os.environ), Path.home() / ".netrc")
+    if mode == "disabled":
+        return "disabled", None
+    try:
+        import wandb
+    except ImportError:
+        return mode, "wandb is not installed (pip install wandb) but --wandb is not 'disabled'"
+    return f"{mode} (wandb {wandb.__version__})", None
+
+
+def device_names(ctx: DistContext) -> str:
+    import torch
+
+    if ctx.device.type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(ctx.device)
+    return f"{ctx.device} {props.name} GPU-{props.uuid}"
+
+
+def run_check(cfg: Config, ctx: DistContext, run_root: Path) -> tuple[int, str]:
+    """Collective: (exit status, report). Every rank returns the same status; rank 0's report is the one to print."""
+    topo, comm = ctx.topology, ctx.comm
+    problems: list[str] = []
+
+    prints = comm.allgather(preflight.fingerprint(cfg, topo))
+    problems += preflight.differences(prints, topo)
+    devices = comm.allgather(device_names(ctx))
+    lines = ["mpiddp check", "", f"{'host':<16} {'world ranks':<14} {'local':<8} device"]
+    for host, ranks in topo.hosts:
+        for local_rank, rank in enumerate(ranks):
+            first = host if local_rank == 0 else ""
+            lines.append(f"{first:<16} {rank:<14} {local_rank:<8} {devices[rank]}")
+    lines += ["", f"MPI: {topo.mpi_library}", f"backend: {ctx.backend} on {ctx.device.type}; rendezvous "
+              f"{ctx.master_addr}:{ctx.master_port}; interfaces {ctx.interface_per_host or 'left to gloo/NCCL'}"]
+    versions = {k: v for k, v in prints[0].items() if not k.startswith("_")}
+    lines.append(f"fingerprint: {'same on every rank' if not problems else 'DIFFERS'}: {versions}")
+
+    if topo.world_size > 1:
+        latency = mpi_pingpong(comm, topo, 8, 200)
+        big = mpi_pingpong(comm, topo, MPI_BANDWIDTH_BYTES, 10)
+        lines.append(f"MPI rank 0 <-> rank {topo.world_size - 1}: latency {latency * 1e6:.1f} us, "
+                     f"bandwidth {MPI_BANDWIDTH_BYTES / big / 1e9:.2f} GB/s")
+        lines += ["", f"{ctx.backend} all-reduce (float32, {topo.world_size} ranks)",
+                  f"{'bytes':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+        for nbytes in ALLREDUCE_SIZES:
+            row = allreduce_bandwidth(ctx, nbytes)
+            lines.append(f"{nbytes:>10} {row['time_s'] * 1e6:>10.1f} {row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f}")
+
+    failures = [f for f in comm.allgather(write_test(run_root, topo)) if f]
+    problems += failures
+    lines.append("")
+    lines.append(f"run directory {run_root}: " + ("writable on every host" if not failures else "NOT writable"))
+
+    wandb_line, wandb_problem = wandb_status(cfg) if topo.is_main else ("", None)
+    wandb_line, wandb_problem = comm.bcast((wandb_line, wandb_problem), root=0)
+    lines.append(f"wandb: {wandb_line}")
+    if wandb_problem:
+        problems.append(wandb_problem)
+
+    lines.append("")
+    if problems:
+        lines.append("PROBLEMS:")
+        lines += [f"  - {p}" for p in problems]
+        return 1, "\n".join(lines)
+    lines.append(f"all good: {topo.world_size} ranks on {topo.num_hosts} hosts ({socket.gethostname()} reporting)")
+    return 0, "\n".join(lines)

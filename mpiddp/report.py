@@ -1,0 +1,122 @@
+"""`python -m mpiddp report RUN_DIR`: plots of a run's metrics.jsonl and a short text summary (no MPI needed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mpiddp.errors import UserError
+
+
+def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise UserError(f"{metrics_path} does not exist: give the --run-dir of an mpiddp run")
+    records = []
+    for number, line in enumerate(metrics_path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{metrics_path}:{number} is not JSON (a run killed mid-write leaves at most one such line)") from None
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return records, summary
+
+
+def text_summary(records: list[dict[str, Any]], summary: dict[str, Any] | None) -> str:
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    lines = []
+    if summary:
+        lines.append(f"{summary.get('arch')} on {summary.get('dataset')}: {summary['world_size']} ranks on "
+                     f"{summary['num_hosts']} hosts, {summary['backend']} on {summary['device']}")
+        lines.append(f"{summary['epochs']} epochs, {summary['images_per_second']:.0f} images/s, "
+                     f"wall time {summary['wall_time_s']:.1f} s, first step after {summary['time_to_first_step_s']:.1f} s")
+    else:
+        lines.append("no summary.json: the run did not finish (stopped, crashed or still running)")
+    if epochs:
+        first, last = epochs[0], epochs[-1]
+        accuracy = last.get("eval_accuracy")
+        lines.append(f"train loss {first['train_loss']:.4f} -> {last['train_loss']:.4f} over epochs "
+                     f"{first['epoch']}-{last['epoch']}" + (f"; eval accuracy {100 * accuracy:.2f}%" if accuracy is not None else ""))
+        means = [r.get("rank_step_time_s") for r in epochs if r.get("rank_step_time_s")]
+        if means:
+            per_rank = [sum(m[i] for m in means) / len(means) for i in range(len(means[0]))]
+            slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
+            median = sorted(per_rank)[len(per_rank) // 2]
+            ratio = per_rank[slowest] / median if median > 0 else 1.0
+            verdict = f"rank {slowest} is a straggler ({ratio:.2f}x the median)" if ratio > 1.1 else "no straggler"
+            lines.append(f"mean step time per rank: {', '.join(f'{t * 1000:.1f} ms' for t in per_rank)}; {verdict}")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("plots need matplotlib: pip install 'mpiddp[report]' (or pip install matplotlib)") from None
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss (window)")
+    ax.plot([r["step"] for r in epochs], [r["train_loss"] for r in epochs], "o-", label="train loss (epoch)")
+    if any(r.get("eval_loss") is not None for r in epochs):
+        ax.plot([r["step"] for r in epochs], [r["eval_loss"] for r in epochs], "s-", label="eval loss")
+    ax.set(xlabel="step", ylabel="loss", yscale="log", title="loss")
+    ax.legend()
+    save(fig, "loss.png")
+
+    if any(r.get("eval_accuracy") is not None for r in epochs):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["epoch"] for r in epochs], [100 * r["eval_accuracy"] for r in epochs], "o-")
+        ax.set(xlabel="epoch", ylabel="eval accuracy (%)", title="accuracy")
+        save(fig, "accuracy.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["time"] - records[0]["time"] for r in steps], [r["images_per_second"] for r in steps])
+    ax.set(xlabel="seconds since the first record", ylabel="images/s (all ranks)", title="throughput")
+    save(fig, "throughput.png")
+
+    per_rank = [r["rank_step_time_s"] for r in epochs if r.get("rank_step_time_s")]
+    if per_rank:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for rank in range(len(per_rank[0])):
+            ax.plot([r["epoch"] for r in epochs if r.get("rank_step_time_s")],
+                    [1000 * times[rank] for times in per_rank], "o-", label=f"rank {rank}")
+        ax.set(xlabel="epoch", ylabel="mean step time (ms)", title="step time per rank (stragglers stand out)")
+        ax.legend(ncol=4, fontsize="small")
+        save(fig, "rank_step_time.png")
+    return written
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0].startswith("-"):
+        sys.stderr.write("usage: python -m mpiddp report RUN_DIR\n")
+        return 2
+    run_dir = Path(argv[0])
+    try:
+        records, summary = read_run(run_dir)
+        if not records:
+            raise UserError(f"{run_dir / 'metrics.jsonl'} is empty: the run logged nothing yet")
+        paths = plot(records, run_dir)
+    except UserError as exc:
+        sys.stderr.write(f"mpiddp: error: {exc}\n")
+        return 2
+    print(text_summary(records, summary))
+    print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
