@@ -4,16 +4,15 @@ Loading uses weights_only=True, so a snapshot file can never run code."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mpiddp.errors import AgreedError, UserError
+from mpiddp.rundir import write_atomic
 from mpiddp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -47,34 +46,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def _write_atomic(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, fsync, rename, fsync the folder."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            torch.save(obj, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
-def _write_text_atomic(text: str, path: Path) -> None:
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(handle, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-
-
 def list_snapshots(directory: Path) -> list[Path]:
     """Snapshots in `directory`, oldest first."""
     if not directory.is_dir():
@@ -98,7 +69,8 @@ def save(
     if topo.is_main:
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            _write_atomic({**payload, "format": FORMAT_VERSION, "rng": rng_states, "world_size": topo.world_size}, path)
+            snapshot = {**payload, "format": FORMAT_VERSION, "rng": rng_states, "world_size": topo.world_size}
+            write_atomic(path, lambda out: torch.save(snapshot, out))
         except (OSError, RuntimeError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
     problem = comm.bcast(problem, root=0)
@@ -111,7 +83,7 @@ def save(
         )
     if topo.is_main:
         # Only now, with the new file complete on disk, does `latest` move; then old snapshots go.
-        _write_text_atomic(path.name + "\n", directory / LATEST)
+        write_atomic(directory / LATEST, lambda out: out.write(f"{path.name}\n".encode()))
         for old in list_snapshots(directory)[:-keep_last]:
             old.unlink(missing_ok=True)
     comm.Barrier()  # nobody reads `latest` or the snapshot list while rank 0 is still updating them
@@ -125,7 +97,7 @@ def save_weights(path: Path, state_dict: dict[str, Any], topo: Topology, comm: A
     if topo.is_main:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(state_dict, path)
+            write_atomic(path, lambda out: torch.save(state_dict, out))
         except (OSError, RuntimeError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
     problem = comm.bcast(problem, root=0)

@@ -236,6 +236,7 @@ def build_summary(
         "step_time_s": distribution([t for times in rank_step_times for t in times]),
         "rank_step_time_s": [float(np.mean(times)) if times else 0.0 for times in rank_step_times],
         "time_to_first_step_s": (max(done) - job_started_at) if done else None,
+        "first_step_done_at": max(done) if done else None,
         "wall_time_s": finished_at - job_started_at,
         "mpi_library": topo.mpi_library,
         "torch_version": torch_version,

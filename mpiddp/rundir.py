@@ -7,7 +7,8 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from mpiddp.errors import AgreedError, UserError
 from mpiddp.topology import Topology
@@ -52,16 +53,26 @@ def prepare_run_dir(run_dir: str | None, runs_root: str, topo: Topology, comm: A
     return Path(text)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename: readers see the old file or the new one."""
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """`write(file)` into a temporary file beside `path`, fsync, rename, fsync the folder: readers (and a crash)
+    see the old file or the new one, never half of one."""
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(data, out, indent=2, sort_keys=True)
-            out.write("\n")
+        with os.fdopen(handle, "wb") as out:
+            write(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"  # serialise first: a bad value leaves no file behind
+    write_atomic(path, lambda out: out.write(text.encode()))

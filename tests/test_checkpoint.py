@@ -1,6 +1,7 @@
 """Snapshots: atomic collective saves, exact resume, resharding on a new world size, and clear load errors."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_interrupted_save_keeps_previous_snapshot(tmp_path, comm_self, solo, mon
     def disk_full(fd):
         raise OSError(28, "No space left on device")  # where a full disk often surfaces: flushing the data
 
-    monkeypatch.setattr(checkpoint.os, "fsync", disk_full)
+    monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(checkpoint.AgreedError, match="No space left on device.*snapshot-epoch0001.pt is intact"):
         checkpoint.save(tmp_path, 2, payload(2), solo, comm_self, torch.device("cpu"), keep_last=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "snapshot-epoch0001.pt"]

@@ -30,7 +30,7 @@ def main(out_path: str) -> None:
     with FailFast() as guard:
         comm = guard.comm = init_mpi()
         topo = discover(comm)
-        with distributed(Config(device="cpu"), topo, comm) as ctx:
+        with distributed(Config(device="cpu"), topo, comm):
             torch.manual_seed(1234)
             model = build_model("digits_cnn").double()  # float64: differences come from the algorithm, not rounding
             reference = copy.deepcopy(model)

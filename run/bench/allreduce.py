@@ -1,0 +1,49 @@
+"""Under mpirun: all-reduce bandwidth of MPI (mpi4py, numpy buffers) and of torch.distributed (gloo/NCCL) by size.
+
+Uses mpiddp's own bootstrap, so the gloo numbers are what training sees. Rank 0 writes JSON rows to argv[1].
+"""
+
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiddp.bootstrap import FailFast, distributed
+from mpiddp.check import ALLREDUCE_SIZES, allreduce_bandwidth, bus_bandwidth
+from mpiddp.config import Config
+from mpiddp.topology import discover, init_mpi
+
+SIZES = (*ALLREDUCE_SIZES, 16 * 1024 * 1024)
+
+
+def mpi_allreduce(comm, nbytes: int, repeats: int = 5) -> float:
+    send = np.ones(nbytes // 4, dtype=np.float32)
+    receive = np.empty_like(send)
+    for _ in range(2):
+        comm.Allreduce(send, receive, op=MPI.SUM)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        comm.Allreduce(send, receive, op=MPI.SUM)
+        times.append(time.perf_counter() - started)
+    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
+
+
+with FailFast() as guard:
+    comm = guard.comm = init_mpi()
+    topo = discover(comm)
+    with distributed(Config(device="cpu"), topo, comm) as ctx:
+        rows = []
+        for nbytes in SIZES:
+            torch_row = allreduce_bandwidth(ctx, nbytes)
+            seconds = mpi_allreduce(comm, nbytes)
+            rows.append({
+                "bytes": nbytes,
+                "gloo_busbw_GBps": torch_row["busbw_GBps"],
+                "mpi_busbw_GBps": bus_bandwidth(nbytes / seconds, topo.world_size) / 1e9,
+            })
+        if topo.is_main:
+            with open(sys.argv[1], "w") as out:
+                json.dump({"mpi_library": topo.mpi_library, "world_size": topo.world_size, "rows": rows}, out)

@@ -1,0 +1,174 @@
+"""mpiddp's benchmark suite (not part of the tests): python run/bench/run.py [--repeats 3] [--out DIR]
+
+Each comparison runs its commands interleaved (A B A B ...) and reports medians and the median of the per-pair
+ratios, so slow drift of a noisy machine hits both sides alike. Writes DIR/results.json, DIR/results.md and
+PNG plots. Prints the exact commands it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the on-disk dataset writers the tests use
+
+PYTHON = sys.executable
+MPIRUN = str(Path(PYTHON).parent / "mpirun") if (Path(PYTHON).parent / "mpirun").exists() else "mpirun"
+BATCH, STEPS, WARMUP, SIZE = 16, 30, 5, 32
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", CI="true")
+
+
+def run(command: list[str]) -> float:
+    """Run, fail loudly, return the launch time (epoch seconds)."""
+    print("+ " + " ".join(command), flush=True)
+    launched = time.time()
+    done = subprocess.run(command, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        sys.exit(f"benchmark command failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    return launched
+
+
+def mpiddp(ranks: int, work: Path, *flags: str) -> dict:
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    launched = run([MPIRUN, "-np", str(ranks), "--bind-to", "none", PYTHON, "-m", "mpiddp", "--run-dir", str(run_dir),
+                    "--wandb", "disabled", "--no-progress", "--epochs", "1", "--batch-size", str(BATCH),
+                    "--throughput-warmup-steps", str(WARMUP), "--arch", "resnet18", "--image-size", str(SIZE), *flags])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"images_per_second": summary["images_per_second"],
+            "launch_to_first_step_s": summary["first_step_done_at"] - launched}
+
+
+def synthetic(ranks: int, work: Path, steps: int = STEPS) -> dict:
+    return mpiddp(ranks, work, "--use_syn", "--steps-per-epoch", str(steps))
+
+
+def plain_ddp(work: Path) -> dict:
+    out = work / f"plain-{time.time_ns()}.json"
+    launched = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(HERE / "plain_ddp.py"), str(out), str(BATCH), str(STEPS), str(WARMUP), str(SIZE)])
+    result = json.loads(out.read_text())
+    return {"images_per_second": result["images_per_second"],
+            "launch_to_first_step_s": result["first_step_done_at"] - launched}
+
+
+def interleave(repeats: int, a, b) -> tuple[list[dict], list[dict]]:
+    first, second = [], []
+    for _ in range(repeats):
+        first.append(a())
+        second.append(b())
+    return first, second
+
+
+def compare(name: str, metric: str, a_name: str, a: list[dict], b_name: str, b: list[dict], scale_b: float = 1.0) -> dict:
+    ratios = [x[metric] / (y[metric] * scale_b) for x, y in zip(a, b)]
+    return {
+        "benchmark": name, "metric": metric, "a": a_name, "b": b_name,
+        "a_median": statistics.median(x[metric] for x in a), "b_median": statistics.median(y[metric] for y in b),
+        "median_ratio": statistics.median(ratios), "ratios": ratios, "b_scale": scale_b,
+    }
+
+
+def machine() -> str:
+    import torch
+
+    cores = os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.node()}: {cores} CPU cores, {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def markdown(results: dict) -> str:
+    lines = [f"Machine: {results['machine']}; {results['repeats']} interleaved repeats; resnet18 at "
+             f"{SIZE}x{SIZE}, batch {BATCH} per rank, gloo on CPU.", "",
+             "| benchmark | metric | A | median A | B | median B | median ratio A/B | target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in results["comparisons"]:
+        b_label = row["b"] if row["b_scale"] == 1 else f"{row['b']} x {row['b_scale']:g}"
+        lines.append(f"| {row['benchmark']} | {row['metric']} | {row['a']} | {row['a_median']:.2f} | {b_label} | "
+                     f"{row['b_median']:.2f} | **{row['median_ratio']:.3f}** | {row['target']} |")
+    lines += ["", "| bytes | gloo busbw GB/s | MPI busbw GB/s |", "|---|---|---|"]
+    for row in results["allreduce"]["rows"]:
+        lines.append(f"| {row['bytes']:,} | {row['gloo_busbw_GBps']:.3f} | {row['mpi_busbw_GBps']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results["comparisons"]), figsize=(4 * len(results["comparisons"]), 3.6))
+    for ax, row in zip(axes, results["comparisons"]):
+        ax.bar([row["a"], row["b"]], [row["a_median"], row["b_median"] * row["b_scale"]], color=["tab:blue", "tab:gray"])
+        ax.set_title(f"{row['benchmark']}\nratio {row['median_ratio']:.3f}", fontsize=9)
+        ax.set_ylabel(row["metric"], fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "comparisons.png", dpi=110)
+    plt.close(fig)
+
+    rows = results["allreduce"]["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot([r["bytes"] for r in rows], [r["gloo_busbw_GBps"] for r in rows], "o-", label="torch gloo")
+    ax.plot([r["bytes"] for r in rows], [r["mpi_busbw_GBps"] for r in rows], "s-", label=results["allreduce"]["mpi_library"][:24])
+    ax.set(xscale="log", xlabel="bytes per rank", ylabel="bus bandwidth (GB/s)", title="all-reduce, 2 ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "allreduce.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="mpiddp-bench-"))
+    comparisons = []
+
+    a, b = interleave(args.repeats, lambda: synthetic(2, work), lambda: plain_ddp(work))
+    comparisons.append(compare("overhead vs plain DDP loop", "images_per_second", "mpiddp (mpirun)", a,
+                               "plain DDP (torchrun)", b) | {"target": ">= 0.98"})
+    comparisons.append(compare("start-up: launch to first step", "launch_to_first_step_s", "mpiddp (mpirun)", a,
+                               "plain DDP (torchrun)", b) | {"target": "<= 1 (no slower)"})
+
+    one, two = interleave(args.repeats, lambda: synthetic(2, work), lambda: synthetic(1, work))
+    comparisons.append(compare("scaling 1 -> 2 ranks", "images_per_second", "2 ranks", one, "1 rank", two, 2.0)
+                       | {"target": ">= 0.9 (efficiency)"})
+
+    from datagen import write_cifar10
+
+    data_dir = write_cifar10(work / "cifar", per_batch=320, test=64)
+    disk, syn = interleave(
+        args.repeats,
+        lambda: mpiddp(2, work, "--dataset", "cifar10", "--data-dir", str(data_dir), "--num-workers", "1"),
+        lambda: synthetic(2, work, steps=50),
+    )
+    comparisons.append(compare("data: CIFAR-10 files vs synthetic", "images_per_second", "cifar10 on disk", disk,
+                               "synthetic", syn) | {"target": "~1 (loader keeps up)"})
+
+    allreduce_out = work / "allreduce.json"
+    run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out)])
+    results = {"machine": machine(), "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "comparisons": comparisons, "allreduce": json.loads(allreduce_out.read_text())}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "results.md").write_text(markdown(results))
+    plots(results, args.out)
+    print(markdown(results))
+    print(f"results in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
