@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
-from mpiddp.config import Config
+from mpiddp.config import ON_DISK_DATASETS, Config
 from mpiddp.errors import UserError
 from mpiddp.topology import Topology
 
@@ -296,8 +296,7 @@ def build_loaders(cfg: Config, datasets: Datasets, topo: Topology, device: torch
         batches = SyntheticBatches(inputs, labels, cfg.steps_per_epoch)
         return Loaders(batches, None, None, cfg.steps_per_epoch * cfg.batch_size, 0, datasets.num_classes, cfg.batch_size)
     assert datasets.eval is not None
-    on_disk = cfg.dataset in ("cifar10", "mnist", "imagefolder")
-    workers = cfg.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time
+    workers = cfg.num_workers if cfg.dataset in ON_DISK_DATASETS else 0  # in-memory tensors: workers would only add start-up time
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": device.type == "cuda"}
     if workers > 0:
         loader_options.update(
