@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,6 @@ log = logging.getLogger("mpiddp")
 
 
 def _configure_torch(cfg: Config) -> None:
-    import os
-
     import torch
 
     if cfg.deterministic:
@@ -114,12 +112,7 @@ def run(cfg: Config, ctx: DistContext, run_dir: Path, stop: Any) -> dict:
         cfg.batch_size * topo.world_size * cfg.grad_accum, cfg.batch_size, topo.world_size, cfg.grad_accum,
     )
     run_logger, wandb_run_id = make_run_logger(cfg, run_dir, topo, resume_id)
-    watchdog = Watchdog(
-        cfg.hang_timeout_s, topo.rank, topo.world_size, topo.label,
-        torch.distributed.TCPStore(ctx.master_addr, ctx.master_port, topo.world_size, False,
-                                   timeout=timedelta(seconds=10)) if cfg.hang_timeout_s > 0 else None,
-        comm.Abort,
-    ).start()
+    watchdog = Watchdog.for_job(cfg.hang_timeout_s, topo, ctx.master_addr, ctx.master_port, comm.Abort).start()
 
     def save(train_state: Any) -> None:
         watchdog.beat("save", train_state.step)

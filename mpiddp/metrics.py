@@ -18,6 +18,9 @@ from mpiddp.topology import Topology
 
 log = logging.getLogger(__name__)
 
+_IMPORT_TIME = time.time()  # fallback for process_start_time where /proc is missing
+WANDB_INIT_TIMEOUT_S = 60
+
 
 def allreduce(comm: Any, values: Sequence[float], op: str) -> list[float]:
     """Element-wise sum or max of a short vector across all ranks, in one MPI call."""
@@ -156,8 +159,6 @@ def start_wandb(cfg: Config, run_dir: Path, resume_id: str | None) -> WandbLogge
     return None
 
 
-WANDB_INIT_TIMEOUT_S = 60
-
 
 def make_run_logger(cfg: Config, run_dir: Path, topo: Topology, resume_id: str | None) -> tuple[RunLogger, str | None]:
     """Rank 0: metrics.jsonl plus wandb; every other rank: a logger that does nothing (and never imports wandb)."""
@@ -179,9 +180,6 @@ def process_start_time() -> float:
         return time.time() - seconds_since_boot + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return _IMPORT_TIME
-
-
-_IMPORT_TIME = time.time()
 
 
 def distribution(values: Sequence[float]) -> dict[str, float]:

@@ -13,7 +13,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
+
+from mpiddp.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,17 @@ class Watchdog:
         self.last_beat = time.monotonic()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
+
+    @classmethod
+    def for_job(cls, timeout_s: float, topo: Topology, address: str, port: int,
+                abort: Callable[[int], None]) -> Watchdog:
+        """A watchdog with its own connection to the rendezvous store (none when it is turned off)."""
+        store = None
+        if timeout_s > 0:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(address, port, topo.world_size, False, timeout=timedelta(seconds=10))
+        return cls(timeout_s, topo.rank, topo.world_size, topo.label, store, abort)
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
