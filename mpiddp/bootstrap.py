@@ -1,167 +1,49 @@
-"""From mpirun to a torch process group: agreement on errors, rendezvous, device, set-up/teardown, abort on failure."""
+"""From mpirun to a torch process group: MPI and topology, device, rendezvous, set-up and teardown.
+
+Together with topology and collective, the only module that touches MPI and launcher variables; it hands
+everything else one typed `Dist`.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-import sys
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
-from types import TracebackType
-from typing import Any, TypeVar
 
-from mpiddp.config import Config, HelpRequested
+from mpiddp.collective import Dist, MpiTransport, Rendezvous, agree_on
+from mpiddp.config import Config
 from mpiddp.errors import AgreedError, UserError
-from mpiddp.netif import choose_network, local_interfaces
+from mpiddp.failfast import FailFast
+from mpiddp.netif import Interface, choose_network, local_interfaces
 from mpiddp.stopping import Stopped
-from mpiddp.topology import LauncherMismatch, Topology
+from mpiddp.topology import Topology, build_topology, check_launcher, gather_records, init_mpi
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-EXIT_CRASH = 1
-EXIT_USER_ERROR = 2
-EXIT_STOPPED = 3  # a stop signal: every rank saved a snapshot at the same step; --resume continues
-EXIT_INTERRUPTED = 130
 
 
-def agree(comm: Any, attempt: Callable[[], T]) -> T:
-    """Collective: run `attempt` on every rank; if a user error hits any rank, every rank raises AgreedError.
-
-    Only errors the user can fix are agreed on; anything else propagates and aborts the job.
-    """
-    problem: tuple[str, str] | None = None
-    try:
-        result = attempt()
-    except AgreedError:
-        raise  # already raised on every rank
-    except HelpRequested as exc:
-        result, problem = None, ("help", exc.text)  # type: ignore[assignment]
-    except UserError as exc:
-        result, problem = None, ("error", str(exc))  # type: ignore[assignment]
-    problems = comm.allgather(problem)
-    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
-    if not failed:
-        return result
-    if all(kind == "help" for _, (kind, _) in failed):
-        raise AgreedError(failed[0][1][1], 0, to_stdout=True)
-    errors = [(rank, text) for rank, (kind, text) in failed if kind == "error"]
-    texts = {text for _, text in errors}
-    if len(texts) == 1 and len(errors) == comm.Get_size():
-        raise AgreedError(f"error: {errors[0][1]}", EXIT_USER_ERROR)
-    lines = [f"error on rank {rank}: {text}" for rank, text in errors]
-    raise AgreedError("\n".join(lines), EXIT_USER_ERROR)
+def connect(guard: FailFast | None = None) -> Dist:
+    """Collective: initialise MPI, check the launcher and learn the job's layout. Every rank raises the same
+    AgreedError when the layout cannot work; `guard` learns the Dist so it can abort the whole job."""
+    comm = init_mpi()
+    transport = MpiTransport(comm)
+    if guard is not None:
+        guard.dist = Dist(_provisional_topology(transport), transport)
+    check_launcher(comm)
+    records, mpi_library = gather_records(comm)
+    topology = agree_on(transport, lambda: build_topology(transport.rank, records, mpi_library))
+    dist = Dist(topology, transport)
+    if guard is not None:
+        guard.dist = dist
+    return dist
 
 
-class FailFast:
-    """Turns any failure on any rank into the end of the whole job, with one report from the failing rank.
-
-    A rank that raises (or calls sys.exit, even with 0) while its peers may sit in a collective would leave
-    them blocked forever; MPI_Abort is the only way out that works whatever the peers are doing.
-    """
-
-    def __init__(self) -> None:
-        self.comm: Any = None
-        self.topology: Topology | None = None
-        # Once the rendezvous store exists: True for the first failing rank only, so one full report is printed.
-        self.claim_report: Callable[[], bool] | None = None
-
-    def __enter__(self) -> FailFast:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
-        if exc is None:
-            return False
-        if isinstance(exc, AgreedError):
-            self._exit_agreed(exc)
-        self._abort(exc)
-        return False  # not reached: both paths end the process
-
-    def _world_size(self) -> int:
-        return 1 if self.comm is None else self.comm.Get_size()
-
-    def _rank(self) -> int:
-        return 0 if self.comm is None else self.comm.Get_rank()
-
-    def _first_to_report(self) -> bool:
-        if self.claim_report is None:
-            return True
-        try:
-            return self.claim_report()
-        except Exception:
-            # The store died with rank 0: that failure is the root cause (mpirun names it); this one follows.
-            return False
-
-    def _exit_agreed(self, exc: AgreedError) -> None:
-        if self._rank() == 0 and exc.message:
-            stream = sys.stdout if exc.to_stdout else sys.stderr
-            prefix = "" if exc.to_stdout else "mpiddp: "
-            stream.write(f"{prefix}{exc.message.rstrip()}\n")
-            stream.flush()
-        _flush_logs()
-        raise SystemExit(exc.exit_code)
-
-    def _abort(self, exc: BaseException) -> None:
-        if isinstance(exc, LauncherMismatch):
-            # Each process is alone in its world: let the launcher's rank 0 alone explain.
-            if exc.launcher_rank == 0:
-                _report(f"mpiddp: error: {exc}")
-            raise SystemExit(EXIT_USER_ERROR)
-        where = self.topology.label if self.topology is not None else f"rank {self._rank()} on {_hostname()}"
-        if isinstance(exc, UserError):
-            code, text = EXIT_USER_ERROR, f"mpiddp: error on {where}: {exc}"
-        elif isinstance(exc, SystemExit):
-            code = exc.code if isinstance(exc.code, int) and exc.code != 0 else EXIT_CRASH
-            text = (
-                f"mpiddp: {where} exited early (status {exc.code}) while the other ranks may be waiting "
-                f"for it; ending the job"
-            )
-        elif isinstance(exc, KeyboardInterrupt):
-            code, text = EXIT_INTERRUPTED, f"mpiddp: {where} interrupted; ending the job"
-        elif self._first_to_report():
-            formatted = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-            code, text = EXIT_CRASH, f"mpiddp: {where} failed; ending the job.\n{formatted}"
-        else:
-            code, text = EXIT_CRASH, f"mpiddp: {where} also failed: {type(exc).__name__}: {exc}"
-        _report(text)
-        if self._world_size() > 1:
-            self.comm.Abort(code)
-        raise SystemExit(code)
-
-
-def _hostname() -> str:
-    return socket.gethostname()
-
-
-def _flush_logs() -> None:
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-
-
-def _report(text: str) -> None:
-    _flush_logs()
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
-@dataclass(frozen=True)
-class DistContext:
-    """What the rest of the job needs from the distributed set-up."""
-
-    topology: Topology
-    comm: Any  # the MPI communicator of the job, for barriers and metric reductions
-    device: Any  # torch.device
-    backend: str
-    master_addr: str
-    master_port: int
-    num_threads: int
-    interface_per_host: dict[str, str]  # the network interface gloo/NCCL use on each host (empty: left to them)
+def _provisional_topology(transport: MpiTransport) -> Topology:
+    """Enough of a topology to report and abort with before the real one is known."""
+    host = socket.gethostname()
+    return Topology(transport.rank, transport.size, 0, 1, 0, 1, host, ((host, (transport.rank,)),))
 
 
 def choose_device(cfg: Config, topo: Topology) -> tuple[str, str]:
@@ -201,67 +83,90 @@ def fair_thread_count(cfg: Config, topo: Topology) -> int:
     return max(1, min(allowed, cores // topo.local_world_size))
 
 
-def _choose_address(cfg: Config, topo: Topology, comm: Any) -> tuple[str, dict[str, str]]:
-    """Collective: the address rank 0 advertises, and the interface gloo/NCCL should use on each host.
+def choose_address(cfg: Config, topo: Topology, per_host: list[list[Interface]]) -> tuple[str, dict[str, str]]:
+    """The address rank 0 advertises, and the interface gloo/NCCL should use on each host (empty: theirs).
 
-    Unless the user set them, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are pointed at that interface on every
-    host, so the collectives use the same network as the rendezvous.
+    `per_host` holds every host's interfaces, in host order. Pure: every rank computes the same answer.
     """
-    interfaces = local_interfaces() if topo.local_rank == 0 else None
-    gathered = comm.allgather(interfaces)
     host_names = [name for name, _ in topo.hosts]
-    per_host = [gathered[ranks[0]] for _, ranks in topo.hosts]
     if cfg.iface:
         missing = [host for host, found in zip(host_names, per_host) if cfg.iface not in {i.name for i in found}]
         if missing:
             raise UserError(f"--iface {cfg.iface} has no IPv4 address on {', '.join(missing)}")
         address = next(i.address for i in per_host[0] if i.name == cfg.iface)
-        chosen = {host: cfg.iface for host in host_names}
-    elif cfg.master_addr:
+        return cfg.master_addr or address, {host: cfg.iface for host in host_names}
+    if cfg.master_addr:
         return cfg.master_addr, {}
-    else:
-        choice = choose_network(per_host, host_names)
-        address, chosen = choice.master_addr, dict(zip(host_names, choice.interface_per_host))
-    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, chosen[topo.hostname])
-    log.info("rendezvous on %s; gloo/NCCL interface per host: %s", cfg.master_addr or address, chosen)
-    return cfg.master_addr or address, chosen
+    choice = choose_network(per_host, host_names)
+    return choice.master_addr, dict(zip(host_names, choice.interface_per_host))
 
 
-def _rendezvous(cfg: Config, topo: Topology, comm: Any, address: str) -> tuple[tuple[Any, Any], str, int]:
-    """Rank 0 opens a TCPStore on a kernel-chosen port and broadcasts (address, port); the others connect."""
-    import torch.distributed as dist
+def _agree_on_address(cfg: Config, dist: Dist) -> tuple[str, dict[str, str]]:
+    """Collective: gather each host's interfaces, agree on the address and the interface per host.
 
-    timeout = timedelta(seconds=cfg.rendezvous_timeout_s)
-    store = listener = None
-    opened: tuple[str, int] | str
-    if topo.is_main:
+    Unless the user set them, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are pointed at that interface on every
+    host, so the collectives use the same network as the rendezvous.
+    """
+    topo = dist.topology
+    gathered = dist.allgather(local_interfaces() if topo.local_rank == 0 else None)
+    per_host = [gathered[ranks[0]] or [] for _, ranks in topo.hosts]
+    address, chosen = dist.agree(lambda: choose_address(cfg, topo, per_host))
+    if chosen:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, chosen[topo.hostname])
+        log.info("rendezvous on %s; gloo/NCCL interface per host: %s", address, chosen)
+    return address, chosen
+
+
+class _Store:
+    """Rank 0's rendezvous store and the socket it listens on (None on the other ranks until they connect)."""
+
+    def __init__(self) -> None:
+        self.store: object | None = None
+        self.listener: socket.socket | None = None
+
+    def open_on_main(self, address: str, world_size: int, timeout: timedelta) -> tuple[str, int]:
+        import torch.distributed as dist
+
         try:
-            # Our own socket, bound to the chosen address only (not every interface), port picked by the kernel.
-            listener = socket.create_server((address, 0), backlog=max(128, topo.world_size))
-            store = dist.TCPStore(
-                address, listener.getsockname()[1], topo.world_size, True, timeout=timeout,
-                wait_for_workers=False, master_listen_fd=listener.fileno(),
+            # Our own socket, bound to the chosen address only (not every interface), port picked by the kernel:
+            # no free-port race.
+            self.listener = socket.create_server((address, 0), backlog=max(128, world_size))
+            self.store = dist.TCPStore(
+                address, self.listener.getsockname()[1], world_size, True, timeout=timeout,
+                wait_for_workers=False, master_listen_fd=self.listener.fileno(),
             )
-            opened = (address, store.port)
-        except Exception as exc:  # reported on every rank below, so nobody waits for a store that never opened
-            opened = f"rank 0 on {topo.hostname} could not open the rendezvous store on {address}: {exc}"
-    else:
-        opened = ""
-    opened = comm.bcast(opened, root=0)
-    if isinstance(opened, str):
-        raise UserError(opened + " (use --master-addr with an address of this host)")
-    address, port = opened
-    if store is None:
-        try:
-            store = dist.TCPStore(address, port, topo.world_size, False, timeout=timeout)
         except Exception as exc:
             raise UserError(
-                f"{topo.label} could not reach rank 0's rendezvous store at {address}:{port} within "
-                f"{cfg.rendezvous_timeout_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-                f"Check that {topo.hostname} can reach {address} (firewall, wrong interface) or set --master-addr"
+                f"rank 0 on {socket.gethostname()} could not open the rendezvous store on {address}: {exc} "
+                f"(use --master-addr with an address of this host)"
             ) from None
-    return (store, listener), address, port
+        return address, self.store.port  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+
+
+def _rendezvous(cfg: Config, dist: Dist, address: str) -> tuple[_Store, str, int]:
+    """Collective: rank 0 opens a TCPStore on a kernel-chosen port and broadcasts (address, port); the others
+    connect to it."""
+    import torch.distributed as tdist
+
+    timeout = timedelta(seconds=cfg.rendezvous_timeout_s)
+    holder = _Store()
+    address, port = dist.from_main(lambda: holder.open_on_main(address, dist.world_size, timeout))
+    if holder.store is None:
+        try:
+            holder.store = tdist.TCPStore(address, port, dist.world_size, False, timeout=timeout)
+        except Exception as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            raise UserError(
+                f"{dist.label} could not reach rank 0's rendezvous store at {address}:{port} within "
+                f"{cfg.rendezvous_timeout_s:g} s ({type(exc).__name__}: {detail}). "
+                f"Check that {dist.topology.hostname} can reach {address} (firewall, wrong interface) or set --master-addr"
+            ) from None
+    return holder, address, port
 
 
 def export_environment(topo: Topology, address: str, port: int) -> None:
@@ -278,56 +183,55 @@ def export_environment(topo: Topology, address: str, port: int) -> None:
 
 
 @contextmanager
-def distributed(cfg: Config, topo: Topology, comm: Any, guard: FailFast | None = None) -> Iterator[DistContext]:
-    """Set up the torch process group for this job; tear it down on a clean exit, or when every rank raised
-    together (AgreedError, Stopped). After any other exception there is no teardown: FailFast aborts the whole
-    job, the only safe end when peers may be blocked in a collective.
+def distributed(cfg: Config, dist: Dist, guard: FailFast | None = None) -> Iterator[Dist]:
+    """Collective: set up the torch process group and yield the Dist placed on its device. Tear it down on a
+    clean exit, or when every rank raised together (AgreedError, Stopped). After any other exception there
+    is no teardown: FailFast aborts the whole job, the only safe end when peers may be blocked in a collective.
     """
     import torch
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
-    device_type, backend = agree(comm, lambda: choose_device(cfg, topo))
+    topo = dist.topology
+    device_type, backend = dist.agree(lambda: choose_device(cfg, topo))
+    device_index = topo.local_rank if device_type == "cuda" else None
     if device_type == "cuda":
-        device = torch.device("cuda", topo.local_rank)
-        torch.cuda.set_device(device)  # before the process group, so nothing lands on GPU 0 by accident
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(device_index)  # before the process group, so nothing lands on GPU 0 by accident
     num_threads = fair_thread_count(cfg, topo)
     torch.set_num_threads(num_threads)
 
-    address, interface_per_host = agree(comm, lambda: _choose_address(cfg, topo, comm))
-    (store, listener), address, port = _rendezvous(cfg, topo, comm, address)
+    address, interface_per_host = _agree_on_address(cfg, dist)
+    store, address, port = _rendezvous(cfg, dist, address)
     export_environment(topo, address, port)
     if guard is not None:
         # A separate client with a short timeout, so reporting a failure can never hang on the store.
-        reporter = dist.TCPStore(address, port, topo.world_size, False, timeout=timedelta(seconds=2))
+        reporter = tdist.TCPStore(address, port, topo.world_size, False, timeout=timedelta(seconds=2))
         guard.claim_report = lambda: reporter.add("mpiddp/failures", 1) == 1
-    dist.init_process_group(
+    placed = dist.placed(device_type, device_index, backend, Rendezvous(address, port, interface_per_host), num_threads)
+    tdist.init_process_group(
         backend=backend,
-        store=store,
+        store=store.store,
         rank=topo.rank,
         world_size=topo.world_size,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
-        device_id=device if device_type == "cuda" else None,
+        device_id=placed.device if device_type == "cuda" else None,
     )
     log.info(
         "process group ready: %s on %s, %d ranks on %d hosts, rendezvous %s:%d, %d CPU threads per rank",
         backend, device_type, topo.world_size, topo.num_hosts, address, port, num_threads,
     )
     try:
-        yield DistContext(topo, comm, device, backend, address, port, num_threads, interface_per_host)
+        yield placed
     except (AgreedError, Stopped):
-        _teardown(comm, listener)  # raised on every rank at the same point: a clean teardown is safe
+        _teardown(dist, store)  # raised on every rank at the same point: a clean teardown is safe
         raise
-    _teardown(comm, listener)
+    _teardown(dist, store)
 
 
-def _teardown(comm: Any, listener: socket.socket | None) -> None:
-    import torch.distributed as dist
+def _teardown(dist: Dist, store: _Store) -> None:
+    import torch.distributed as tdist
 
     # Wait for every rank before tearing down, so a fast rank never destroys the group (or finalises MPI)
     # while a slow one still talks to it.
-    comm.Barrier()
-    dist.destroy_process_group()
-    if listener is not None:
-        listener.close()
+    dist.barrier()
+    tdist.destroy_process_group()
+    store.close()

@@ -11,14 +11,12 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 
 from mpiddp import preflight
-from mpiddp.bootstrap import DistContext
+from mpiddp.collective import Dist
 from mpiddp.config import Config
-from mpiddp.metrics import allreduce, wandb_mode
+from mpiddp.metrics import wandb_mode
 from mpiddp.topology import Topology
 
 ALLREDUCE_SIZES = tuple(4 ** k * 1024 for k in range(0, 7))  # bytes per rank: 1 KiB .. 4 MiB
@@ -30,45 +28,28 @@ def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
     return algorithm_bandwidth * 2 * (world_size - 1) / world_size if world_size > 1 else algorithm_bandwidth
 
 
-def mpi_pingpong(comm: Any, topo: Topology, nbytes: int, repeats: int) -> float:
-    """Collective: median one-way time (s) between rank 0 and the last rank (on another host when there is one)."""
-    peer = topo.world_size - 1
-    buffer = np.zeros(max(1, nbytes), dtype=np.uint8)
-    times = []
-    comm.Barrier()
-    for _ in range(repeats):
-        started = time.perf_counter()
-        if topo.rank == 0:
-            comm.Send(buffer, dest=peer)
-            comm.Recv(buffer, source=peer)
-        elif topo.rank == peer:
-            comm.Recv(buffer, source=0)
-            comm.Send(buffer, dest=0)
-        times.append((time.perf_counter() - started) / 2)
-    return float(comm.bcast(np.median(times), root=0))
-
-
-def allreduce_bandwidth(ctx: DistContext, nbytes: int, repeats: int = 5) -> dict[str, float]:
+def allreduce_bandwidth(dist: Dist, nbytes: int, repeats: int = 5) -> dict[str, float]:
     """Collective: torch.distributed all-reduce of `nbytes` float32; the slowest rank's median time."""
     import torch
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
-    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=ctx.device)
+    device = dist.device
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     for _ in range(2):
-        dist.all_reduce(tensor)
+        tdist.all_reduce(tensor)
     times = []
     for _ in range(repeats):
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         started = time.perf_counter()
-        dist.all_reduce(tensor)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
+        tdist.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
-    (seconds,) = allreduce(ctx.comm, [float(np.median(times))], "max")
+    (seconds,) = dist.reduce([float(np.median(times))], "max")
     algbw = nbytes / seconds
     return {"bytes": nbytes, "time_s": seconds, "algbw_GBps": algbw / 1e9,
-            "busbw_GBps": bus_bandwidth(algbw, ctx.topology.world_size) / 1e9}
+            "busbw_GBps": bus_bandwidth(algbw, dist.world_size) / 1e9}
 
 
 def write_test(directory: Path, topo: Topology) -> str | None:
@@ -101,51 +82,53 @@ def wandb_status(cfg: Config) -> tuple[str, str | None]:
     return f"{mode} (wandb {wandb.__version__})", None
 
 
-def device_names(ctx: DistContext) -> str:
+def device_names(dist: Dist) -> str:
     import torch
 
-    if ctx.device.type != "cuda":
+    if dist.device.type != "cuda":
         return "cpu"
-    props = torch.cuda.get_device_properties(ctx.device)
-    return f"{ctx.device} {props.name} GPU-{props.uuid}"
+    props = torch.cuda.get_device_properties(dist.device)
+    return f"{dist.device} {props.name} GPU-{props.uuid}"
 
 
-def run_check(cfg: Config, ctx: DistContext, run_root: Path) -> tuple[int, str]:
+def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
     """Collective: (exit status, report). Every rank returns the same status; rank 0's report is the one to print."""
-    topo, comm = ctx.topology, ctx.comm
+    topo = dist.topology
+    rendezvous = dist.rendezvous
+    assert rendezvous is not None, "check runs inside the process group"
     problems: list[str] = []
 
-    prints = comm.allgather(preflight.fingerprint(cfg, topo))
+    prints = dist.allgather(preflight.fingerprint(cfg, topo))
     problems += preflight.differences(prints, topo)
-    devices = comm.allgather(device_names(ctx))
+    devices = dist.allgather(device_names(dist))
     lines = ["mpiddp check", "", f"{'host':<16} {'world ranks':<14} {'local':<8} device"]
     for host, ranks in topo.hosts:
         for local_rank, rank in enumerate(ranks):
             first = host if local_rank == 0 else ""
             lines.append(f"{first:<16} {rank:<14} {local_rank:<8} {devices[rank]}")
-    lines += ["", f"MPI: {topo.mpi_library}", f"backend: {ctx.backend} on {ctx.device.type}; rendezvous "
-              f"{ctx.master_addr}:{ctx.master_port}; interfaces {ctx.interface_per_host or 'left to gloo/NCCL'}"]
+    lines += ["", f"MPI: {topo.mpi_library}", f"backend: {dist.backend} on {dist.device.type}; rendezvous "
+              f"{rendezvous.master_addr}:{rendezvous.master_port}; interfaces "
+              f"{rendezvous.interface_per_host or 'left to gloo/NCCL'}"]
     versions = {k: v for k, v in prints[0].items() if not k.startswith("_")}
     lines.append(f"fingerprint: {'same on every rank' if not problems else 'DIFFERS'}: {versions}")
 
     if topo.world_size > 1:
-        latency = mpi_pingpong(comm, topo, 8, 200)
-        big = mpi_pingpong(comm, topo, MPI_BANDWIDTH_BYTES, 10)
+        latency = dist.pingpong(topo.world_size - 1, 8, 200)
+        big = dist.pingpong(topo.world_size - 1, MPI_BANDWIDTH_BYTES, 10)
         lines.append(f"MPI rank 0 <-> rank {topo.world_size - 1}: latency {latency * 1e6:.1f} us, "
                      f"bandwidth {MPI_BANDWIDTH_BYTES / big / 1e9:.2f} GB/s")
-        lines += ["", f"{ctx.backend} all-reduce (float32, {topo.world_size} ranks)",
+        lines += ["", f"{dist.backend} all-reduce (float32, {topo.world_size} ranks)",
                   f"{'bytes':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
         for nbytes in ALLREDUCE_SIZES:
-            row = allreduce_bandwidth(ctx, nbytes)
+            row = allreduce_bandwidth(dist, nbytes)
             lines.append(f"{nbytes:>10} {row['time_s'] * 1e6:>10.1f} {row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f}")
 
-    failures = [f for f in comm.allgather(write_test(run_root, topo)) if f]
+    failures = [f for f in dist.allgather(write_test(run_root, topo)) if f]
     problems += failures
     lines.append("")
     lines.append(f"run directory {run_root}: " + ("writable on every host" if not failures else "NOT writable"))
 
-    wandb_line, wandb_problem = wandb_status(cfg) if topo.is_main else ("", None)
-    wandb_line, wandb_problem = comm.bcast((wandb_line, wandb_problem), root=0)
+    wandb_line, wandb_problem = dist.from_main(lambda: wandb_status(cfg))
     lines.append(f"wandb: {wandb_line}")
     if wandb_problem:
         problems.append(wandb_problem)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from mpiddp.config import ON_DISK_DATASETS, Config
 from mpiddp.errors import UserError
-from mpiddp.topology import Topology
+from mpiddp.collective import Dist
 
 DIGITS_TEST_FRACTION = 0.2
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -224,18 +224,18 @@ def _transforms(cfg: Config, channels: int) -> tuple[Any, Any]:
     return train, evaluation
 
 
-def fetch(cfg: Config, topo: Topology, comm: Any) -> None:
+def fetch(cfg: Config, dist: Dist) -> None:
     """Collective: with --download, local rank 0 of each host fetches the dataset while the others wait.
 
     One download per host, never one per rank: concurrent writers corrupt the archive.
     """
-    if cfg.download and topo.local_rank == 0:
+    if cfg.download and dist.topology.local_rank == 0:
         import torchvision
 
         dataset_class = torchvision.datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision.datasets.MNIST
         for train in (True, False):
             dataset_class(root=cfg.data_dir, train=train, download=True)
-    comm.Barrier()
+    dist.barrier()
 
 
 def load_datasets(cfg: Config, model_channels_for: Any) -> Datasets:
@@ -287,7 +287,9 @@ def load_datasets(cfg: Config, model_channels_for: Any) -> Datasets:
     return Datasets(folders["train"], folders["val"], len(folders["train"].classes), channels)
 
 
-def build_loaders(cfg: Config, datasets: Datasets, topo: Topology, device: torch.device) -> Loaders:
+def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
+    """This rank's loaders: its shard of the training set (reshuffled per epoch) and of the eval set."""
+    topo, device = dist.topology, dist.device
     if datasets.train is None:
         size = cfg.image_size or 32
         generator = torch.Generator(device=device).manual_seed(cfg.seed + topo.rank)

@@ -13,3 +13,11 @@ class AgreedError(UserError):
         self.message = message
         self.exit_code = exit_code
         self.to_stdout = to_stdout
+
+
+class HelpRequested(Exception):
+    """`--help` or `--version`: rank 0 prints the text, every rank exits 0."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text

@@ -1,4 +1,4 @@
-"""Metric reductions over MPI, the run's metric log (rank 0 writes, a do-nothing logger elsewhere), the summary."""
+"""The run's metric log (rank 0 writes, a do-nothing logger elsewhere), the summary."""
 
 from __future__ import annotations
 
@@ -20,17 +20,6 @@ log = logging.getLogger(__name__)
 
 _IMPORT_TIME = time.time()  # fallback for process_start_time where /proc is missing
 WANDB_INIT_TIMEOUT_S = 60
-
-
-def allreduce(comm: Any, values: Sequence[float], op: str) -> list[float]:
-    """Element-wise sum or max of a short vector across all ranks, in one MPI call."""
-    from mpi4py import MPI
-
-    ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-    send = np.asarray(values, dtype=np.float64)
-    receive = np.empty_like(send)
-    comm.Allreduce(send, receive, op=ops[op])
-    return receive.tolist()
 
 
 class RunLogger(Protocol):

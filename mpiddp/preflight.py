@@ -6,8 +6,8 @@ import hashlib
 import json
 import platform
 from pathlib import Path
-from typing import Any
 
+from mpiddp.collective import Dist
 from mpiddp.config import Config
 from mpiddp.errors import AgreedError
 from mpiddp.topology import Topology
@@ -65,11 +65,11 @@ def _host_of(rank: int, topo: Topology) -> str:
     return next(name for name, ranks in topo.hosts if rank in ranks)
 
 
-def check(cfg: Config, topo: Topology, comm: Any) -> dict[str, str]:
+def check(cfg: Config, dist: Dist) -> dict[str, str]:
     """Collective: gather every rank's fingerprint; every rank raises the same AgreedError on a mismatch."""
-    mine = fingerprint(cfg, topo)
-    prints = comm.allgather(mine)
-    problems = differences(prints, topo)
+    mine = fingerprint(cfg, dist.topology)
+    prints = dist.allgather(mine)
+    problems = differences(prints, dist.topology)
     if problems:
         raise AgreedError(
             "error: the ranks of this job do not run the same thing:\n  " + "\n  ".join(problems)

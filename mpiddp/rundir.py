@@ -10,8 +10,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from mpiddp.errors import AgreedError, UserError
-from mpiddp.topology import Topology
+from mpiddp.collective import Dist
+from mpiddp.errors import UserError
 
 
 def _create(run_dir: str | None, runs_root: str) -> str:
@@ -36,21 +36,12 @@ def _create(run_dir: str | None, runs_root: str) -> str:
     return str(path.resolve())
 
 
-def prepare_run_dir(run_dir: str | None, runs_root: str, topo: Topology, comm: Any) -> Path:
-    """Collective: global rank 0 creates the directory (naming it when not given) and broadcasts the result.
+def prepare_run_dir(run_dir: str | None, runs_root: str, dist: Dist) -> Path:
+    """Collective: global rank 0 creates the directory (naming it when not given) and every rank learns it.
 
     Every rank raises the same AgreedError when rank 0 could not create it.
     """
-    outcome: tuple[bool, str] | None = None
-    if topo.is_main:
-        try:
-            outcome = (True, _create(run_dir, runs_root))
-        except UserError as exc:
-            outcome = (False, str(exc))
-    ok, text = comm.bcast(outcome, root=0)
-    if not ok:
-        raise AgreedError(f"error: {text}")
-    return Path(text)
+    return Path(dist.from_main(lambda: _create(run_dir, runs_root)))
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    from mpiddp.collective import Dist
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +35,13 @@ class StopRequest:
             signal.signal(signum, self._handle)
         return self
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum:
             # A second signal: the user wants out now, snapshot or not.
             raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}")
         self.signum = signum
         log.warning("received %s: stopping after the current step and saving a snapshot", signal.Signals(signum).name)
 
-    def agreed(self, comm: Any) -> int:
-        """Collective, once per step: the signal any rank received (0 if none). A 4-byte MPI reduction."""
-        from mpi4py import MPI
-
-        mine = np.array([self.signum], dtype=np.int32)
-        everyone = np.empty_like(mine)
-        comm.Allreduce(mine, everyone, op=MPI.MAX)
-        return int(everyone[0])
+    def agreed(self, dist: Dist) -> int:
+        """Collective, once per step: the signal any rank received (0 if none)."""
+        return dist.agree_stop(self.signum)

@@ -193,11 +193,10 @@ def check_launcher(comm: Any) -> None:
     raise LauncherMismatch(message, launcher_rank=info.rank)
 
 
-def discover(comm: Any) -> Topology:
-    """Collective: every rank learns the layout of the whole job."""
+def gather_records(comm: Any) -> tuple[list[RankRecord], str]:
+    """Collective: every rank's self-description, in world-rank order, and the MPI library's name."""
     from mpi4py import MPI
 
-    check_launcher(comm)
     local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
         host_leader = local_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
@@ -206,5 +205,4 @@ def discover(comm: Any) -> Topology:
         )
     finally:
         local_comm.Free()
-    records = comm.allgather(record)
-    return build_topology(comm.Get_rank(), records, mpi_library_version())
+    return comm.allgather(record), mpi_library_version()

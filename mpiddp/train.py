@@ -1,4 +1,5 @@
-"""The training loop: steps, evaluation, and the cadence of logging and saving. It never decides *who* logs or saves."""
+"""The training loop from parts: a step, an epoch, evaluation, and the cadence of logging and saving.
+It never decides *who* logs or saves: the hooks main.py hands it do."""
 
 from __future__ import annotations
 
@@ -7,29 +8,31 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
+from mpiddp.collective import Dist
 from mpiddp.config import Config, FaultInjection
 from mpiddp.data import Loaders
 from mpiddp.log import make_progress, progress_wanted
-from mpiddp.metrics import RunLogger, allreduce
+from mpiddp.metrics import RunLogger
+from mpiddp.state import TrainState, optimizer_steps_per_epoch
 from mpiddp.stopping import Stopped, StopRequest
-from mpiddp.topology import Topology
 
 log = logging.getLogger(__name__)
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class RankTiming:
-    """This rank's own clock readings; gathered over MPI at the end, never synchronised per step."""
+    """This rank's own clock readings; gathered at the end, never synchronised per step."""
 
     warmup_steps: int
     step_times: list[float] = field(default_factory=list)
@@ -47,18 +50,37 @@ class RankTiming:
 
 
 @dataclass
-class TrainState:
-    """Everything a snapshot holds, plus the wrapped model the loop runs."""
+class Meter:
+    """Summed training loss (on the device: read back only when reduced), images and seconds on this rank."""
 
-    model: nn.Module  # what forward() is called on: DDP, possibly compiled
-    ddp: Any  # the DistributedDataParallel module, for no_sync()
-    unwrapped: nn.Module  # the plain model: evaluation and state_dict
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    epoch: int = 0  # completed epochs
-    step: int = 0  # completed optimizer steps
-    batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)
+    loss: torch.Tensor
+    images: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def on(cls, device: torch.device) -> Meter:
+        return cls(torch.zeros((), device=device))
+
+    def add(self, loss_sum: torch.Tensor, images: int, seconds: float) -> None:
+        self.loss += loss_sum
+        self.images += images
+        self.seconds += seconds
+
+    def reduced(self, dist: Dist) -> tuple[float, int, float]:
+        """Collective: (mean loss per image, images, seconds of the slowest rank) over the whole job."""
+        loss_total, images = dist.reduce([self.loss.item(), self.images], "sum")
+        (slowest,) = dist.reduce([self.seconds], "max")
+        return loss_total / max(1.0, images), int(images), slowest
+
+
+@dataclass
+class Hooks:
+    """What the loop calls out to. On ranks other than 0 the logger does nothing; `save` is collective."""
+
+    log: RunLogger
+    save: Callable[[TrainState], None]
+    stop: StopRequest
+    heartbeat: Callable[[str, int], None] = lambda phase, step: None
 
 
 @dataclass
@@ -67,25 +89,56 @@ class TrainOutcome:
     timing: RankTiming
 
 
-def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """One plain optimisation step; DDP averages the gradients across ranks inside backward()."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(inputs), targets)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
-def autocast_for(amp: str, device: torch.device) -> Any:
+def autocast_for(amp: str, device: torch.device) -> ContextManager[Any]:
     if amp == "off":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
 
 
+def micro_batch_groups(batches: Iterable[Batch], grad_accum: int) -> Iterator[list[Batch]]:
+    """Consecutive groups of `grad_accum` micro-batches, one per optimizer step; the last may be shorter."""
+    group: list[Batch] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == grad_accum:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def train_step(
+    state: TrainState, micro_batches: list[Batch], device: torch.device, amp: str = "off",
+    memory_format: torch.memory_format = torch.contiguous_format, loss_fn: nn.Module | None = None,
+) -> tuple[torch.Tensor, int]:
+    """One optimizer step: forward and backward on every micro-batch, gradients all-reduced on the last one
+    only (no_sync before), then scaler, optimizer and schedule. Returns (summed loss on the device, images).
+
+    Each micro-batch's mean loss is divided by their number, so equal micro-batches on every rank give the
+    gradient of the mean loss over the global batch.
+    """
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    loss_sum = torch.zeros((), device=device)
+    images = 0
+    for index, (inputs, targets) in enumerate(micro_batches):
+        inputs = inputs.to(device, non_blocking=True, memory_format=memory_format)
+        targets = targets.to(device, non_blocking=True)
+        with nullcontext() if index == len(micro_batches) - 1 else state.ddp.no_sync():
+            with autocast_for(amp, device):
+                loss = loss_fn(state.model(inputs), targets)
+            state.scaler.scale(loss / len(micro_batches)).backward()
+        loss_sum += loss.detach().float() * len(targets)
+        images += len(targets)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.step += 1
+    return loss_sum, images
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, device: torch.device, amp: str = "off",
+def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, amp: str = "off",
              memory_format: torch.memory_format = torch.contiguous_format,
              heartbeat: Callable[[str, int], None] = lambda phase, step: None,
              step: int = 0) -> tuple[float, float, float]:
@@ -123,137 +176,110 @@ def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
     sys.exit(0 if fault.kind == "exit0" else 1)
 
 
-def optimizer_steps_per_epoch(num_batches: int, grad_accum: int) -> int:
-    return -(-num_batches // grad_accum)
+def step_record(window: Meter, dist: Dist, state: TrainState, epoch: int) -> dict[str, Any]:
+    """Collective: the metric line for the steps since the last one."""
+    loss, images, slowest = window.reduced(dist)
+    return {
+        "kind": "step",
+        "epoch": epoch,
+        "step": state.step,
+        "loss": loss,
+        "lr": state.optimizer.param_groups[0]["lr"],
+        "images_per_second": images / slowest if slowest > 0 else 0.0,
+        "time": time.time(),
+    }
 
 
-def train(
-    cfg: Config,
-    state: TrainState,
-    loaders: Loaders,
-    topo: Topology,
-    comm: Any,
-    device: torch.device,
-    run_logger: RunLogger,
-    save: Callable[[TrainState], None],
-    stop: StopRequest,
-    heartbeat: Callable[[str, int], None] = lambda phase, step: None,
-) -> TrainOutcome:
+def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
+                timing: RankTiming) -> tuple[Meter, list[float]]:
+    """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
+    times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step."""
+    device = dist.device
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    skipped = state.batches_done
+    loaders.set_epoch(epoch, skip_batches=skipped)
+    progress = make_progress(progress_wanted(cfg.progress) and dist.is_main,
+                             optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum), f"epoch {epoch}/{cfg.epochs}")
+    state.model.train()
+    totals, window = Meter.on(device), Meter.on(device)
+    step_times: list[float] = []
+    batches_seen = skipped
+    tick = time.perf_counter()
+    for group in micro_batch_groups(loaders.train, cfg.grad_accum):
+        loss_sum, images = train_step(state, group, device, cfg.amp, memory_format)
+        inject_fault(cfg.inject_fault, dist.rank, state.step)
+        batches_seen += len(group)
+        now = time.perf_counter()
+        elapsed, tick = now - tick, now
+        totals.add(loss_sum, images, elapsed)
+        window.add(loss_sum, images, elapsed)
+        step_times.append(elapsed)
+        timing.record(elapsed, images)
+        progress.update(1)
+        hooks.heartbeat("train", state.step)
+        signum = hooks.stop.agreed(dist)
+        if signum:
+            progress.close()
+            state.batches_done = batches_seen
+            hooks.save(state)
+            raise Stopped(signal.Signals(signum).name, state.step)
+        if state.step % cfg.log_every == 0:
+            record = step_record(window, dist, state, epoch)  # the only per-window sync
+            hooks.log.log(record)
+            progress.update(0, postfix=f"loss {record['loss']:.4f}")
+            window = Meter.on(device)
+    progress.close()
+    return totals, step_times
+
+
+def epoch_record(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
+                 totals: Meter, step_times: list[float]) -> dict[str, Any]:
+    """Collective: evaluate this rank's shard, then one record of the epoch for the whole job."""
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    if loaders.eval is not None:
+        correct, eval_loss, eval_count = evaluate(
+            state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, hooks.heartbeat, state.step
+        )
+    else:
+        correct = eval_loss = eval_count = 0.0
+    train_loss, train_images, slowest = totals.reduced(dist)
+    correct, eval_loss, eval_count = dist.reduce([correct, eval_loss, eval_count], "sum")
+    rank_means = dist.allgather(sum(step_times) / max(1, len(step_times)))
+    assert eval_count == loaders.num_eval, f"evaluated {eval_count} of {loaders.num_eval} test samples"
+    return {
+        "kind": "epoch",
+        "epoch": epoch,
+        "step": state.step,
+        "train_loss": train_loss,
+        "eval_loss": eval_loss / eval_count if eval_count else None,
+        "eval_accuracy": correct / eval_count if eval_count else None,
+        "images_per_second": train_images / slowest if slowest > 0 else 0.0,
+        "epoch_time_s": slowest,
+        "rank_step_time_s": rank_means,
+        "lr": state.optimizer.param_groups[0]["lr"],
+        "time": time.time(),
+    }
+
+
+def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
     """Collective: every rank runs the same number of steps and the same reductions, in the same order.
 
-    `save(state)` is called at the configured epochs, and at the step where the ranks agree to stop on a
+    `hooks.save(state)` runs at the configured epochs, and at the step where the ranks agree to stop on a
     signal; then Stopped is raised on every rank.
     """
-    loss_fn = nn.CrossEntropyLoss()
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     timing = RankTiming(cfg.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
-    show_progress = progress_wanted(cfg.progress) and topo.is_main
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
-        skipped = state.batches_done
-        loaders.set_epoch(epoch, skip_batches=skipped)
-        num_batches = len(loaders.train)
-        steps_per_epoch = optimizer_steps_per_epoch(num_batches, cfg.grad_accum)
-        state.model.train()
-        progress = make_progress(show_progress, steps_per_epoch, f"epoch {epoch}/{cfg.epochs}")
-        epoch_loss = torch.zeros((), device=device)
-        window_loss = torch.zeros((), device=device)
-        epoch_images = window_images = group_images = 0
-        epoch_seconds = window_seconds = 0.0
-        epoch_step_times: list[float] = []
-        tick = time.perf_counter()
-        for index, (inputs, targets) in enumerate(loaders.train):
-            inputs = inputs.to(device, non_blocking=True, memory_format=memory_format)
-            targets = targets.to(device, non_blocking=True)
-            group_start = index - index % cfg.grad_accum
-            group_size = min(cfg.grad_accum, num_batches - group_start)
-            finishes_group = index + 1 == group_start + group_size
-            # Gradients all-reduce only on the last micro-batch of a group.
-            with nullcontext() if finishes_group else state.ddp.no_sync():
-                with autocast_for(cfg.amp, device):
-                    loss = loss_fn(state.model(inputs), targets)
-                state.scaler.scale(loss / group_size).backward()
-            batch = len(targets)
-            epoch_loss += loss.detach().float() * batch
-            window_loss += loss.detach().float() * batch
-            group_images += batch
-            if not finishes_group:
-                continue
-            state.scaler.step(state.optimizer)
-            state.scaler.update()
-            state.optimizer.zero_grad(set_to_none=True)
-            state.scheduler.step()
-            state.step += 1
-            inject_fault(cfg.inject_fault, topo.rank, state.step)
-            epoch_images += group_images
-            window_images += group_images
-            now = time.perf_counter()
-            elapsed, tick = now - tick, now
-            epoch_seconds += elapsed
-            window_seconds += elapsed
-            epoch_step_times.append(elapsed)
-            timing.record(elapsed, group_images)
-            group_images = 0
-            progress.update(1)
-            heartbeat("train", state.step)
-            signum = stop.agreed(comm)
-            if signum:
-                progress.close()
-                state.batches_done = skipped + index + 1
-                save(state)
-                raise Stopped(signal.Signals(signum).name, state.step)
-            if state.step % cfg.log_every == 0:
-                # The only per-window sync: one .item() and two small MPI reductions.
-                loss_total, images = allreduce(comm, [window_loss.item(), window_images], "sum")
-                (slowest,) = allreduce(comm, [window_seconds], "max")
-                record = {
-                    "kind": "step",
-                    "epoch": epoch,
-                    "step": state.step,
-                    "loss": loss_total / images,
-                    "lr": state.optimizer.param_groups[0]["lr"],
-                    "images_per_second": images / slowest if slowest > 0 else 0.0,
-                    "time": time.time(),
-                }
-                run_logger.log(record)
-                progress.update(0, postfix=f"loss {record['loss']:.4f}")
-                window_loss.zero_()
-                window_images, window_seconds = 0, 0.0
-        progress.close()
-
-        if loaders.eval is not None:
-            correct, eval_loss, eval_count = evaluate(
-                state.unwrapped, loaders.eval, device, cfg.amp, memory_format, heartbeat, state.step
-            )
-        else:
-            correct = eval_loss = eval_count = 0.0
-        train_loss_sum, train_images, correct, eval_loss, eval_count = allreduce(
-            comm, [epoch_loss.item(), epoch_images, correct, eval_loss, eval_count], "sum"
-        )
-        (slowest_epoch,) = allreduce(comm, [epoch_seconds], "max")
-        rank_means = comm.allgather(sum(epoch_step_times) / max(1, len(epoch_step_times)))
-        assert eval_count == loaders.num_eval, f"evaluated {eval_count} of {loaders.num_eval} test samples"
-        record = {
-            "kind": "epoch",
-            "epoch": epoch,
-            "step": state.step,
-            "train_loss": train_loss_sum / max(1.0, train_images),
-            "eval_loss": eval_loss / eval_count if eval_count else None,
-            "eval_accuracy": correct / eval_count if eval_count else None,
-            "images_per_second": train_images / slowest_epoch if slowest_epoch > 0 else 0.0,
-            "epoch_time_s": slowest_epoch,
-            "rank_step_time_s": rank_means,
-            "lr": state.optimizer.param_groups[0]["lr"],
-            "time": time.time(),
-        }
+        totals, step_times = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
+        record = epoch_record(cfg, state, loaders, dist, hooks, epoch, totals, step_times)
         history.append(record)
-        run_logger.log(record)
-        accuracy = f"{100 * record['eval_accuracy']:.2f}%" if eval_count else "n/a"
+        hooks.log.log(record)
+        accuracy = "n/a" if record["eval_accuracy"] is None else f"{100 * record['eval_accuracy']:.2f}%"
         log.info(
             "epoch %d/%d | train loss %.4f | eval acc %s | %.0f images/s | %.2f s",
-            epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], slowest_epoch,
+            epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
         )
         state.epoch, state.batches_done = epoch, 0
         if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
-            save(state)
+            hooks.save(state)
     return TrainOutcome(history, timing)

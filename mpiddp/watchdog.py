@@ -16,11 +16,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from mpiddp.topology import Topology
+from mpiddp.collective import Dist
+from mpiddp.failfast import EXIT_HANG
 
 log = logging.getLogger(__name__)
 
-EXIT_HANG = 4
 GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their stacks too
 
 
@@ -39,15 +39,16 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
 
     @classmethod
-    def for_job(cls, timeout_s: float, topo: Topology, address: str, port: int,
-                abort: Callable[[int], None]) -> Watchdog:
+    def for_job(cls, timeout_s: float, dist: Dist) -> Watchdog:
         """A watchdog with its own connection to the rendezvous store (none when it is turned off)."""
         store = None
         if timeout_s > 0:
-            import torch.distributed as dist
+            import torch.distributed as tdist
 
-            store = dist.TCPStore(address, port, topo.world_size, False, timeout=timedelta(seconds=10))
-        return cls(timeout_s, topo.rank, topo.world_size, topo.label, store, abort)
+            assert dist.rendezvous is not None, "the watchdog starts inside the process group"
+            store = tdist.TCPStore(dist.rendezvous.master_addr, dist.rendezvous.master_port, dist.world_size,
+                                   False, timeout=timedelta(seconds=10))
+        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort)
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:

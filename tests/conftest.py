@@ -106,3 +106,14 @@ def mpich() -> Path:
 def mpich_env(prefix: Path, **extra: str) -> dict[str, str]:
     """Environment for ranks that load MPICH: mpi4py's wheel picks the library named here."""
     return job_env(MPI4PY_LIBMPI=str(prefix / "lib" / "libmpi.so.12"), **extra)
+
+
+@pytest.fixture(scope="session")
+def solo_group():
+    """A one-rank gloo process group in this process (no MPI, no ports), so DDP can wrap models in-process."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    yield
+    tdist.destroy_process_group()

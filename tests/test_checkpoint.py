@@ -7,62 +7,72 @@ import pytest
 import torch
 
 from mpiddp import checkpoint
+from mpiddp.collective import solo_dist
+from mpiddp.errors import AgreedError, UserError
+from mpiddp.snapshot import Snapshot, rng_state
 
 FAST = ("--no-progress", "--wandb", "disabled")
 
 
-@pytest.fixture(scope="module")
-def comm_self():
-    from mpiddp.topology import init_mpi
-
-    init_mpi()
-    from mpi4py import MPI
-
-    return MPI.COMM_SELF
-
-
 @pytest.fixture
 def solo():
-    from mpiddp.topology import RankRecord, build_topology
-
-    return build_topology(0, [RankRecord(0, "solo", 0, 0, 1)])
+    return solo_dist()
 
 
-def payload(value):
-    return {"arch": "digits_cnn", "model": {"w": torch.full((3,), float(value))}, "optimizer": {}, "scheduler": {},
-            "scaler": {}, "epoch": value, "step": value * 10, "config": {}, "wandb_run_id": None}
+def snapshot(value, arch="digits_cnn"):
+    return Snapshot(arch=arch, model={"w": torch.full((3,), float(value))}, optimizer={}, scheduler={},
+                    epoch=value, step=value * 10, rng=[rng_state(torch.device("cpu"))], world_size=1)
 
 
-def test_save_rotates_and_points_latest(tmp_path, comm_self, solo):
+def test_save_rotates_and_points_latest(tmp_path, solo):
     for epoch in range(1, 6):
-        checkpoint.save(tmp_path, epoch, payload(epoch), solo, comm_self, torch.device("cpu"), keep_last=2)
+        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=2)
     assert [p.name for p in checkpoint.list_snapshots(tmp_path)] == ["snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]
     assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0005.pt"
     path, loaded = checkpoint.resolve("auto", tmp_path)
-    assert loaded["epoch"] == 5 and loaded["world_size"] == 1 and len(loaded["rng"]) == 1
+    assert loaded.epoch == 5 and loaded.world_size == 1 and len(loaded.rng) == 1
 
 
-def test_interrupted_save_keeps_previous_snapshot(tmp_path, comm_self, solo, monkeypatch):
-    checkpoint.save(tmp_path, 1, payload(1), solo, comm_self, torch.device("cpu"), keep_last=3)
+def test_interrupted_save_keeps_previous_snapshot(tmp_path, solo, monkeypatch):
+    checkpoint.save(tmp_path, snapshot(1), solo, keep_last=3)
 
     def disk_full(fd):
         raise OSError(28, "No space left on device")  # where a full disk often surfaces: flushing the data
 
     monkeypatch.setattr(os, "fsync", disk_full)
-    with pytest.raises(checkpoint.AgreedError, match="No space left on device.*snapshot-epoch0001.pt is intact"):
-        checkpoint.save(tmp_path, 2, payload(2), solo, comm_self, torch.device("cpu"), keep_last=3)
+    with pytest.raises(AgreedError, match="No space left on device.*snapshot-epoch0001.pt is intact"):
+        checkpoint.save(tmp_path, snapshot(2), solo, keep_last=3)
+    monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "snapshot-epoch0001.pt"]
-    assert checkpoint.resolve("auto", tmp_path)[1]["epoch"] == 1
+    assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
 
 
-def test_auto_skips_a_truncated_newest_snapshot(tmp_path, comm_self, solo):
+def test_auto_skips_a_truncated_newest_snapshot(tmp_path, solo):
     for epoch in (1, 2):
-        checkpoint.save(tmp_path, epoch, payload(epoch), solo, comm_self, torch.device("cpu"), keep_last=3)
+        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=3)
     newest = tmp_path / "snapshot-epoch0002.pt"
     newest.write_bytes(newest.read_bytes()[:100])
-    assert checkpoint.resolve("auto", tmp_path)[1]["epoch"] == 1
-    with pytest.raises(checkpoint.UserError, match="corrupt, truncated"):
+    assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
+    with pytest.raises(UserError, match="corrupt, truncated"):
         checkpoint.resolve(str(newest), tmp_path)
+
+
+def test_restore_refuses_another_model_on_every_rank(tmp_path, solo):
+    checkpoint.save(tmp_path, snapshot(1), solo, keep_last=3)
+    with pytest.raises(AgreedError, match="holds a 'digits_cnn' model but this run builds 'resnet18'"):
+        checkpoint.restore("auto", tmp_path, "resnet18", solo)
+    path, found = checkpoint.restore("auto", tmp_path, "digits_cnn", solo)
+    assert path.name == "snapshot-epoch0001.pt" and found.step == 10
+    assert checkpoint.restore("auto", tmp_path / "empty", "digits_cnn", solo) is None
+
+
+def test_final_weights_failure_is_agreed(tmp_path, solo):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(AgreedError, match="writing the final weights to .* failed"):
+        checkpoint.save_weights(blocker / "model.pth", {"w": torch.zeros(1)}, solo)
+    checkpoint.save_weights(tmp_path / "out" / "model.pth", {"w": torch.zeros(1)}, solo)
+    assert torch.load(tmp_path / "out" / "model.pth", weights_only=True)["w"].shape == (1,)
 
 
 def test_a_snapshot_that_would_run_code_is_refused(tmp_path):
@@ -72,14 +82,14 @@ def test_a_snapshot_that_would_run_code_is_refused(tmp_path):
 
     path = tmp_path / "evil.pt"
     torch.save({"format": 1, "x": Sneaky()}, path)
-    with pytest.raises(checkpoint.UserError, match="corrupt, truncated or not an mpiddp snapshot"):
+    with pytest.raises(UserError, match="corrupt, truncated or not an mpiddp snapshot"):
         checkpoint.load(path)
 
 
 def test_a_plain_state_dict_is_not_a_snapshot(tmp_path):
     path = tmp_path / "weights.pth"
     torch.save({"fc.weight": torch.zeros(2)}, path)
-    with pytest.raises(checkpoint.UserError, match="not an mpiddp snapshot"):
+    with pytest.raises(UserError, match="not an mpiddp snapshot"):
         checkpoint.load(path)
 
 

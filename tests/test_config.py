@@ -65,3 +65,29 @@ def test_config_is_json_ready():
 
     cfg = parse_args(["--inject-fault", "exit0:0:1"])
     assert json.loads(json.dumps(cfg.to_dict()))["inject_fault"] == {"kind": "exit0", "rank": 0, "step": 1}
+
+
+def test_every_setting_has_exactly_one_flag_with_help_and_its_default():
+    import dataclasses
+
+    from mpiddp.config import build_parser
+
+    text = build_parser().format_help()
+    for spec in dataclasses.fields(Config):
+        if spec.name == "inject_fault":
+            continue  # for tests; documented in the README only
+        assert spec.metadata["names"][0] in text, spec.name
+        assert spec.metadata["help"], spec.name
+
+
+def test_shortcuts_and_classic_aliases():
+    cfg = parse_args(["--use_syn", "--no-progress", "--num_epochs", "2", "--local_rank", "3", "--wandb-tags", "a, b,"])
+    assert (cfg.dataset, cfg.progress, cfg.epochs, cfg.wandb_tags) == ("synthetic", "off", 2, ("a", "b"))
+    assert parse_args(["--resume"]).resume == "auto"
+
+
+def test_rules_hold_however_the_config_is_built():
+    with pytest.raises(ValueError, match="--keep-last must be at least 1"):
+        Config(keep_last=0)
+    with pytest.raises(ValueError, match="--amp must be one of off, bf16, fp16"):
+        Config(amp="fp8")

@@ -1,6 +1,7 @@
-"""Run under `mpirun -np N`: N DDP ranks vs one process on the concatenated batches.
+"""Run under `mpirun -np N`: mpiddp's own train_step on N DDP ranks (with ACCUM micro-batches per step)
+vs one process taking one step per concatenated global batch.
 
-Writes JSON to argv[1] (rank 0) with the largest parameter difference between ranks, between rank 0 and
+argv: OUT_JSON ACCUM. Rank 0 writes the largest parameter difference between ranks, between rank 0 and
 the single-process reference, and how far training moved the parameters.
 """
 
@@ -9,62 +10,61 @@ import json
 import sys
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
 
-from mpiddp.bootstrap import FailFast, distributed
+from mpiddp.bootstrap import connect, distributed
 from mpiddp.config import Config
+from mpiddp.failfast import FailFast
 from mpiddp.models import build_model
-from mpiddp.topology import discover, init_mpi
+from mpiddp.state import TrainState
 from mpiddp.train import train_step
 
-STEPS, PER_RANK_BATCH = 6, 8
+STEPS, MICRO_BATCH = 6, 8
 
 
-def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+def state_for(model, ddp=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return TrainState(ddp or model, ddp, model, optimizer, schedule, torch.amp.GradScaler("cpu", enabled=False))
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, accum: int) -> None:
     with FailFast() as guard:
-        comm = guard.comm = init_mpi()
-        topo = discover(comm)
-        with distributed(Config(device="cpu"), topo, comm):
+        with distributed(Config(device="cpu"), connect(guard), guard) as dist:
             torch.manual_seed(1234)
             model = build_model("digits_cnn").double()  # float64: differences come from the algorithm, not rounding
             reference = copy.deepcopy(model)
             initial = parameters_to_vector(model.parameters()).detach().clone()
-            ddp = DistributedDataParallel(model)
-            optimizer = make_optimizer(ddp.parameters())
-            loss_fn = nn.CrossEntropyLoss()
+            state = state_for(model, DistributedDataParallel(model))
             generator = torch.Generator().manual_seed(99)
-            batch = PER_RANK_BATCH * topo.world_size
-            batches = [
-                (torch.randn(batch, 1, 8, 8, generator=generator, dtype=torch.float64),
-                 torch.randint(0, 10, (batch,), generator=generator))
-                for _ in range(STEPS)
-            ]
-            mine = slice(topo.rank * PER_RANK_BATCH, (topo.rank + 1) * PER_RANK_BATCH)
-            for inputs, targets in batches:
-                train_step(ddp, optimizer, loss_fn, inputs[mine], targets[mine])
+            chunks = dist.world_size * accum
+            for _ in range(STEPS):
+                inputs = torch.randn(MICRO_BATCH * chunks, 1, 8, 8, generator=generator, dtype=torch.float64)
+                targets = torch.randint(0, 10, (MICRO_BATCH * chunks,), generator=generator)
+                pieces = list(zip(inputs.chunk(chunks), targets.chunk(chunks)))
+                train_step(state, pieces[dist.rank * accum:(dist.rank + 1) * accum], dist.device)
             params = parameters_to_vector(model.parameters()).detach()
-            everyone = comm.allgather(params.numpy())
+            everyone = dist.allgather(params.numpy())
 
-            reference_optimizer = make_optimizer(reference.parameters())
-            for inputs, targets in batches:
-                train_step(reference, reference_optimizer, loss_fn, inputs, targets)
+            generator.manual_seed(99)
+            reference_state = state_for(reference)
+            for _ in range(STEPS):
+                inputs = torch.randn(MICRO_BATCH * chunks, 1, 8, 8, generator=generator, dtype=torch.float64)
+                targets = torch.randint(0, 10, (MICRO_BATCH * chunks,), generator=generator)
+                train_step(reference_state, [(inputs, targets)], dist.device)
             expected = parameters_to_vector(reference.parameters()).detach()
             result = {
-                "world_size": topo.world_size,
+                "world_size": dist.world_size,
+                "steps": state.step,
                 "max_diff_between_ranks": max(float(abs(p - everyone[0]).max()) for p in everyone),
                 "max_diff_to_reference": float((params - expected).abs().max()),
                 "max_change_from_init": float((params - initial).abs().max()),
             }
-            if topo.is_main:
+            if dist.is_main:
                 with open(out_path, "w") as out:
                     json.dump(result, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

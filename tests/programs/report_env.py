@@ -5,14 +5,14 @@ import sys
 
 import torch
 
-from mpiddp.bootstrap import FailFast, distributed
+from mpiddp.bootstrap import connect, distributed
 from mpiddp.config import Config
-from mpiddp.topology import discover, init_mpi
+from mpiddp.failfast import FailFast
 
 with FailFast() as guard:
-    comm = guard.comm = init_mpi()
-    topo = discover(comm)
-    with distributed(Config(device="cpu"), topo, comm):
+    dist = connect(guard)
+    topo = dist.topology
+    with distributed(Config(device="cpu"), dist, guard):
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
         line = " ".join(f"{name}={os.environ[name]}" for name in names) + f" threads={torch.get_num_threads()}"
         with open(f"{sys.argv[1]}.{topo.rank}", "w") as out:

@@ -1,0 +1,291 @@
+"""Dist: the one typed object every module uses to talk across ranks, and its single-process twin.
+
+Only this module, topology and bootstrap import mpi4py. Everything else calls `Dist` methods: reduce numbers,
+gather values, barrier, agree on user errors, let global rank 0 do file work, agree on a stop signal.
+
+The rule that keeps `agree` and `from_main` deadlock-free: the attempt they run must not communicate. If one
+rank raised a user error before a collective inside the attempt while another entered it, the job would hang.
+So collectives are refused (an AssertionError, which aborts the job with a traceback) while an attempt runs:
+do the communication first, then agree on a purely local computation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal, NoReturn, Protocol, TypeVar
+
+import numpy as np
+
+from mpiddp.errors import AgreedError, HelpRequested, UserError
+from mpiddp.failfast import EXIT_USER_ERROR
+from mpiddp.topology import RankRecord, Topology, build_topology
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+ReduceOp = Literal["sum", "min", "max", "mean"]
+
+
+class Transport(Protocol):
+    """The few MPI operations mpiddp needs; `MpiTransport` and `SoloTransport` implement them."""
+
+    rank: int
+    size: int
+
+    def allgather(self, value: T) -> list[T]: ...
+    def gather(self, value: T) -> list[T] | None: ...
+    def bcast(self, value: T) -> T: ...
+    def allreduce(self, values: np.ndarray, op: str) -> np.ndarray: ...
+    def barrier(self) -> None: ...
+    def abort(self, code: int) -> NoReturn: ...
+    def pingpong(self, peer: int, nbytes: int, repeats: int) -> float: ...
+
+
+class MpiTransport:
+    """An MPI communicator (COMM_WORLD): pickled objects for values, buffers for numbers."""
+
+    def __init__(self, comm: object) -> None:
+        from mpi4py import MPI
+        from mpi4py.util import pkl5
+
+        self.comm = comm
+        self.large = pkl5.Intracomm(comm)  # pickles over 2 GiB (snapshots of big models) need pkl5
+        self.ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()  # type: ignore[attr-defined]
+
+    def allgather(self, value: T) -> list[T]:
+        return self.comm.allgather(value)  # type: ignore[attr-defined]
+
+    def gather(self, value: T) -> list[T] | None:
+        return self.comm.gather(value, root=0)  # type: ignore[attr-defined]
+
+    def bcast(self, value: T) -> T:
+        return self.large.bcast(value, root=0)
+
+    def allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
+        out = np.empty_like(values)
+        self.comm.Allreduce(values, out, op=self.ops[op])  # type: ignore[attr-defined]
+        return out
+
+    def barrier(self) -> None:
+        self.comm.Barrier()  # type: ignore[attr-defined]
+
+    def abort(self, code: int) -> NoReturn:
+        self.comm.Abort(code)  # type: ignore[attr-defined]
+        raise SystemExit(code)  # not reached
+
+    def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
+        """Median one-way time (s) of `nbytes` between rank 0 and `peer`; every rank returns rank 0's value."""
+        buffer = np.zeros(max(1, nbytes), dtype=np.uint8)
+        times = []
+        self.barrier()
+        for _ in range(repeats):
+            started = time.perf_counter()
+            if self.rank == 0:
+                self.comm.Send(buffer, dest=peer)  # type: ignore[attr-defined]
+                self.comm.Recv(buffer, source=peer)  # type: ignore[attr-defined]
+            elif self.rank == peer:
+                self.comm.Recv(buffer, source=0)  # type: ignore[attr-defined]
+                self.comm.Send(buffer, dest=0)  # type: ignore[attr-defined]
+            times.append((time.perf_counter() - started) / 2)
+        return float(self.comm.bcast(np.median(times), root=0))  # type: ignore[attr-defined]
+
+
+class SoloTransport:
+    """A world of one, with no MPI initialised: for `python -m mpiddp` tests and in-process unit tests."""
+
+    rank, size = 0, 1
+
+    def allgather(self, value: T) -> list[T]:
+        return [value]
+
+    def gather(self, value: T) -> list[T] | None:
+        return [value]
+
+    def bcast(self, value: T) -> T:
+        return value
+
+    def allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
+        return values.copy()
+
+    def barrier(self) -> None:
+        pass
+
+    def abort(self, code: int) -> NoReturn:
+        raise SystemExit(code)
+
+    def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
+        return 0.0
+
+
+class _AttemptScope:
+    """Shared by a Dist and its copies: whether an agree/from_main attempt is running on this rank."""
+
+    def __init__(self) -> None:
+        self.running: str | None = None
+
+    @contextmanager
+    def attempt(self, kind: str) -> Iterator[None]:
+        assert self.running is None, f"{kind} inside a {self.running} attempt: attempts must not communicate"
+        self.running = kind
+        try:
+            yield
+        finally:
+            self.running = None
+
+    def refuse_inside(self, operation: str) -> None:
+        assert self.running is None, (
+            f"{operation} called inside a {self.running} attempt: attempts must not communicate, or a rank "
+            f"that fails before the collective deadlocks the others (see mpiddp/collective.py)"
+        )
+
+
+def agree_on(transport: Transport, attempt: Callable[[], T], scope: _AttemptScope | None = None) -> T:
+    """Collective: every rank runs `attempt`; if a user error hits any rank, every rank raises AgreedError.
+
+    Only errors the user can fix are agreed on; anything else propagates and aborts the job.
+    """
+    scope = scope or _AttemptScope()
+    problem: tuple[str, str] | None = None
+    result: T | None = None
+    try:
+        with scope.attempt("agree"):
+            result = attempt()
+    except HelpRequested as exc:
+        problem = ("help", exc.text)
+    except UserError as exc:
+        problem = ("error", str(exc))
+    problems = transport.allgather(problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not failed:
+        return result  # type: ignore[return-value]
+    if all(kind == "help" for _, (kind, _) in failed):
+        raise AgreedError(failed[0][1][1], 0, to_stdout=True)
+    errors = [(rank, text) for rank, (kind, text) in failed if kind == "error"]
+    if len({text for _, text in errors}) == 1 and len(errors) == transport.size:
+        raise AgreedError(f"error: {errors[0][1]}", EXIT_USER_ERROR)
+    raise AgreedError("\n".join(f"error on rank {rank}: {text}" for rank, text in errors), EXIT_USER_ERROR)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where rank 0's store listens, and the network interface gloo/NCCL use on each host (empty: their choice)."""
+
+    master_addr: str
+    master_port: int
+    interface_per_host: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This rank's place in the job, its device once the process group is up, and every cross-rank operation."""
+
+    topology: Topology
+    transport: Transport = field(repr=False)
+    device_type: str = "cpu"
+    device_index: int | None = None
+    backend: str = "none"  # set when the torch process group is up: gloo, nccl or mpi
+    rendezvous: Rendezvous | None = None
+    num_threads: int = 1
+    _scope: _AttemptScope = field(default_factory=_AttemptScope, repr=False, compare=False)
+
+    # --- who and where -------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.topology.is_main
+
+    @property
+    def label(self) -> str:
+        return self.topology.label
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device_type, self.device_index)
+
+    def placed(self, device_type: str, device_index: int | None, backend: str, rendezvous: Rendezvous,
+               num_threads: int) -> Dist:
+        """The same job, with the device and process group the bootstrap set up."""
+        return replace(self, device_type=device_type, device_index=device_index, backend=backend,
+                       rendezvous=rendezvous, num_threads=num_threads)
+
+    # --- collectives: every rank calls them, in the same order ---------------------------------------------
+    def reduce(self, values: Sequence[float], op: ReduceOp) -> list[float]:
+        """Element-wise sum, min, max or mean of a short vector of numbers, in one call."""
+        self._scope.refuse_inside("reduce")
+        array = np.asarray(values, dtype=np.float64)
+        out = self.transport.allreduce(array, "sum" if op == "mean" else op)
+        return (out / self.world_size if op == "mean" else out).tolist()
+
+    def allgather(self, value: T) -> list[T]:
+        """Every rank's `value`, in rank order, on every rank (pickled: keep it small)."""
+        self._scope.refuse_inside("allgather")
+        return self.transport.allgather(value)
+
+    def gather(self, value: T) -> list[T] | None:
+        """Every rank's `value` in rank order on global rank 0; None elsewhere."""
+        self._scope.refuse_inside("gather")
+        gathered = self.transport.gather(value)
+        return gathered if self.is_main else None
+
+    def barrier(self) -> None:
+        self._scope.refuse_inside("barrier")
+        self.transport.barrier()
+
+    def agree(self, attempt: Callable[[], T]) -> T:
+        """Every rank runs `attempt` (which must not communicate); a UserError on any rank raises the same
+        AgreedError on every rank, and rank 0 alone reports it. `--help` anywhere ends every rank with status 0."""
+        self._scope.refuse_inside("agree")
+        return agree_on(self.transport, attempt, self._scope)
+
+    def from_main(self, attempt: Callable[[], T]) -> T:
+        """Global rank 0 runs `attempt` (a file write or read; it must not communicate) and every rank returns
+        its result, or raises the same AgreedError when it raised a UserError."""
+        self._scope.refuse_inside("from_main")
+        outcome: tuple[bool, object] | None = None
+        if self.is_main:
+            try:
+                with self._scope.attempt("from_main"):
+                    outcome = (True, attempt())
+            except UserError as exc:
+                outcome = (False, str(exc))
+        ok, value = self.transport.bcast(outcome)  # type: ignore[misc]
+        if not ok:
+            raise AgreedError(f"error: {value}", EXIT_USER_ERROR)
+        return value  # type: ignore[return-value]
+
+    def agree_stop(self, signum: int) -> int:
+        """Once per step: the stop signal any rank received (0 if none), so every rank stops at the same step."""
+        (agreed,) = self.reduce([signum], "max")
+        return int(agreed)
+
+    def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
+        """Collective: median one-way MPI time (s) between rank 0 and `peer`."""
+        self._scope.refuse_inside("pingpong")
+        return self.transport.pingpong(peer, nbytes, repeats)
+
+    def abort(self, code: int) -> NoReturn:
+        """End every rank of the job now (MPI_Abort); safe from any thread, whatever the others are doing."""
+        self.transport.abort(code)
+
+
+def solo_topology(hostname: str = "localhost") -> Topology:
+    return build_topology(0, [RankRecord(0, hostname, 0, 0, 1)], "none (single process)")
+
+
+def solo_dist(hostname: str = "localhost") -> Dist:
+    """A world of one without MPI: the same code paths as a real job, for in-process tests."""
+    return Dist(solo_topology(hostname), SoloTransport())

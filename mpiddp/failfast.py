@@ -1,0 +1,98 @@
+"""Every exit status of mpiddp, and FailFast: any failure on any rank ends the whole job with one report."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from mpiddp.errors import AgreedError, UserError
+from mpiddp.topology import LauncherMismatch
+
+if TYPE_CHECKING:
+    from mpiddp.collective import Dist
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_USER_ERROR = 2
+EXIT_STOPPED = 3  # a stop signal: every rank saved a snapshot at the same step; --resume continues
+EXIT_HANG = 4  # the hang watchdog fired
+EXIT_INTERRUPTED = 130
+
+
+class FailFast:
+    """Turns any failure on any rank into the end of the whole job, with one report from the failing rank.
+
+    A rank that raises (or calls sys.exit, even with 0) while its peers may sit in a collective would leave
+    them blocked forever; MPI_Abort is the only way out that works whatever the peers are doing. Errors
+    raised on every rank together (AgreedError) end the job cleanly instead, rank 0 speaking for all.
+    """
+
+    def __init__(self) -> None:
+        self.dist: Dist | None = None  # set by the bootstrap as soon as MPI is up
+        # Once the rendezvous store exists: True for the first failing rank only, so one full report is printed.
+        self.claim_report: Callable[[], bool] | None = None
+
+    def __enter__(self) -> FailFast:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None:
+            return False
+        code, text = self.decide(exc)
+        if text:
+            _report(text, to_stdout=isinstance(exc, AgreedError) and exc.to_stdout)
+        if not isinstance(exc, (AgreedError, LauncherMismatch)) and self.dist is not None and self.dist.world_size > 1:
+            self.dist.abort(code)
+        raise SystemExit(code)
+
+    def decide(self, exc: BaseException) -> tuple[int, str]:
+        """(exit status, what this rank prints: empty for nothing). Pure apart from claiming the report."""
+        rank = 0 if self.dist is None else self.dist.rank
+        if isinstance(exc, AgreedError):
+            if rank != 0 or not exc.message:
+                return exc.exit_code, ""
+            return exc.exit_code, ("" if exc.to_stdout else "mpiddp: ") + exc.message.rstrip()
+        if isinstance(exc, LauncherMismatch):
+            # Each process is alone in its world: let the launcher's rank 0 alone explain.
+            return EXIT_USER_ERROR, f"mpiddp: error: {exc}" if exc.launcher_rank == 0 else ""
+        where = self.dist.label if self.dist is not None else f"rank {rank} on {socket.gethostname()}"
+        if isinstance(exc, UserError):
+            return EXIT_USER_ERROR, f"mpiddp: error on {where}: {exc}"
+        if isinstance(exc, SystemExit):
+            code = exc.code if isinstance(exc.code, int) and exc.code != 0 else EXIT_CRASH
+            return code, (f"mpiddp: {where} exited early (status {exc.code}) while the other ranks may be "
+                          f"waiting for it; ending the job")
+        if isinstance(exc, KeyboardInterrupt):
+            return EXIT_INTERRUPTED, f"mpiddp: {where} interrupted; ending the job"
+        if self._first_to_report():
+            formatted = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+            return EXIT_CRASH, f"mpiddp: {where} failed; ending the job.\n{formatted}"
+        return EXIT_CRASH, f"mpiddp: {where} also failed: {type(exc).__name__}: {exc}"
+
+    def _first_to_report(self) -> bool:
+        if self.claim_report is None:
+            return True
+        try:
+            return self.claim_report()
+        except Exception:
+            # The store died with rank 0: that failure is the root cause (mpirun names it); this one follows.
+            return False
+
+
+def flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
+def _report(text: str, to_stdout: bool = False) -> None:
+    flush_logs()
+    stream = sys.stdout if to_stdout else sys.stderr
+    stream.write(text + "\n")
+    stream.flush()

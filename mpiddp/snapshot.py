@@ -1,0 +1,115 @@
+"""What a snapshot holds and how it is taken from and put back into a training job: the one place that knows."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mpiddp.collective import Dist
+from mpiddp.errors import UserError
+from mpiddp.state import TrainState
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's random generators: restoring them makes a resumed run draw the same numbers."""
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": [version, list(internal), gauss],
+    }
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+@dataclass
+class Snapshot:
+    """One training job at one step. Stored as a plain dict of tensors and containers (weights_only loads)."""
+
+    arch: str
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    epoch: int  # completed epochs
+    step: int  # completed optimizer steps
+    rng: list[dict[str, Any]]  # every rank's generators, in rank order
+    world_size: int
+    scaler: dict[str, Any] = field(default_factory=dict)
+    batches_done: int = 0  # batches of epoch `epoch + 1` already trained (a stop part-way through)
+    config: dict[str, Any] = field(default_factory=dict)
+    wandb_run_id: str | None = None
+    format: int = FORMAT_VERSION
+
+    @classmethod
+    def capture(cls, state: TrainState, dist: Dist, arch: str, config: dict[str, Any],
+                wandb_run_id: str | None) -> Snapshot:
+        """Collective: every rank's RNG goes to global rank 0, whose snapshot is the complete one."""
+        rng = dist.gather(rng_state(dist.device)) or []
+        return cls(
+            arch=arch,
+            model=state.unwrapped.state_dict(),
+            optimizer=state.optimizer.state_dict(),
+            scheduler=state.scheduler.state_dict(),
+            scaler=state.scaler.state_dict(),
+            epoch=state.epoch,
+            step=state.step,
+            batches_done=state.batches_done,
+            rng=rng,
+            world_size=dist.world_size,
+            config=config,
+            wandb_run_id=wandb_run_id,
+        )
+
+    def to_payload(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_payload(cls, payload: object, path: Path) -> Snapshot:
+        """Check a loaded file: a UserError says what is wrong with it."""
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if not isinstance(payload, dict) or any(key not in payload for key in [*required, "format"]):
+            raise UserError(f"{path} is not an mpiddp snapshot (a plain state_dict? those cannot resume training)")
+        if payload["format"] != FORMAT_VERSION:
+            raise UserError(f"{path} has snapshot format {payload['format']}; this mpiddp reads format {FORMAT_VERSION}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in payload.items() if k in known})
+
+    def restore_into(self, state: TrainState, dist: Dist, seed: int, batch_size: int) -> None:
+        """Put the snapshot back on every rank: weights, optimizer, schedule, scaler, counters, this rank's RNG."""
+        state.unwrapped.load_state_dict(self.model)
+        state.optimizer.load_state_dict(self.optimizer)
+        state.scheduler.load_state_dict(self.scheduler)
+        if self.scaler:
+            state.scaler.load_state_dict(self.scaler)
+        state.epoch, state.step, state.batches_done = self.epoch, self.step, self.batches_done
+        if dist.rank < len(self.rng):
+            set_rng_state(self.rng[dist.rank], dist.device)
+        else:  # a rank the snapshot's job did not have
+            torch.manual_seed(seed + dist.rank)
+        if self.world_size == dist.world_size:
+            return
+        if state.batches_done:
+            log.warning("the snapshot was taken part-way through epoch %d on another world size: that epoch "
+                        "restarts from its beginning", state.epoch + 1)
+            state.batches_done = 0
+        log.warning(
+            "resuming a %d-rank snapshot on %d ranks: the sampler reshards the data over the new world "
+            "(the global batch is now %d)", self.world_size, dist.world_size, batch_size * dist.world_size,
+        )

@@ -1,0 +1,63 @@
+"""What training changes: the model (plain, DDP-wrapped, maybe compiled), optimizer, schedule, scaler, counters."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mpiddp.collective import Dist
+from mpiddp.config import Config
+
+
+@dataclass
+class TrainState:
+    """Everything a snapshot holds, plus the wrapped model the loop runs."""
+
+    model: nn.Module  # what forward() is called on: DDP, possibly compiled
+    ddp: DistributedDataParallel  # for no_sync()
+    unwrapped: nn.Module  # the plain model: evaluation and state_dict
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    epoch: int = 0  # completed epochs
+    step: int = 0  # completed optimizer steps
+    batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)
+
+
+def configure_torch(cfg: Config) -> None:
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def optimizer_steps_per_epoch(num_batches: int, grad_accum: int) -> int:
+    return -(-num_batches // grad_accum)
+
+
+def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batches_per_epoch: int) -> TrainState:
+    """Collective (DDP broadcasts rank 0's weights): model, DDP wrapper, optimizer, schedule and scaler."""
+    from mpiddp.models import build_model
+    from mpiddp.optim import build_optimizer, build_scheduler
+
+    torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
+    model = build_model(cfg.model_name, num_classes, channels)
+    if cfg.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    device = dist.device
+    model = model.to(device, memory_format=memory_format)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped = torch.compile(ddp) if cfg.compile else ddp
+    optimizer = build_optimizer(cfg, ddp.parameters())
+    scheduler = build_scheduler(cfg, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.grad_accum))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    # Same weights everywhere, but each rank its own stream for augmentation and dropout.
+    torch.manual_seed(cfg.seed + 1 + dist.rank)
+    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler)

@@ -1,0 +1,137 @@
+"""The training loop's parts in-process (one rank, no mpirun): step, accumulation, epochs, stops, resume skipping."""
+
+import copy
+import signal
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from mpiddp.collective import solo_dist
+from mpiddp.config import Config
+from mpiddp.data import SkippingSampler, SyntheticBatches, build_loaders, load_datasets
+from mpiddp.metrics import NullLogger
+from mpiddp.models import build_model
+from mpiddp.state import TrainState, build_state
+from mpiddp.stopping import Stopped, StopRequest
+from mpiddp.train import Hooks, Meter, inject_fault, micro_batch_groups, train, train_step
+
+pytestmark = pytest.mark.usefixtures("solo_group")
+
+
+class Recorder(NullLogger):
+    def __init__(self):
+        self.records = []
+
+    def log(self, record):
+        self.records.append(record)
+
+
+def job(**overrides):
+    cfg = Config(device="cpu", wandb="disabled", progress="off", **overrides)
+    dist = solo_dist()
+    datasets = load_datasets(cfg, lambda channels: channels)
+    loaders = build_loaders(cfg, datasets, dist)
+    state = build_state(cfg, dist, loaders.num_classes, datasets.channels, len(loaders.train))
+    return cfg, dist, loaders, state
+
+
+def hooks(saved, stop=None):
+    return Hooks(Recorder(), lambda state: saved.append((state.epoch, state.step, state.batches_done)), stop or StopRequest())
+
+
+def test_micro_batch_groups_end_with_a_shorter_group():
+    assert list(micro_batch_groups(range(5), 2)) == [[0, 1], [2, 3], [4]]
+    assert list(micro_batch_groups(range(4), 1)) == [[0], [1], [2], [3]]
+
+
+def plain_state(model, ddp=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return TrainState(ddp or model, ddp, model, optimizer, schedule, torch.amp.GradScaler("cpu", enabled=False))
+
+
+def test_accumulated_step_equals_one_step_on_the_concatenated_batch():
+    torch.manual_seed(0)
+    model = build_model("digits_cnn").double()
+    reference = copy.deepcopy(model)
+    state, reference_state = plain_state(model, DistributedDataParallel(model)), plain_state(reference)
+    inputs, targets = torch.randn(24, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (24,))
+    for _ in range(3):
+        loss, images = train_step(state, list(zip(inputs.chunk(3), targets.chunk(3))), torch.device("cpu"))
+        train_step(reference_state, [(inputs, targets)], torch.device("cpu"))
+    assert images == 24 and state.step == 3 and loss.item() > 0
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(mine, theirs, atol=1e-12)
+
+
+def test_train_logs_every_window_and_epoch_and_saves_at_the_cadence():
+    cfg, dist, loaders, state = job(epochs=3, batch_size=64, log_every=5, save_every=2)
+    saved = []
+    loop_hooks = hooks(saved)
+    outcome = train(cfg, state, loaders, dist, loop_hooks)
+    steps_per_epoch = len(loaders.train)
+    assert [r["epoch"] for r in outcome.epochs] == [1, 2, 3]
+    assert saved == [(2, 2 * steps_per_epoch, 0), (3, 3 * steps_per_epoch, 0)]  # every 2nd epoch and the last
+    kinds = [r["kind"] for r in loop_hooks.log.records]
+    assert kinds.count("epoch") == 3 and kinds.count("step") == 3 * steps_per_epoch // 5
+    last = outcome.epochs[-1]
+    assert last["eval_accuracy"] > 0.5 and last["train_loss"] < outcome.epochs[0]["train_loss"]
+    assert len(outcome.timing.step_times) == 3 * steps_per_epoch
+
+
+def test_a_stop_signal_saves_mid_epoch_and_stops_at_that_step():
+    cfg, dist, loaders, state = job(epochs=2, batch_size=64, grad_accum=2)
+    stop = StopRequest()
+    stop.signum = signal.SIGUSR1  # as if the handler had run
+    saved = []
+    with pytest.raises(Stopped) as caught:
+        train(cfg, state, loaders, dist, hooks(saved, stop))
+    assert caught.value.step == 1 and caught.value.signal_name == "SIGUSR1"
+    assert saved == [(0, 1, 2)]  # one optimizer step of two micro-batches into epoch 1
+
+
+def test_a_resumed_epoch_skips_what_was_already_trained():
+    cfg, dist, loaders, state = job(epochs=1, batch_size=64)
+    full = len(loaders.train)
+    state.batches_done = 4
+    outcome = train(cfg, state, loaders, dist, hooks([]))
+    assert len(outcome.timing.step_times) == full - 4
+    assert state.batches_done == 0 and state.epoch == 1
+
+
+def test_skipping_sampler_continues_the_same_permutation():
+    from torch.utils.data import DistributedSampler
+
+    base = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler = SkippingSampler(base)
+    sampler.set_epoch(4)
+    whole = list(sampler)
+    sampler.skip = 6
+    assert list(sampler) == whole[6:] and len(sampler) == len(whole) - 6
+
+
+def test_synthetic_batches_skip_too():
+    batches = SyntheticBatches(torch.zeros(2, 3), torch.zeros(2), steps=5)
+    batches.skip = 2
+    assert len(batches) == 3 and len(list(batches)) == 3
+
+
+def test_meter_reduces_to_mean_loss_and_slowest_seconds():
+    meter = Meter.on(torch.device("cpu"))
+    meter.add(torch.tensor(6.0), 3, 0.5)
+    meter.add(torch.tensor(2.0), 1, 0.25)
+    assert meter.reduced(solo_dist()) == (2.0, 4, 0.75)
+
+
+def test_fault_injection_hits_only_its_rank_and_step():
+    from mpiddp.config import FaultInjection
+
+    fault = FaultInjection.parse("raise:1:3")
+    inject_fault(fault, 0, 3)
+    inject_fault(fault, 1, 2)
+    with pytest.raises(RuntimeError, match="injected fault on rank 1 at step 3"):
+        inject_fault(fault, 1, 3)
+    with pytest.raises(SystemExit) as caught:
+        inject_fault(FaultInjection.parse("exit0:all:1"), 5, 1)
+    assert caught.value.code == 0

@@ -1,0 +1,28 @@
+"""The run directory in-process: named, created once by rank 0, unwritable places refused in one line."""
+
+import time
+
+import pytest
+
+from mpiddp.collective import solo_dist
+from mpiddp.errors import AgreedError
+from mpiddp.rundir import prepare_run_dir
+
+
+def test_default_run_dirs_never_collide(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261122-101010")
+    first = prepare_run_dir(None, str(tmp_path / "runs"), solo_dist())
+    second = prepare_run_dir(None, str(tmp_path / "runs"), solo_dist())
+    assert (first.name, second.name) == ("20261122-101010", "20261122-101010-1")
+    assert first.is_dir() and second.is_dir() and first.is_absolute()
+
+
+def test_a_given_run_dir_is_reused(tmp_path):
+    (tmp_path / "mine").mkdir()
+    assert prepare_run_dir(str(tmp_path / "mine"), "ignored", solo_dist()) == tmp_path / "mine"
+
+
+def test_an_unwritable_run_dir_is_one_agreed_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AgreedError, match="cannot write to the run directory .*: choose a writable --run-dir"):
+        prepare_run_dir(str(tmp_path / "file" / "run"), "runs", solo_dist())
