@@ -1,1 +1,21 @@
+"""mpiddp: one mpirun command trains with PyTorch DDP on every GPU of every host.
+
+Public API for your own scripts (importing mpiddp never initialises MPI):
+    dist = mpiddp.init()          # collective: bootstrap once, process group up, typed Dist back
+    mpiddp.setup_logging(dist)    # rank-prefixed logging: rank 0 at INFO, the others at WARNING
+"""
+
+from mpiddp.api import init
+from mpiddp.collective import Dist, Rendezvous
+from mpiddp.errors import AgreedError, UserError
+from mpiddp.topology import Topology
+
 __version__ = "0.1.0"
+__all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "init", "setup_logging"]
+
+
+def setup_logging(dist: Dist, level: str = "info") -> None:
+    """stdlib logging with a rank prefix on every line; rank 0 logs at `level`, the others warnings and errors."""
+    from mpiddp.log import setup_logging as configure
+
+    configure(dist.topology, level)

@@ -12,9 +12,9 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Protocol
 
 from mpiddp.collective import Dist, MpiTransport, Rendezvous, agree_on
-from mpiddp.config import Config
 from mpiddp.errors import AgreedError, UserError
 from mpiddp.failfast import FailFast
 from mpiddp.netif import Interface, choose_network, local_interfaces
@@ -40,13 +40,31 @@ def connect(guard: FailFast | None = None) -> Dist:
     return dist
 
 
+class NetworkSettings(Protocol):
+    """What the rendezvous needs to know (training's Config and `run`'s RunConfig both have it)."""
+
+    master_addr: str | None
+    iface: str | None
+    rendezvous_timeout_s: float
+    num_threads: int | None
+
+
+class GroupSettings(NetworkSettings, Protocol):
+    """What the process group needs on top: the device and backend asked for, and the collective timeout."""
+
+    device: str
+    backend: str
+    sync_bn: bool
+    collective_timeout_s: float
+
+
 def _provisional_topology(transport: MpiTransport) -> Topology:
     """Enough of a topology to report and abort with before the real one is known."""
     host = socket.gethostname()
     return Topology(transport.rank, transport.size, 0, 1, 0, 1, host, ((host, (transport.rank,)),))
 
 
-def choose_device(cfg: Config, topo: Topology) -> tuple[str, str]:
+def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str]:
     """(device type, backend) for this rank; raises UserError when the flags cannot work on this host."""
     import torch
 
@@ -74,7 +92,7 @@ def choose_device(cfg: Config, topo: Topology) -> tuple[str, str]:
     return device, backend
 
 
-def fair_thread_count(cfg: Config, topo: Topology) -> int:
+def fair_thread_count(cfg: NetworkSettings, topo: Topology) -> int:
     """Each rank's share of the host's cores, so co-located ranks do not oversubscribe the CPU."""
     if cfg.num_threads is not None:
         return cfg.num_threads
@@ -83,7 +101,7 @@ def fair_thread_count(cfg: Config, topo: Topology) -> int:
     return max(1, min(allowed, cores // topo.local_world_size))
 
 
-def choose_address(cfg: Config, topo: Topology, per_host: list[list[Interface]]) -> tuple[str, dict[str, str]]:
+def choose_address(cfg: NetworkSettings, topo: Topology, per_host: list[list[Interface]]) -> tuple[str, dict[str, str]]:
     """The address rank 0 advertises, and the interface gloo/NCCL should use on each host (empty: theirs).
 
     `per_host` holds every host's interfaces, in host order. Pure: every rank computes the same answer.
@@ -101,7 +119,7 @@ def choose_address(cfg: Config, topo: Topology, per_host: list[list[Interface]])
     return choice.master_addr, dict(zip(host_names, choice.interface_per_host))
 
 
-def _agree_on_address(cfg: Config, dist: Dist) -> tuple[str, dict[str, str]]:
+def _agree_on_address(cfg: NetworkSettings, dist: Dist) -> tuple[str, dict[str, str]]:
     """Collective: gather each host's interfaces, agree on the address and the interface per host.
 
     Unless the user set them, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are pointed at that interface on every
@@ -148,7 +166,7 @@ class _Store:
             self.listener.close()
 
 
-def _rendezvous(cfg: Config, dist: Dist, address: str) -> tuple[_Store, str, int]:
+def _rendezvous(cfg: NetworkSettings, dist: Dist, address: str) -> tuple[_Store, str, int]:
     """Collective: rank 0 opens a TCPStore on a kernel-chosen port and broadcasts (address, port); the others
     connect to it."""
     import torch.distributed as tdist
@@ -170,68 +188,104 @@ def _rendezvous(cfg: Config, dist: Dist, address: str) -> tuple[_Store, str, int
 
 
 def export_environment(topo: Topology, address: str, port: int) -> None:
-    """The variables torchrun would set, for libraries that read them."""
+    """The variables torchrun sets, for libraries and scripts that read them. With TORCHELASTIC_USE_AGENT_STORE,
+    torch's env:// rendezvous connects every rank, rank 0 included, as a client of the store at
+    MASTER_ADDR:MASTER_PORT (mpiddp's), instead of rank 0 trying to open a second server on that port."""
     os.environ.update(
         RANK=str(topo.rank),
         WORLD_SIZE=str(topo.world_size),
         LOCAL_RANK=str(topo.local_rank),
         LOCAL_WORLD_SIZE=str(topo.local_world_size),
         GROUP_RANK=str(topo.host_index),
+        GROUP_WORLD_SIZE=str(topo.num_hosts),
+        ROLE_RANK=str(topo.rank),
+        ROLE_WORLD_SIZE=str(topo.world_size),
+        ROLE_NAME="default",
         MASTER_ADDR=address,
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RUN_ID=f"mpiddp-{address}-{port}",
     )
 
 
-@contextmanager
-def distributed(cfg: Config, dist: Dist, guard: FailFast | None = None) -> Iterator[Dist]:
-    """Collective: set up the torch process group and yield the Dist placed on its device. Tear it down on a
-    clean exit, or when every rank raised together (AgreedError, Stopped). After any other exception there
-    is no teardown: FailFast aborts the whole job, the only safe end when peers may be blocked in a collective.
-    """
+def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | None = None) -> tuple[Rendezvous, _Store]:
+    """Collective: agree on the address, open rank 0's store on a kernel-chosen port, connect every rank,
+    export torchrun's variables. `guard` gets a way to claim the one full failure report."""
+    import torch.distributed as tdist
+
+    address, interface_per_host = _agree_on_address(settings, dist)
+    store, address, port = _rendezvous(settings, dist, address)
+    export_environment(dist.topology, address, port)
+    if guard is not None:
+        # A separate client with a short timeout, so reporting a failure can never hang on the store.
+        reporter = tdist.TCPStore(address, port, dist.world_size, False, timeout=timedelta(seconds=2))
+        guard.claim_report = lambda: reporter.add("mpiddp/failures", 1) == 1
+    return Rendezvous(address, port, interface_per_host), store
+
+
+def set_threads(settings: NetworkSettings, topo: Topology) -> int:
+    """A fair share of the host's cores for torch and OpenMP in this rank (unless the user chose)."""
+    import torch
+
+    num_threads = fair_thread_count(settings, topo)
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezvous, store: _Store,
+                        num_threads: int) -> Dist:
+    """Collective: choose the device (agreed), and start torch's default process group on mpiddp's store."""
     import torch
     import torch.distributed as tdist
 
     topo = dist.topology
-    device_type, backend = dist.agree(lambda: choose_device(cfg, topo))
+    device_type, backend = dist.agree(lambda: choose_device(settings, topo))
     device_index = topo.local_rank if device_type == "cuda" else None
     if device_type == "cuda":
         torch.cuda.set_device(device_index)  # before the process group, so nothing lands on GPU 0 by accident
-    num_threads = fair_thread_count(cfg, topo)
-    torch.set_num_threads(num_threads)
-
-    address, interface_per_host = _agree_on_address(cfg, dist)
-    store, address, port = _rendezvous(cfg, dist, address)
-    export_environment(topo, address, port)
-    if guard is not None:
-        # A separate client with a short timeout, so reporting a failure can never hang on the store.
-        reporter = tdist.TCPStore(address, port, topo.world_size, False, timeout=timedelta(seconds=2))
-        guard.claim_report = lambda: reporter.add("mpiddp/failures", 1) == 1
-    placed = dist.placed(device_type, device_index, backend, Rendezvous(address, port, interface_per_host), num_threads)
+    placed = dist.placed(device_type, device_index, backend, rendezvous, num_threads)
     tdist.init_process_group(
         backend=backend,
         store=store.store,
         rank=topo.rank,
         world_size=topo.world_size,
-        timeout=timedelta(seconds=cfg.collective_timeout_s),
+        timeout=timedelta(seconds=settings.collective_timeout_s),
         device_id=placed.device if device_type == "cuda" else None,
     )
     log.info(
         "process group ready: %s on %s, %d ranks on %d hosts, rendezvous %s:%d, %d CPU threads per rank",
-        backend, device_type, topo.world_size, topo.num_hosts, address, port, num_threads,
+        backend, device_type, topo.world_size, topo.num_hosts, rendezvous.master_addr, rendezvous.master_port,
+        num_threads,
     )
+    return placed
+
+
+@contextmanager
+def distributed(cfg: GroupSettings, dist: Dist, guard: FailFast | None = None) -> Iterator[Dist]:
+    """Collective: set up the torch process group and yield the Dist placed on its device. Tear it down on a
+    clean exit, or when every rank raised together (AgreedError, Stopped). After any other exception there
+    is no teardown: FailFast aborts the whole job, the only safe end when peers may be blocked in a collective.
+    """
+    num_threads = set_threads(cfg, dist.topology)
+    rendezvous, store = open_rendezvous(cfg, dist, guard)
+    placed = start_process_group(cfg, dist, rendezvous, store, num_threads)
     try:
         yield placed
     except (AgreedError, Stopped):
-        _teardown(dist, store)  # raised on every rank at the same point: a clean teardown is safe
+        teardown(dist, store)  # raised on every rank at the same point: a clean teardown is safe
         raise
-    _teardown(dist, store)
+    teardown(dist, store)
 
 
-def _teardown(dist: Dist, store: _Store) -> None:
+def teardown(dist: Dist, store: _Store) -> None:
+    """Collective: every rank arrives, then the process group (if any) and rank 0's listening socket go."""
     import torch.distributed as tdist
 
     # Wait for every rank before tearing down, so a fast rank never destroys the group (or finalises MPI)
     # while a slow one still talks to it.
     dist.barrier()
-    tdist.destroy_process_group()
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
     store.close()

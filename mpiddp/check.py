@@ -98,7 +98,7 @@ def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
     assert rendezvous is not None, "check runs inside the process group"
     problems: list[str] = []
 
-    prints = dist.allgather(preflight.fingerprint(cfg, topo))
+    prints = dist.allgather(preflight.fingerprint(cfg.to_dict(), topo))
     problems += preflight.differences(prints, topo)
     devices = dist.allgather(device_names(dist))
     lines = ["mpiddp check", "", f"{'host':<16} {'world ranks':<14} {'local':<8} device"]

@@ -41,6 +41,7 @@ class Transport(Protocol):
     def bcast(self, value: T) -> T: ...
     def allreduce(self, values: np.ndarray, op: str) -> np.ndarray: ...
     def barrier(self) -> None: ...
+    def idle_barrier(self, poll_s: float) -> None: ...
     def abort(self, code: int) -> NoReturn: ...
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float: ...
 
@@ -73,6 +74,12 @@ class MpiTransport:
 
     def barrier(self) -> None:
         self.comm.Barrier()  # type: ignore[attr-defined]
+
+    def idle_barrier(self, poll_s: float) -> None:
+        # MPI_Barrier spins a core per waiting rank; a rank that may wait minutes for the others sleeps instead.
+        request = self.comm.Ibarrier()  # type: ignore[attr-defined]
+        while not request.Test():
+            time.sleep(poll_s)
 
     def abort(self, code: int) -> NoReturn:
         self.comm.Abort(code)  # type: ignore[attr-defined]
@@ -113,6 +120,9 @@ class SoloTransport:
         return values.copy()
 
     def barrier(self) -> None:
+        pass
+
+    def idle_barrier(self, poll_s: float) -> None:
         pass
 
     def abort(self, code: int) -> NoReturn:
@@ -207,6 +217,10 @@ class Dist:
         return self.topology.is_main
 
     @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank
+
+    @property
     def label(self) -> str:
         return self.topology.label
 
@@ -244,6 +258,11 @@ class Dist:
     def barrier(self) -> None:
         self._scope.refuse_inside("barrier")
         self.transport.barrier()
+
+    def wait_for_all(self, poll_s: float = 0.05) -> None:
+        """A barrier that sleeps while it waits (for a rank that finished before the others)."""
+        self._scope.refuse_inside("wait_for_all")
+        self.transport.idle_barrier(poll_s)
 
     def agree(self, attempt: Callable[[], T]) -> T:
         """Every rank runs `attempt` (which must not communicate); a UserError on any rank raises the same

@@ -12,11 +12,11 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from mpiddp.errors import HelpRequested, UserError
 
-__all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "parse_args"]
+__all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args", "parse_into", "parser_for"]
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
@@ -32,6 +32,7 @@ PROGRESS = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 FAULT_KINDS = ("raise", "exit0", "exit1", "stall")
 MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"
+T = TypeVar("T")
 ALL_RANKS = -1
 
 
@@ -175,7 +176,7 @@ class Config:
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
-            _check_field(spec, getattr(self, spec.name))
+            check_field(spec, getattr(self, spec.name))
         if self.dataset in ON_DISK_DATASETS and not self.data_dir:
             raise ValueError(f"--dataset {self.dataset} reads files: give --data-dir DIR")
         if self.download and self.dataset not in DOWNLOADABLE:
@@ -221,7 +222,7 @@ class Config:
         return out
 
 
-def _check_field(spec: dataclasses.Field, value: Any) -> None:
+def check_field(spec: dataclasses.Field, value: Any) -> None:
     """The rules a field declares for itself, with the flag's name in the message."""
     flag = spec.metadata["names"][0]
     choices, at_least = spec.metadata["choices"], spec.metadata["at_least"]
@@ -251,21 +252,15 @@ class _Parser(argparse.ArgumentParser):
         raise HelpRequested(self.format_help())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, derived from Config's fields (flags, defaults and help are written there only)."""
+def parser_for(settings: type, prog: str, description: str) -> argparse.ArgumentParser:
+    """A command line derived from a dataclass whose fields were declared with `option` (flags, defaults and
+    help are written there only)."""
     from mpiddp import __version__
 
-    parser = _Parser(
-        prog="mpirun -np N python -m mpiddp",
-        description="Train a model with PyTorch DDP on every rank that mpirun started. Underscore flags of "
-        "the classic DDP example script (--num_epochs, --batch_size, --use_syn, ...) are accepted as aliases. "
-        "Other commands: `python -m mpiddp check [flags]` (under the same mpirun line: topology, versions, "
-        "bandwidth, run dir, wandb) and `python -m mpiddp report RUN_DIR` (plots and a summary of a run).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = _Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"mpiddp {__version__}")
     groups: dict[str, Any] = {}
-    for spec in dataclasses.fields(Config):
+    for spec in dataclasses.fields(settings):
         meta = spec.metadata
         group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
         options = dict(meta["argparse"])
@@ -280,16 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
         for names, target, value, text in SHORTCUTS:
             if target == spec.name:
                 group.add_argument(*names, dest=target, action="store_const", const=value, help=text)
-    # Accepted for scripts written for torch.distributed.launch, which passes it; mpiddp takes the local rank from MPI.
-    parser.add_argument("--local-rank", "--local_rank", dest="ignored_local_rank", default=None, help=argparse.SUPPRESS)
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Build the Config from flags. Raises ConfigError (one-line message) or HelpRequested."""
-    values = vars(build_parser().parse_args(argv))
-    values.pop("ignored_local_rank")
-    for spec in dataclasses.fields(Config):
+def parse_into(settings: type[T], parser: argparse.ArgumentParser, argv: list[str] | None) -> T:
+    """Parse `argv` and build the dataclass; ConfigError (one line) for anything wrong, HelpRequested for --help."""
+    values = vars(parser.parse_args(argv))
+    values.pop("ignored_local_rank", None)
+    for spec in dataclasses.fields(settings):
         text, parse = values[spec.name], spec.metadata["parse"]
         if isinstance(text, str) and parse is not str:
             try:
@@ -298,6 +291,26 @@ def parse_args(argv: list[str] | None = None) -> Config:
                 detail = str(exc) if parse not in (int, float) else f"invalid {parse.__name__} value: {text!r}"
                 raise ConfigError(detail if detail.startswith("--") else f"{spec.metadata['names'][0]}: {detail}") from None
     try:
-        return Config(**values)
+        return settings(**values)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = parser_for(
+        Config,
+        prog="mpirun -np N python -m mpiddp",
+        description="Train a model with PyTorch DDP on every rank that mpirun started. Underscore flags of "
+        "the classic DDP example script (--num_epochs, --batch_size, --use_syn, ...) are accepted as aliases. "
+        "Other commands: `python -m mpiddp run [options] SCRIPT [args]` (your own script, torchrun's "
+        "environment), `python -m mpiddp check [flags]` (under the same mpirun line: topology, versions, "
+        "bandwidth, run dir, wandb) and `python -m mpiddp report RUN_DIR` (plots and a summary of a run).",
+    )
+    # Accepted for scripts written for torch.distributed.launch, which passes it; mpiddp takes the local rank from MPI.
+    parser.add_argument("--local-rank", "--local_rank", dest="ignored_local_rank", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Build the Config from flags. Raises ConfigError (one-line message) or HelpRequested."""
+    return parse_into(Config, build_parser(), argv)

@@ -21,3 +21,21 @@ class HelpRequested(Exception):
     def __init__(self, text: str) -> None:
         super().__init__(text)
         self.text = text
+
+
+class ScriptExit(Exception):
+    """The user's script (`mpiddp run`) exited with a non-zero status on this rank."""
+
+    def __init__(self, script: str, status: int) -> None:
+        super().__init__(f"{script} exited with status {status}")
+        self.script = script
+        self.status = status
+
+
+class ScriptError(Exception):
+    """The user's script (`mpiddp run`) raised on this rank; `report` is its traceback from the script's frame on."""
+
+    def __init__(self, script: str, report: str, last_line: str) -> None:
+        super().__init__(last_line)
+        self.script = script
+        self.report = report

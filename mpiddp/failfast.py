@@ -10,7 +10,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from mpiddp.errors import AgreedError, UserError
+from mpiddp.errors import AgreedError, ScriptError, ScriptExit, UserError
 from mpiddp.topology import LauncherMismatch
 
 if TYPE_CHECKING:
@@ -65,12 +65,18 @@ class FailFast:
         where = self.dist.label if self.dist is not None else f"rank {rank} on {socket.gethostname()}"
         if isinstance(exc, UserError):
             return EXIT_USER_ERROR, f"mpiddp: error on {where}: {exc}"
+        if isinstance(exc, ScriptExit):
+            return exc.status, f"mpiddp: {where}: {exc}; ending the job"
         if isinstance(exc, SystemExit):
             code = exc.code if isinstance(exc.code, int) and exc.code != 0 else EXIT_CRASH
             return code, (f"mpiddp: {where} exited early (status {exc.code}) while the other ranks may be "
                           f"waiting for it; ending the job")
         if isinstance(exc, KeyboardInterrupt):
             return EXIT_INTERRUPTED, f"mpiddp: {where} interrupted; ending the job"
+        if isinstance(exc, ScriptError):
+            if self._first_to_report():
+                return EXIT_CRASH, f"mpiddp: {where}: {exc.script} failed; ending the job.\n{exc.report}"
+            return EXIT_CRASH, f"mpiddp: {where}: {exc.script} also failed: {exc}"
         if self._first_to_report():
             formatted = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
             return EXIT_CRASH, f"mpiddp: {where} failed; ending the job.\n{formatted}"

@@ -20,7 +20,7 @@ from mpiddp.stopping import Stopped, StopRequest
 
 log = logging.getLogger("mpiddp")
 
-COMMANDS = ("train", "check", "report")
+COMMANDS = ("train", "run", "check", "report")
 
 
 def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return report.main(args)
     with FailFast() as guard:
+        if command == "run":  # the user's own script
+            from mpiddp.script import run_script
+
+            return run_script(args, guard)
         dist = connect(guard)
         cfg = dist.agree(lambda: parse_args(args))
         setup_logging(dist.topology, cfg.log_level)
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "check":
             return _check(cfg, dist, guard)
         log.info("config: %s", cfg.to_dict())
-        log.info("every rank runs %s", preflight.check(cfg, dist))
+        log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
         run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, dist)
         stop = StopRequest().install()
         try:

@@ -6,9 +6,9 @@ import hashlib
 import json
 import platform
 from pathlib import Path
+from typing import Any
 
 from mpiddp.collective import Dist
-from mpiddp.config import Config
 from mpiddp.errors import AgreedError
 from mpiddp.topology import Topology
 
@@ -26,20 +26,22 @@ def code_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def fingerprint(cfg: Config, topo: Topology) -> dict[str, str]:
+def fingerprint(settings: dict[str, Any], topo: Topology, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What must be the same on every rank: versions, mpiddp's code, the settings, and `extra` (a script's hash)."""
     import torch
 
     from mpiddp import __version__
 
-    settings = {k: v for k, v in cfg.to_dict().items() if k not in RANK_LOCAL_SETTINGS}
+    shared = {k: v for k, v in settings.items() if k not in RANK_LOCAL_SETTINGS}
     return {
         "mpiddp": __version__,
         "code": code_hash(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "mpi": topo.mpi_library,
-        "config": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
-        "_settings": json.dumps(settings, sort_keys=True),
+        **(extra or {}),
+        "config": hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16],
+        "_settings": json.dumps(shared, sort_keys=True),
     }
 
 
@@ -65,9 +67,9 @@ def _host_of(rank: int, topo: Topology) -> str:
     return next(name for name, ranks in topo.hosts if rank in ranks)
 
 
-def check(cfg: Config, dist: Dist) -> dict[str, str]:
+def check(settings: dict[str, Any], dist: Dist, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Collective: gather every rank's fingerprint; every rank raises the same AgreedError on a mismatch."""
-    mine = fingerprint(cfg, dist.topology)
+    mine = fingerprint(settings, dist.topology, extra)
     prints = dist.allgather(mine)
     problems = differences(prints, dist.topology)
     if problems:

@@ -54,12 +54,13 @@ class JobResult:
         return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> JobResult:
+def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None,
+                cwd: Path = REPO) -> JobResult:
     started = time.monotonic()
     try:
         completed = subprocess.run(
             command,
-            cwd=REPO,
+            cwd=cwd,
             env=env or job_env(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -1,5 +1,6 @@
 """Real multi-host jobs on fake hosts (network namespaces): mpirun typed on nodea launches ranks on every host."""
 
+import json
 import subprocess
 import sys
 import time
@@ -159,3 +160,19 @@ def test_check_on_two_hosts(hosts, mpirun, tmp_path):
     assert job.returncode == 0, job.output[-3000:]
     assert "nodea" in job.output and "nodeb" in job.output
     assert "interfaces {'nodea': 'eth0', 'nodeb': 'eth0'}" in job.output
+
+
+def test_own_script_on_two_hosts_uses_the_shared_network(hosts, mpirun, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = REPO / "tests" / "programs" / "torchrun_style.py"
+    command = [mpirun, *hosts.openmpi_args(), "-np", "4", "-H", "nodea:2,nodeb:2", sys.executable, "-m", "mpiddp",
+               "run", str(script), str(out)]
+    job = run_command(hosts.command_on("nodea", command), tmp_path, 240, env=host_env())
+    assert job.returncode == 0, job.output[-5000:]
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["hostname"] for r in records] == ["nodea", "nodea", "nodeb", "nodeb"]
+    assert [r["env"]["LOCAL_RANK"] for r in records] == ["0", "1", "0", "1"]
+    assert [r["env"]["GROUP_RANK"] for r in records] == ["0", "0", "1", "1"]
+    assert {r["env"]["MASTER_ADDR"] for r in records} == {hosts.address("nodea")}  # not loopback
+    assert all(r["weights"] == records[0]["weights"] for r in records)

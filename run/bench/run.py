@@ -62,6 +62,26 @@ def plain_ddp(work: Path) -> dict:
             "launch_to_first_step_s": result["first_step_done_at"] - launched}
 
 
+def whole_job(command: list[str]) -> dict:
+    started = time.time()
+    run(command)
+    return {"wall_s": time.time() - started}
+
+
+OWN_SCRIPT = ("run/examples/torchrun_digits.py", "--epochs", "1")
+
+
+def own_script_comparison(repeats: int) -> dict:
+    """The same torchrun-style script, whole job from launch to exit: `mpiddp run` under mpirun vs torchrun."""
+    a, b = interleave(
+        repeats,
+        lambda: whole_job([MPIRUN, "-np", "2", "--bind-to", "none", PYTHON, "-m", "mpiddp", "run", "--log-level",
+                           "warning", *OWN_SCRIPT]),
+        lambda: whole_job([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *OWN_SCRIPT]),
+    )
+    return compare("own script: whole job", "wall_s", "mpiddp run (mpirun)", a, "torchrun", b) | {"target": "<= 1"}
+
+
 def interleave(repeats: int, a, b) -> tuple[list[dict], list[dict]]:
     first, second = [], []
     for _ in range(repeats):
@@ -133,8 +153,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--only", choices=["own-script"], default=None,
+                        help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only == "own-script":
+        row = own_script_comparison(args.repeats)
+        (args.out / "only-own-script.json").write_text(json.dumps({"machine": machine(), **row}, indent=2) + "\n")
+        print(json.dumps(row, indent=2))
+        return
     work = Path(tempfile.mkdtemp(prefix="mpiddp-bench-"))
     comparisons = []
 
@@ -160,6 +187,8 @@ def main() -> None:
     )
     comparisons.append(compare("data: CIFAR-10 files vs synthetic", "images_per_second", "cifar10 on disk", disk,
                                "synthetic", syn) | {"target": "~1 (loader keeps up)"})
+
+    comparisons.append(own_script_comparison(args.repeats))
 
     allreduce_out = work / "allreduce.json"
     run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out)])

@@ -1,0 +1,294 @@
+"""`python -m mpiddp run [options] SCRIPT|-m MODULE [args]`: the user's own training script on every rank.
+
+The script runs as `python SCRIPT` would run it (`sys.argv`, `__main__`, `sys.path[0]`), with torchrun's
+environment, so `init_process_group()` with env:// connects to mpiddp's rendezvous store. mpiddp keeps its
+start-up checks (launcher, topology, interface, fingerprints with the script's hash) and its shutdown
+guarantees: a failure on any rank ends the job; a rank that finishes waits for the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+
+from mpiddp import preflight
+from mpiddp.collective import Dist, Rendezvous
+from mpiddp.config import LOG_LEVELS, MASTER_ADDR_ENV, check_field, option, parse_into, parser_for
+from mpiddp.errors import ScriptError, ScriptExit, UserError
+from mpiddp.failfast import EXIT_HANG, FailFast
+
+log = logging.getLogger(__name__)
+
+RUN, DISTRIBUTED = "run", "distributed"
+USAGE = "python -m mpiddp run [options] SCRIPT [script args]  or  python -m mpiddp run [options] -m MODULE [args]"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """mpiddp's own options for `run`; they go before the script name, everything after belongs to the script."""
+
+    finish_timeout_s: float = option(
+        600.0, "--finish-timeout", group=RUN, parse=float, at_least=0,
+        help="seconds a rank may keep running after another rank's script finished before mpiddp shows where "
+        "it is and ends the job (a rank that ends early leaves the others waiting in collectives); 0: wait forever")
+    log_level: str = option("info", "--log-level", group=RUN, choices=LOG_LEVELS, help="rank 0's level; others log warnings")
+    master_addr: str | None = option(None, "--master-addr", group=DISTRIBUTED, env=MASTER_ADDR_ENV,
+                                     help=f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV})")
+    iface: str | None = option(None, "--iface", group=DISTRIBUTED,
+                               help="network interface for the rendezvous and gloo/NCCL on every host")
+    rendezvous_timeout_s: float = option(120.0, "--rendezvous-timeout", group=DISTRIBUTED, parse=float,
+                                         help="seconds a rank waits to reach rank 0's store")
+    num_threads: int | None = option(None, "--num-threads", group=DISTRIBUTED, parse=int, at_least=1,
+                                     help="torch/OpenMP threads per rank (default: a fair share; OMP_NUM_THREADS wins)")
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            check_field(spec, getattr(self, spec.name))
+        if self.rendezvous_timeout_s <= 0:
+            raise ValueError("--rendezvous-timeout must be positive seconds")
+        if self.master_addr is not None and not self.master_addr.strip():
+            raise ValueError("--master-addr is empty: give a host name or IP address, or leave it out")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to run: a script path or a module name, and the arguments that belong to it."""
+
+    script: str | None
+    module: str | None
+    args: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.script if self.script is not None else f"-m {self.module}"
+
+    def source(self) -> Path:
+        """The file that will run; a UserError when there is none (every rank checks its own filesystem)."""
+        if self.script is not None:
+            path = Path(self.script)
+            if not path.is_file():
+                raise UserError(f"script {self.script!r} not found (working directory {os.getcwd()}): "
+                                f"give a path to a Python file, or -m MODULE")
+            if not os.access(path, os.R_OK):
+                raise UserError(f"script {self.script!r} is not readable: check its permissions")
+            return path
+        assert self.module is not None
+        try:
+            spec = importlib.util.find_spec(self.module)
+        except (ImportError, ValueError) as exc:
+            raise UserError(f"cannot import module {self.module!r} ({type(exc).__name__}: {exc})") from None
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            spec = importlib.util.find_spec(f"{self.module}.__main__")
+        if spec is None or spec.origin is None or not Path(spec.origin).is_file():
+            raise UserError(f"no module named {self.module!r} on sys.path (working directory {os.getcwd()}); "
+                            f"a package needs a __main__.py")
+        return Path(spec.origin)
+
+    def digest(self) -> str:
+        """A hash of the file to run, so a host with another version of the script is caught before it starts."""
+        return hashlib.sha256(self.source().read_bytes()).hexdigest()[:16]
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], Target]:
+    """(mpiddp's options, the target): options end at the script name or at `-m MODULE`."""
+    takes_value = {name for spec in dataclasses.fields(RunConfig) for name in spec.metadata["names"]}
+    own: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "-m":
+            if index + 1 >= len(argv):
+                raise UserError(f"-m needs a module name: {USAGE}")
+            return own, Target(None, argv[index + 1], tuple(argv[index + 2:]))
+        if token == "--":
+            index += 1
+            break
+        if not token.startswith("-"):
+            break
+        own.append(token)
+        if token in takes_value and token not in ("-h", "--help", "--version"):
+            if index + 1 >= len(argv):
+                raise UserError(f"{token} needs a value (see python -m mpiddp run --help)")
+            own.append(argv[index + 1])
+            index += 1
+        index += 1
+    if index >= len(argv):
+        if any(flag in own for flag in ("-h", "--help", "--version")):
+            return own, Target(None, None, ())
+        raise UserError(f"run needs a script to run: {USAGE}")
+    return own, Target(argv[index], None, tuple(argv[index + 1:]))
+
+
+def parse_run_args(own: list[str]) -> RunConfig:
+    parser = parser_for(
+        RunConfig, prog="mpirun -np N python -m mpiddp run [options] SCRIPT|-m MODULE [args]",
+        description="Run your own training script on every rank mpirun started, with torchrun's environment "
+        "(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...): init_process_group() with env:// just works. "
+        "A failure on any rank ends the whole job with that rank's report.",
+    )
+    return parse_into(RunConfig, parser, own)
+
+
+def _from_the_script(tb: TracebackType | None) -> TracebackType | None:
+    """Skip the frames of mpiddp and runpy in front of the script's own, so the report starts in the user's code."""
+    here = str(Path(__file__).resolve().parent)
+    while tb is not None and tb.tb_next is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not (filename.startswith(here) or filename == runpy.__file__ or "<frozen runpy>" in filename):
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def execute(target: Target, source: Path) -> None:
+    """Run the target in this process as `python` would; a non-zero exit becomes ScriptExit."""
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0]
+    try:
+        if target.script is not None:
+            sys.argv = [target.script, *target.args]
+            sys.path[0] = str(source.resolve().parent)
+            runpy.run_path(target.script, run_name="__main__")
+        else:
+            sys.argv = [str(source), *target.args]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target.module or "", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        status = exc.code
+        if status is None or status == 0:
+            return
+        if not isinstance(status, int):  # sys.exit("message"): Python prints it and exits 1
+            sys.stderr.write(f"{status}\n")
+            status = 1
+        raise ScriptExit(target.name, status) from None
+    except Exception as exc:
+        lines = traceback.format_exception(type(exc), exc, _from_the_script(exc.__traceback__))
+        raise ScriptError(target.name, "".join(lines).rstrip(), lines[-1].strip()) from None
+    finally:
+        sys.argv, sys.path[0] = saved_argv, saved_path0
+
+
+class FinishWatch:
+    """Ends the job when a rank is still running `timeout_s` after another rank's script finished.
+
+    A rank whose script ends (even with status 0) while the others wait for it in a collective would leave them
+    blocked until torch's collective timeout; the watch, a thread talking through the rendezvous store, shows
+    where the late rank is and aborts instead.
+    """
+
+    KEY = "mpiddp/finished"
+
+    def __init__(self, timeout_s: float, dist: Dist, store: object | None) -> None:
+        self.timeout_s, self.dist, self.store = timeout_s, dist, store
+        self.done = threading.Event()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="mpiddp-finish-watch", daemon=True)
+
+    @classmethod
+    def for_job(cls, timeout_s: float, dist: Dist, rendezvous: Rendezvous) -> FinishWatch:
+        store = None
+        if timeout_s > 0 and dist.world_size > 1:
+            import torch.distributed as tdist
+
+            store = tdist.TCPStore(rendezvous.master_addr, rendezvous.master_port, dist.world_size, False,
+                                   timeout=timedelta(seconds=10))
+        return cls(timeout_s, dist, store)
+
+    def start(self) -> FinishWatch:
+        if self.store is not None:
+            self.thread.start()
+        return self
+
+    def finished(self) -> None:
+        """This rank's script is done: tell the other ranks' watches (from the watch's own thread)."""
+        self.done.set()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        store = self.store
+        assert store is not None
+        first_seen: float | None = None
+        reported = False
+        interval = min(2.0, max(0.2, self.timeout_s / 10))
+        while not self.stopped.wait(interval):
+            try:
+                if self.done.is_set():
+                    if not reported:
+                        store.set(f"{self.KEY}/{self.dist.rank}", "1")  # type: ignore[attr-defined]
+                        store.add(self.KEY, 1)  # type: ignore[attr-defined]
+                        reported = True
+                    continue
+                if store.add(self.KEY, 0) == 0:  # type: ignore[attr-defined]
+                    continue
+            except Exception:  # the store went away with rank 0: the job is ending anyway
+                return
+            first_seen = first_seen or time.monotonic()
+            if time.monotonic() - first_seen > self.timeout_s:
+                self._fire(time.monotonic() - first_seen)
+                return
+
+    def _fire(self, waited: float) -> None:
+        store = self.store
+        finished = [r for r in range(self.dist.world_size)
+                    if store.check([f"{self.KEY}/{r}"])]  # type: ignore[attr-defined]
+        shown = ", ".join(map(str, finished[:8])) + (" ..." if len(finished) > 8 else "")
+        sys.stderr.write(
+            f"mpiddp: {self.dist.label} is still running {waited:.0f} s after the script finished on rank(s) "
+            f"{shown} (--finish-timeout {self.timeout_s:g}). If it waits in a collective for them, it would never "
+            f"return: every rank must make the same collective calls. Ending the job; Python stacks of "
+            f"{self.dist.label}:\n"
+        )
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        self.dist.abort(EXIT_HANG)
+
+
+def run_script(argv: list[str], guard: FailFast) -> int:
+    """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
+    from mpiddp import api
+    from mpiddp.bootstrap import connect, open_rendezvous, set_threads, teardown
+    from mpiddp.log import setup_logging
+
+    dist = connect(guard)
+    own, target = dist.agree(lambda: split_argv(argv))
+    cfg = dist.agree(lambda: parse_run_args(own))
+    setup_logging(dist.topology, cfg.log_level)
+    digest = dist.agree(target.digest)
+    settings = {**dataclasses.asdict(cfg), "target": target.name, "args": list(target.args)}
+    log.info("every rank runs %s", preflight.check(settings, dist, {"script": digest}))
+    num_threads = set_threads(cfg, dist.topology)
+    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    rendezvous, store = open_rendezvous(cfg, dist, guard)
+    api.attach(api.Session(dist, rendezvous, store, num_threads))
+    watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
+    log.info("running %s %s on %d ranks on %d hosts; torchrun's variables set, rendezvous %s:%d",
+             target.name, json.dumps(list(target.args)), dist.world_size, dist.topology.num_hosts,
+             rendezvous.master_addr, rendezvous.master_port)
+    started = time.monotonic()
+    execute(target, target.source())
+    watch.finished()
+    log.info("the script finished on rank 0 after %.1f s; waiting for every rank", time.monotonic() - started)
+    dist.wait_for_all()
+    watch.stop()
+    teardown(dist, store)
+    api.detach()
+    log.info("every rank finished")
+    return 0
