@@ -6,6 +6,7 @@ everything else one typed `Dist`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -19,7 +20,7 @@ from mpiddp.errors import AgreedError, UserError
 from mpiddp.failfast import FailFast
 from mpiddp.netif import Interface, choose_network, local_interfaces
 from mpiddp.stopping import Stopped
-from mpiddp.topology import Topology, build_topology, check_launcher, gather_records, init_mpi
+from mpiddp.topology import Topology, build_topology, check_launcher, gather_records, init_mpi, launcher_restarts
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ def connect(guard: FailFast | None = None) -> Dist:
     check_launcher(comm)
     records, mpi_library = gather_records(comm)
     topology = agree_on(transport, lambda: build_topology(transport.rank, records, mpi_library))
-    dist = Dist(topology, transport)
+    # Rank 0's view of the launcher's restart count is the job's (every rank must decide alike).
+    restarts = transport.bcast(launcher_restarts(os.environ))
+    dist = Dist(dataclasses.replace(topology, restarts=restarts), transport)
     if guard is not None:
         guard.dist = dist
     return dist

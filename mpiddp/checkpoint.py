@@ -106,6 +106,17 @@ def resolve(resume: str, directory: Path) -> tuple[Path, Snapshot] | None:
     return None
 
 
+def refuse_reuse(directory: Path) -> None:
+    """Rank 0, for a job that does not resume: a directory that already holds snapshots is an earlier job's,
+    and this job would overwrite and rotate them away."""
+    existing = list_snapshots(directory)
+    if existing:
+        raise UserError(
+            f"{directory} already holds snapshots of an earlier job (newest: {existing[-1].name}): add --resume to "
+            f"continue it, or choose a new --run-dir (mpiddp never overwrites snapshots it did not resume from)"
+        )
+
+
 def find_for(resume: str, directory: Path, arch: str) -> tuple[Path, Snapshot] | None:
     """Rank 0's part of `restore`: resolve, and refuse a snapshot of another model."""
     found = resolve(resume, directory)

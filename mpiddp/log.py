@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 from mpiddp.topology import Topology
@@ -71,10 +72,36 @@ class NullProgress:
         pass
 
 
+# Processes that start ranks and relay their output (Open MPI, MPICH's Hydra, Slurm).
+LAUNCHERS = frozenset({"mpirun", "mpiexec", "prterun", "orterun", "prted", "orted", "hydra_pmi_proxy",
+                       "mpiexec.hydra", "srun", "slurmstepd"})
+
+
+def launcher_output_is_terminal(proc: Path = Path("/proc")) -> bool:
+    """Whether the nearest launcher above this process writes to a terminal. Open MPI hands its ranks a
+    pseudo-terminal even when mpirun's own output goes to a file, so the rank's isatty() cannot tell."""
+    pid = os.getppid()
+    for _ in range(8):
+        try:
+            stat = (proc / str(pid) / "stat").read_text()
+        except OSError:
+            return True  # no /proc to look at: trust isatty()
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if name in LAUNCHERS:
+            try:
+                return os.readlink(proc / str(pid) / "fd" / "1").startswith(("/dev/pts/", "/dev/tty"))
+            except OSError:
+                return True
+        pid = int(fields[1])
+        if pid <= 1:
+            return True
+    return True
+
+
 def progress_wanted(setting: str) -> bool:
-    """`auto` draws the bar only where someone is likely watching: a terminal, and not CI."""
+    """`auto` draws the bar only where someone is watching: a terminal (the launcher's too), and not CI."""
     if setting == "auto":
-        return sys.stdout.isatty() and not os.environ.get("CI")
+        return sys.stdout.isatty() and not os.environ.get("CI") and launcher_output_is_terminal()
     return setting == "on"
 
 

@@ -35,19 +35,40 @@ def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
 
 
 def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[Path, Any] | None:
-    """Collective: with --resume, put the snapshot back into `state` on every rank."""
+    """Collective: with --resume (or in a job the scheduler requeued), put the snapshot back into `state` on
+    every rank; settings that cannot continue the run stop every rank, the others are listed."""
     from mpiddp import checkpoint
 
-    if not cfg.resume:
+    mode = resume_mode(cfg, dist)
+    if mode is None:
         return None
-    restored = checkpoint.restore(cfg.resume, checkpoint_dir, cfg.model_name, dist)
+    restored = checkpoint.restore(mode, checkpoint_dir, cfg.model_name, dist)
     if restored is None:
-        log.info("--resume auto: no snapshot in %s yet, starting from scratch", checkpoint_dir)
+        if dist.is_main:  # one line for the job
+            log.warning("--resume: no snapshot in %s, starting from scratch", checkpoint_dir)
         return None
     path, snapshot = restored
+    changes = dist.agree(lambda: snapshot.check_settings(cfg.to_dict()))
     snapshot.restore_into(state, dist, cfg.seed, cfg.batch_size)
+    if dist.is_main:  # a local log line, no collective
+        for change in changes:
+            log.warning("resuming with %s", change)
+        before, after = state.optimizer.param_groups[0]["lr"], state.scheduler.base_lrs[0] * state.scheduler.lr_lambdas[0](state.step)
+        if abs(before - after) > 1e-9 * max(abs(before), 1e-12):
+            log.warning("the learning-rate schedule changed with the settings: at step %d it was %.6g and is now %.6g",
+                        state.step, before, after)
     log.info("resumed from %s: epoch %d, step %d", path, state.epoch, state.step)
     return restored
+
+
+def resume_mode(cfg: Config, dist: Dist) -> str | None:
+    """'auto', a snapshot path, or None (a fresh run). A requeued job resumes by itself."""
+    if cfg.resume:
+        return cfg.resume
+    if dist.topology.restarts > 0:
+        log.info("the scheduler requeued this job (restart %d): resuming from the newest snapshot", dist.topology.restarts)
+        return "auto"
+    return None
 
 
 def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_at: float) -> dict[str, Any]:
@@ -72,8 +93,9 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
     return summary
 
 
-def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, Any]:
-    """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files."""
+def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, Any] | None:
+    """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
+    None when a resumed run had nothing left to train."""
     from mpiddp import checkpoint
     from mpiddp.snapshot import Snapshot
     from mpiddp.state import TrainState, build_state, configure_torch
@@ -81,11 +103,17 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, 
     from mpiddp.watchdog import Watchdog
 
     (job_started_at,) = dist.reduce([process_start_time()], "min")
+    checkpoint_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+    if resume_mode(cfg, dist) is None:  # before anything is loaded or written
+        dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
     configure_torch(cfg)
     loaders, channels = load_data(cfg, dist)
     state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
-    checkpoint_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
     restored = resume(cfg, dist, state, checkpoint_dir)
+    if state.epoch >= cfg.epochs:
+        log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
+                 checkpoint_dir, state.epoch)
+        return None
     log.info(
         "training %s on %s: %d train / %d eval samples, global batch %d (%d per rank x %d ranks x %d accumulation)",
         cfg.model_name, cfg.dataset, loaders.num_train, loaders.num_eval,
@@ -94,6 +122,8 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, 
     run_logger, wandb_run_id = make_run_logger(
         cfg, run_dir, dist.topology, restored[1].wandb_run_id if restored else None
     )
+    run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
+                    "resumed_from": str(restored[0]) if restored else None, "time": time.time()})
     watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist).start()
 
     def save(train_state: TrainState) -> None:
@@ -155,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("%s; snapshot saved in %s. Continue with --resume (exit status %d)",
                             stopped, run_dir, EXIT_STOPPED)
             return EXIT_STOPPED
+        if summary is None:
+            return EXIT_OK
         accuracy = summary["eval_accuracy"]
         log.info(
             "done: eval accuracy %s, %.0f images/s, wall time %.1f s; outputs in %s",

@@ -62,7 +62,7 @@ class WandbLogger:
         return None if self.run is None else self.run.id
 
     def log(self, record: dict[str, Any]) -> None:
-        if self.run is None:
+        if self.run is None or record["kind"] == "start":  # segment markers are for metrics.jsonl and report
             return
         values: dict[str, Any] = {}
         for key, value in record.items():

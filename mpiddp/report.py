@@ -24,7 +24,18 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None
             raise UserError(f"{metrics_path}:{number} is not JSON (a run killed mid-write leaves at most one such line)") from None
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    return records, summary
+    return replay(records), summary
+
+
+def replay(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run as it finally happened: a job that resumed from step S (its `start` record) replaces what an
+    earlier job logged after S (the steps it redid), so resumed runs plot as one curve without repeats."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("kind") == "start":
+            kept = [r for r in kept if r.get("step", 0) <= record.get("step", 0)]
+        kept.append(record)
+    return [r for r in kept if r.get("kind") != "start"]
 
 
 def text_summary(records: list[dict[str, Any]], summary: dict[str, Any] | None) -> str:

@@ -18,6 +18,16 @@ from mpiddp.state import TrainState
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+# Settings that do not change what is trained: they may differ freely between a run and its resumption.
+RUN_LOCAL_SETTINGS = frozenset({
+    "run_dir", "runs_root", "resume", "checkpoint_dir", "model_filename", "save_every", "keep_last", "wandb",
+    "wandb_project", "wandb_name", "wandb_group", "wandb_tags", "log_every", "throughput_warmup_steps", "progress",
+    "log_level", "master_addr", "iface", "rendezvous_timeout_s", "collective_timeout_s", "hang_timeout_s",
+    "num_threads", "inject_fault", "data_dir", "download", "num_workers", "worker_start_method", "eval_batch_size",
+    "device", "backend",
+})
+# Settings whose change makes the snapshot's state unusable: another model, optimizer state or loss scaling.
+INCOMPATIBLE_SETTINGS = frozenset({"arch", "dataset", "num_classes", "optimizer", "amp", "sync_bn"})
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -90,6 +100,22 @@ class Snapshot:
             raise UserError(f"{path} has snapshot format {payload['format']}; this mpiddp reads format {FORMAT_VERSION}")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in payload.items() if k in known})
+
+    def check_settings(self, config: dict[str, Any]) -> list[str]:
+        """Settings this job changes against the snapshot's: a UserError for those that cannot continue the
+        run, warning lines for the rest."""
+        if not self.config:  # written before snapshots carried their config
+            return []
+        changed = {key: (self.config.get(key), value) for key, value in config.items()
+                   if key not in RUN_LOCAL_SETTINGS and key in self.config and self.config[key] != value}
+        refused = [f"--{key.replace('_', '-')} {old!r} -> {new!r}" for key, (old, new) in changed.items()
+                   if key in INCOMPATIBLE_SETTINGS]
+        if refused:
+            raise UserError(
+                f"the snapshot was trained with other settings that it cannot continue under: {', '.join(refused)}. "
+                f"Resume with the snapshot's settings, or start a new run without --resume"
+            )
+        return [f"--{key.replace('_', '-')} changed from {old!r} to {new!r}" for key, (old, new) in sorted(changed.items())]
 
     def restore_into(self, state: TrainState, dist: Dist, seed: int, batch_size: int) -> None:
         """Put the snapshot back on every rank: weights, optimizer, schedule, scaler, counters, this rank's RNG."""

@@ -49,6 +49,7 @@ class Topology:
     # host name -> its world ranks in local-rank order; hosts ordered by their lowest world rank
     hosts: tuple[tuple[str, tuple[int, ...]], ...]
     mpi_library: str = "unknown"
+    restarts: int = 0  # the scheduler requeued this job this many times (then training resumes by itself)
 
     @property
     def is_main(self) -> bool:
@@ -155,6 +156,14 @@ def launcher_info(env: Mapping[str, str]) -> LauncherInfo | None:
 
 def mismatch_message(info: LauncherInfo, mpi_library: str, mpi4py_file: str, python: str) -> str:
     """What to tell a user whose mpirun does not belong to the MPI that mpi4py loaded."""
+    if info.variable.startswith("SLURM"):
+        plugin = "pmi2" if "MPICH" in mpi_library or "HYDRA" in mpi_library.upper() else "pmix"
+        return (
+            f"srun started {info.size} processes, but mpi4py sees a world of 1: srun's --mpi plugin does not "
+            f"match the MPI that mpi4py ({mpi4py_file}) loaded ('{mpi_library}'). Launch with "
+            f"srun --mpi={plugin} (see srun --mpi=list; pmix for Open MPI, pmi2 for MPICH), or start the job "
+            f"with that MPI's own mpirun inside the allocation"
+        )
     own_mpirun = Path(python).parent / "mpirun"
     use = f"{own_mpirun}" if own_mpirun.exists() else "the mpirun of the MPI that mpi4py was built against"
     return (
@@ -163,6 +172,12 @@ def mismatch_message(info: LauncherInfo, mpi_library: str, mpi4py_file: str, pyt
         f"Launch with {use}, or rebuild mpi4py against your MPI: "
         f"MPICC=$(which mpicc) pip install --no-binary=mpi4py --force-reinstall mpi4py"
     )
+
+
+def launcher_restarts(env: Mapping[str, str]) -> int:
+    """How many times the scheduler has restarted this job (Slurm's requeue keeps the job id and counts here)."""
+    value = env.get("SLURM_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
 
 
 def init_mpi() -> Any:

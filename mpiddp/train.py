@@ -141,8 +141,8 @@ def train_step(
 def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, amp: str = "off",
              memory_format: torch.memory_format = torch.contiguous_format,
              heartbeat: Callable[[str, int], None] = lambda phase, step: None,
-             step: int = 0) -> tuple[float, float, float]:
-    """(correct, summed loss, count) over this rank's eval shard.
+             step: int = 0, should_stop: Callable[[], bool] = lambda: False) -> tuple[float, float, float]:
+    """(correct, summed loss, count) over this rank's eval shard, cut short when `should_stop()` says so.
 
     Runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would deadlock
     when ranks hold different numbers of eval batches.
@@ -153,6 +153,8 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, am
     count = 0
     for inputs, targets in loader:
         heartbeat("eval", step)
+        if should_stop():  # a stop signal: the scheduler's grace period is for saving, not evaluating
+            break
         inputs = inputs.to(device, non_blocking=True, memory_format=memory_format)
         targets = targets.to(device, non_blocking=True)
         with autocast_for(amp, device):
@@ -232,18 +234,30 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     return totals, step_times
 
 
-def epoch_record(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
-                 totals: Meter, step_times: list[float]) -> dict[str, Any]:
-    """Collective: evaluate this rank's shard, then one record of the epoch for the whole job."""
+def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks,
+                     epoch: int) -> tuple[float, float, float]:
+    """Collective: evaluate this rank's shard, stopping early on a signal. When any rank got one, every rank
+    saves the epoch (its training is complete) and raises Stopped; otherwise this rank's eval sums."""
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    sums = (0.0, 0.0, 0.0)
     if loaders.eval is not None:
-        correct, eval_loss, eval_count = evaluate(
-            state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, hooks.heartbeat, state.step
-        )
-    else:
-        correct = eval_loss = eval_count = 0.0
+        sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, hooks.heartbeat,
+                        state.step, should_stop=lambda: bool(hooks.stop.signum))
+    signum = hooks.stop.agreed(dist)
+    if signum:
+        state.epoch, state.batches_done = epoch, 0
+        if dist.is_main:  # a local log line, no collective
+            log.warning("stopping during the evaluation of epoch %d: its training is saved, its evaluation is not", epoch)
+        hooks.save(state)
+        raise Stopped(signal.Signals(signum).name, state.step)
+    return sums
+
+
+def epoch_record(state: TrainState, loaders: Loaders, dist: Dist, epoch: int, totals: Meter,
+                 step_times: list[float], evaluation: tuple[float, float, float]) -> dict[str, Any]:
+    """Collective: one record of the epoch for the whole job."""
     train_loss, train_images, slowest = totals.reduced(dist)
-    correct, eval_loss, eval_count = dist.reduce([correct, eval_loss, eval_count], "sum")
+    correct, eval_loss, eval_count = dist.reduce(list(evaluation), "sum")
     rank_means = dist.allgather(sum(step_times) / max(1, len(step_times)))
     assert eval_count == loaders.num_eval, f"evaluated {eval_count} of {loaders.num_eval} test samples"
     return {
@@ -271,7 +285,8 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
     history: list[dict[str, Any]] = []
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
         totals, step_times = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
-        record = epoch_record(cfg, state, loaders, dist, hooks, epoch, totals, step_times)
+        evaluation = evaluate_or_stop(cfg, state, loaders, dist, hooks, epoch)
+        record = epoch_record(state, loaders, dist, epoch, totals, step_times, evaluation)
         history.append(record)
         hooks.log.log(record)
         accuracy = "n/a" if record["eval_accuracy"] is None else f"{100 * record['eval_accuracy']:.2f}%"

@@ -157,3 +157,47 @@ def test_bad_snapshots_are_one_clear_error(run_job, tmp_path, setup, flags, mess
     assert "Traceback" not in job.output
     if setup == "none":
         assert snap.read_bytes() == original  # nothing already saved is touched
+
+
+@pytest.mark.mpi
+def test_a_run_dir_with_snapshots_is_never_silently_reused(run_job, tmp_path):
+    import json
+
+    from conftest import job_env
+
+    run_dir = tmp_path / "run"
+    first = run_job(2, "--epochs", "2", *FAST, run_dir=run_dir)
+    assert first.returncode == 0, first.output[-3000:]
+    snapshots = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+    metrics, summary = (run_dir / "metrics.jsonl").read_text(), (run_dir / "summary.json").read_text()
+
+    again = run_job(2, "--epochs", "2", *FAST, run_dir=run_dir, timeout=90)  # the same command, no --resume
+    assert again.returncode == 2
+    assert again.output.count("already holds snapshots of an earlier job (newest: snapshot-epoch0002.pt): "
+                              "add --resume") == 1
+    finished = run_job(2, "--epochs", "2", "--resume", *FAST, run_dir=run_dir, timeout=90)
+    assert finished.returncode == 0 and "nothing to do" in finished.output
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == snapshots
+    assert (run_dir / "metrics.jsonl").read_text() == metrics and (run_dir / "summary.json").read_text() == summary
+
+    # A requeued job (same job id, same command, no --resume) continues by itself; --epochs may grow.
+    requeued = run_job(2, "--epochs", "3", *FAST, run_dir=run_dir, env=job_env(SLURM_RESTART_COUNT="1"))
+    assert requeued.returncode == 0, requeued.output[-3000:]
+    assert requeued.summary["resumed_from"].endswith("snapshot-epoch0002.pt") and requeued.summary["epochs"] == 3
+    assert "resuming with --epochs changed from 2 to 3" in requeued.output
+    assert "learning-rate schedule changed" in requeued.output
+    starts = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["kind"] == "start"]
+    assert [(s["epoch"], s["resumed_from"] is not None) for s in starts] == [(0, False), (2, True)]
+
+
+@pytest.mark.mpi
+def test_settings_that_cannot_continue_a_snapshot_are_refused(run_job, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_job(1, "--epochs", "1", *FAST, run_dir=run_dir).returncode == 0
+    changed = run_job(2, "--epochs", "2", "--resume", "--amp", "bf16", "--optimizer", "adamw", *FAST,
+                      run_dir=run_dir, timeout=90)
+    assert changed.returncode == 2 and "Traceback" not in changed.output
+    assert changed.output.count("cannot continue under: --optimizer 'sgd' -> 'adamw', --amp 'off' -> 'bf16'") == 1
+    nothing = run_job(2, "--epochs", "1", "--resume", *FAST, run_dir=tmp_path / "empty", timeout=90)
+    assert nothing.returncode == 0 and nothing.output.count("--resume: no snapshot in") == 1

@@ -95,3 +95,13 @@ def test_mpich_launch_trains_too(mpich, tmp_path):
     command = [str(mpich / "bin" / "mpiexec"), "-n", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *QUICK]
     summary = assert_trained(run_command(command, run_dir, 180, env=mpich_env(mpich)), 2, 0.85)
     assert summary["mpi_library"].startswith("MPICH")
+
+
+def test_no_progress_bar_frames_when_mpiruns_output_is_not_a_terminal(run_job):
+    from conftest import job_env
+
+    env = job_env()
+    env.pop("CI")  # as on a cluster: only the terminal question decides
+    job = run_job(2, "--epochs", "2", "--progress", "auto", "--wandb", "disabled", env=env)
+    assert job.returncode == 0, job.output[-3000:]
+    assert "\r" not in job.output and "it/s" not in job.output

@@ -34,3 +34,27 @@ def test_log_lines_name_the_rank_and_host(capsys):
         assert "[mpiddp r0/1 nodea] INFO hello" in capsys.readouterr().err
     finally:
         root.handlers[:], root.level = handlers, level
+
+
+def fake_proc(tmp_path, chain):
+    """A /proc with `chain` = [(pid, name, parent, stdout target)], the first entry being our parent."""
+    for pid, name, parent, stdout in chain:
+        folder = tmp_path / str(pid)
+        (folder / "fd").mkdir(parents=True)
+        (folder / "stat").write_text(f"{pid} ({name}) S {parent} 1 1 0 -1\n")
+        (folder / "fd" / "1").symlink_to(stdout)
+    return tmp_path
+
+
+def test_the_bar_follows_mpiruns_output_not_the_ranks_pty(tmp_path, monkeypatch):
+    import os
+
+    from mpiddp.log import launcher_output_is_terminal
+
+    monkeypatch.setattr(os, "getppid", lambda: 100)
+    to_file = fake_proc(tmp_path / "a", [(100, "prterun", 50, "/tmp/job.log"), (50, "bash", 1, "/dev/pts/0")])
+    assert launcher_output_is_terminal(to_file) is False
+    to_terminal = fake_proc(tmp_path / "b", [(100, "prterun", 50, "/dev/pts/3"), (50, "bash", 1, "/dev/pts/3")])
+    assert launcher_output_is_terminal(to_terminal) is True
+    no_launcher = fake_proc(tmp_path / "c", [(100, "python", 1, "/tmp/x")])
+    assert launcher_output_is_terminal(no_launcher) is True

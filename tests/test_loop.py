@@ -135,3 +135,23 @@ def test_fault_injection_hits_only_its_rank_and_step():
     with pytest.raises(SystemExit) as caught:
         inject_fault(FaultInjection.parse("exit0:all:1"), 5, 1)
     assert caught.value.code == 0
+
+
+def test_a_stop_during_evaluation_saves_the_epoch_without_evaluating_on():
+    cfg, dist, loaders, state = job(epochs=2, batch_size=64, eval_batch_size=16)
+    stop = StopRequest()
+    saved, eval_batches = [], []
+
+    def heartbeat(phase, step):
+        if phase == "eval":
+            eval_batches.append(step)
+            stop.signum = signal.SIGTERM  # arrives during the first eval batch
+
+    loop_hooks = hooks(saved, stop)
+    loop_hooks.heartbeat = heartbeat
+    with pytest.raises(Stopped) as caught:
+        train(cfg, state, loaders, dist, loop_hooks)
+    steps = len(loaders.train)
+    assert caught.value.step == steps and saved == [(1, steps, 0)]  # the whole epoch 1, not one step more
+    assert len(eval_batches) == 1  # the evaluation stopped at once
+    assert [r["kind"] for r in loop_hooks.log.records].count("epoch") == 0

@@ -104,3 +104,19 @@ def test_interface_names_may_differ_per_host():
 def test_no_common_network_is_a_clear_error():
     with pytest.raises(UserError, match="--master-addr"):
         choose_network([[iface("eth0", "10.0.0.1")], [iface("eth0", "10.1.0.1")]], ["a", "b"])
+
+
+def test_srun_with_the_wrong_mpi_plugin_is_told_about_srun_mpi():
+    from mpiddp.topology import LauncherInfo, mismatch_message
+
+    info = LauncherInfo(4, 0, "SLURM_STEP_NUM_TASKS", "Slurm's srun")
+    text = mismatch_message(info, "MPICH Version: 4.2.0", "/x/mpi4py/__init__.py", "/venv/bin/python")
+    assert "srun --mpi=pmi2" in text and "srun --mpi=list" in text and "mpirun" in text
+    assert "srun --mpi=pmix" in mismatch_message(info, "Open MPI v5.0.11", "/x", "/venv/bin/python")
+
+
+def test_requeue_count_comes_from_slurm():
+    from mpiddp.topology import launcher_restarts
+
+    assert launcher_restarts({"SLURM_RESTART_COUNT": "2"}) == 2
+    assert launcher_restarts({}) == 0 and launcher_restarts({"SLURM_RESTART_COUNT": "x"}) == 0

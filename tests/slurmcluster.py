@@ -1,0 +1,129 @@
+"""A real one-node Slurm (Debian's slurmctld, slurmd, munge) started for the tests and stopped by PID afterwards.
+
+Its configuration lives in a temporary folder and reaches every Slurm command through SLURM_CONF, so the
+machine's own /etc/slurm is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("slurmctld", "slurmd", "munged")
+CLIENTS = ("sbatch", "scontrol", "scancel", "srun", "sinfo")
+
+
+def unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "a test Slurm needs root (its daemons run as root here)"
+    missing = [tool for tool in (*DAEMONS, *CLIENTS) if shutil.which(tool) is None]
+    if missing:
+        return f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd slurm-client munge"
+    if not Path("/etc/munge/munge.key").is_file():
+        return "munge has no key (/etc/munge/munge.key): reinstall munge"
+    return None
+
+
+class SlurmCluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.pids: list[int] = []
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+
+    def up(self) -> None:
+        for folder in ("state", "spool"):
+            (self.root / folder).mkdir(parents=True, exist_ok=True)
+        host = socket.gethostname()
+        self.conf.write_text("\n".join([
+            "ClusterName=mpiddptest",
+            f"SlurmctldHost={host}",
+            "AuthType=auth/munge",
+            "AuthInfo=cred_expire=5",  # a requeued job may start again 5 s after it ended (default 120)
+            "SlurmUser=root",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "KillWait=30",
+            "MinJobAge=600",  # finished jobs stay visible to scontrol for their exit codes
+            f"StateSaveLocation={self.root / 'state'}",
+            f"SlurmdSpoolDir={self.root / 'spool'}",
+            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+            f"SlurmctldLogFile={self.root / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.root / 'slurmd.log'}",
+            f"NodeName={host} CPUs={os.cpu_count() or 1} State=UNKNOWN",
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+            "",
+        ]))
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+            shutil.chown("/run/munge", "munge", "munge")
+            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, capture_output=True, text=True)
+            self.pids.append(int(subprocess.run(["pgrep", "-nx", "munged"], capture_output=True, text=True).stdout))
+        subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], check=True, env=self.env, capture_output=True, text=True)
+        subprocess.run(["slurmd", "-f", str(self.conf)], check=True, env=self.env, capture_output=True, text=True)
+        for pidfile in ("slurmctld.pid", "slurmd.pid"):
+            self.pids.append(self._wait_for_pid(self.root / pidfile))
+        self._wait_until_idle()
+
+    def _wait_for_pid(self, pidfile: Path, within_s: float = 30) -> int:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if pidfile.is_file() and pidfile.read_text().strip():
+                return int(pidfile.read_text())
+            time.sleep(0.2)  # polling a daemon's start-up, not synchronising our own processes
+        raise RuntimeError(f"{pidfile} did not appear: {self.log_tail()}")
+
+    def _wait_until_idle(self, within_s: float = 60) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            state = self.run("sinfo", "-h", "-o", "%T").stdout.strip()
+            if state.startswith("idle") or state.startswith("mix"):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the test node never became idle (sinfo: {state!r}): {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        return "\n".join((self.root / name).read_text()[-1500:] for name in ("slurmctld.log", "slurmd.log")
+                         if (self.root / name).is_file())
+
+    def down(self) -> None:
+        for pid in reversed(self.pids):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self.pids.clear()
+
+    def run(self, *command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60)
+
+    def submit(self, *args: str, env: dict[str, str] | None = None, cwd: Path) -> int:
+        done = subprocess.run(["sbatch", "--parsable", *args], env={**self.env, **(env or {})}, cwd=cwd,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        text = self.run("scontrol", "show", "job", str(job_id)).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def wait_for(self, job_id: int, states: tuple[str, ...], within_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + within_s
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(0.5)  # polling the scheduler's state
+        raise AssertionError(f"job {job_id} not in {states} within {within_s} s: {info}\n{self.log_tail()}")

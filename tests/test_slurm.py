@@ -1,0 +1,104 @@
+"""A real Slurm (one node, Debian's 22.05): run/slurm.sbatch in both launch modes, stop signals, requeue."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, job_env
+from slurmcluster import SlurmCluster, unavailable_reason
+
+pytestmark = pytest.mark.mpi
+SBATCH = str(REPO / "run" / "slurm.sbatch")
+SMALL = ("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10")  # overrides the script's header
+FAST = ("--no-progress", "--wandb", "disabled")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.up()
+    except Exception as exc:  # a machine that cannot run the daemons: say why and skip
+        cluster.down()
+        pytest.skip(f"cannot start a test Slurm here: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def batch_env(launcher: str, **extra: str) -> dict[str, str]:
+    env = job_env(LAUNCHER=launcher, **extra)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the venv's python and mpirun
+    env.pop("CI", None)
+    return env
+
+
+def output(workdir: Path, job_id: int) -> str:
+    path = workdir / f"mpiddp-{job_id}.out"
+    return path.read_text() if path.is_file() else ""
+
+
+def exit_code(info: dict[str, str]) -> int:
+    return int(info["ExitCode"].split(":")[0])
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_sbatch_trains_on_a_cpu_partition(slurm, tmp_path, launcher):
+    job_id = slurm.submit(*SMALL, "--job-name", f"cpu-{launcher}", SBATCH, "--epochs", "2", *FAST,
+                          env=batch_env(launcher), cwd=tmp_path)
+    info = slurm.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), within_s=240)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    summary = json.loads((tmp_path / "runs" / f"cpu-{launcher}" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 2
+    assert log.count("--resume: no snapshot in") == 1  # the first submission of an always-resuming job
+    assert "\r" not in log  # no progress-bar frames in the batch log
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_scancel_signal_saves_the_same_step_and_requeue_continues(slurm, tmp_path, launcher):
+    name = f"stop-{launcher}"
+    job_id = slurm.submit(*SMALL, "--job-name", name, SBATCH, "--epochs", "400", *FAST,
+                          env=batch_env(launcher), cwd=tmp_path)
+    metrics = tmp_path / "runs" / name / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and '"kind": "step"' in metrics.read_text()):  # training has started
+        assert time.monotonic() < deadline, output(tmp_path, job_id)[-4000:]
+        time.sleep(0.5)
+    signalled = time.monotonic()
+    assert slurm.run("scancel", "--batch", "--signal=USR1", str(job_id)).returncode == 0
+    info = slurm.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), within_s=120)
+    stopped_in = time.monotonic() - signalled
+    log = output(tmp_path, job_id)
+    assert exit_code(info) == 3, log[-4000:]
+    assert "snapshot saved in" in log and stopped_in < 60
+    (tmp_path / f"stop-{launcher}.seconds").write_text(f"{stopped_in:.1f}\n")  # for the record
+    snapshots = sorted(p.name for p in (tmp_path / "runs" / name / "checkpoints").glob("snapshot-*-batch*.pt"))
+    assert len(snapshots) == 1, snapshots
+
+    assert slurm.run("scontrol", "requeue", str(job_id)).returncode == 0
+    info = slurm.wait_for(job_id, ("RUNNING",), within_s=120)  # after cred_expire (see slurmcluster.py)
+    assert info["Restarts"] == "1"
+    deadline = time.monotonic() + 120
+    while "resumed from" not in output(tmp_path, job_id):
+        assert time.monotonic() < deadline, output(tmp_path, job_id)[-4000:]
+        time.sleep(0.5)
+    assert f"{name}/checkpoints/{snapshots[0]}: epoch" in output(tmp_path, job_id)
+    slurm.run("scancel", str(job_id))
+
+
+def test_a_failing_rank_under_srun_ends_the_job_with_one_report(slurm, tmp_path):
+    job_id = slurm.submit(*SMALL, "--job-name", "crash", SBATCH, "--epochs", "3", "--inject-fault", "raise:1:3",
+                          *FAST, env=batch_env("srun"), cwd=tmp_path)
+    info = slurm.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), within_s=180)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "FAILED" and exit_code(info) != 0, log[-4000:]
+    assert log.count("injected fault on rank 1 at step 3") >= 1 and log.count("Traceback") == 1
