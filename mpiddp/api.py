@@ -39,6 +39,7 @@ class InitSettings:
     device: str = "auto"
     backend: str = "auto"
     collective_timeout_s: float = 600.0
+    amp: str = "off"
     sync_bn: bool = False
     master_addr: str | None = None
     iface: str | None = None

@@ -57,6 +57,7 @@ class GroupSettings(NetworkSettings, Protocol):
 
     device: str
     backend: str
+    amp: str
     sync_bn: bool
     collective_timeout_s: float
 
@@ -67,21 +68,33 @@ def _provisional_topology(transport: MpiTransport) -> Topology:
     return Topology(transport.rank, transport.size, 0, 1, 0, 1, host, ((host, (transport.rank,)),))
 
 
-def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str]:
-    """(device type, backend) for this rank; raises UserError when the flags cannot work on this host."""
+def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str, int | None]:
+    """(device type, backend, CUDA device index) for this rank; a UserError when the flags cannot work here.
+
+    GPU binding: when a rank sees at least as many GPUs as its host runs ranks, it takes cuda:<local rank>;
+    when it sees exactly one (Slurm's --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES), it takes cuda:0.
+    """
     import torch
 
     has_cuda = torch.cuda.is_available()
     device = cfg.device if cfg.device != "auto" else ("cuda" if has_cuda else "cpu")
+    index = None
     if device == "cuda":
         if not has_cuda:
             raise UserError(f"--device cuda, but {topo.hostname} has no usable CUDA GPU: use --device cpu")
         num_gpus = torch.cuda.device_count()
-        if topo.local_world_size > num_gpus:
+        if num_gpus >= topo.local_world_size:
+            index = topo.local_rank
+        elif num_gpus == 1:
+            index = 0
+        else:
             raise UserError(
                 f"{topo.hostname} runs {topo.local_world_size} ranks but has {num_gpus} GPUs: start at most "
-                f"{num_gpus} ranks on it (e.g. -H {topo.hostname}:{num_gpus}) or use --device cpu"
+                f"{num_gpus} ranks on it (e.g. -H {topo.hostname}:{num_gpus}), give each rank one GPU "
+                f"(CUDA_VISIBLE_DEVICES), or use --device cpu"
             )
+        if cfg.amp == "bf16" and not torch.cuda.is_bf16_supported():
+            raise UserError(f"--amp bf16, but the GPU of {topo.label} has no bfloat16 support: use --amp fp16")
     if cfg.sync_bn and device != "cuda":
         raise UserError("--sync-bn needs CUDA devices (torch's SyncBatchNorm is GPU-only): drop it on CPU")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
@@ -92,7 +105,21 @@ def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str]:
             "--backend mpi needs a torch built with MPI support, and this one was not: use --backend gloo "
             "(CPU) or nccl (GPU); mpiddp uses MPI for start-up and metrics either way"
         )
-    return device, backend
+    return device, backend, index
+
+
+def shared_gpus(placements: list[tuple[str, str | None]]) -> None:
+    """Refuse two ranks of one host on one GPU (each rank's host and GPU UUID, in rank order)."""
+    owner: dict[tuple[str, str], int] = {}
+    for rank, (host, uuid) in enumerate(placements):
+        if uuid is None:
+            continue
+        if (host, uuid) in owner:
+            raise UserError(
+                f"ranks {owner[(host, uuid)]} and {rank} on {host} both use GPU {uuid}: each rank needs its own "
+                f"GPU (start one rank per GPU, or give each rank its own CUDA_VISIBLE_DEVICES)"
+            )
+        owner[(host, uuid)] = rank
 
 
 def fair_thread_count(cfg: NetworkSettings, topo: Topology) -> int:
@@ -122,41 +149,70 @@ def choose_address(cfg: NetworkSettings, topo: Topology, per_host: list[list[Int
     return choice.master_addr, dict(zip(host_names, choice.interface_per_host))
 
 
-def _agree_on_address(cfg: NetworkSettings, dist: Dist) -> tuple[str, dict[str, str]]:
-    """Collective: gather each host's interfaces, agree on the address and the interface per host.
+def socket_interfaces(chosen_here: str, user_chose: bool, env: dict[str, str]) -> dict[str, str]:
+    """The interface variables to set on this host (never one the user set). gloo always uses the network of
+    the rendezvous; NCCL keeps its own choice (it skips docker and loopback, and may use several NICs) unless
+    the user named the interface with --iface."""
+    wanted = {"GLOO_SOCKET_IFNAME": chosen_here}
+    if user_chose:
+        wanted["NCCL_SOCKET_IFNAME"] = chosen_here
+    return {name: value for name, value in wanted.items() if name not in env}
 
-    Unless the user set them, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are pointed at that interface on every
-    host, so the collectives use the same network as the rendezvous.
-    """
+
+def _agree_on_address(cfg: NetworkSettings, dist: Dist) -> tuple[str, dict[str, str]]:
+    """Collective: gather each host's interfaces, agree on the address and the interface per host, and point
+    gloo (and, with --iface, NCCL) at it, so collectives use the network of the rendezvous."""
     topo = dist.topology
     gathered = dist.allgather(local_interfaces() if topo.local_rank == 0 else None)
     per_host = [gathered[ranks[0]] or [] for _, ranks in topo.hosts]
     address, chosen = dist.agree(lambda: choose_address(cfg, topo, per_host))
     if chosen:
-        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(variable, chosen[topo.hostname])
-        log.info("rendezvous on %s; gloo/NCCL interface per host: %s", address, chosen)
+        os.environ.update(socket_interfaces(chosen[topo.hostname], bool(cfg.iface), dict(os.environ)))
+        log.info("rendezvous on %s; gloo interface per host: %s; NCCL: %s", address, chosen,
+                 os.environ.get("NCCL_SOCKET_IFNAME", "its own choice (set --iface or NCCL_SOCKET_IFNAME to fix it)"))
     return address, chosen
 
 
+def _store_adopts_sockets(torch_version: str) -> bool:
+    """torch 2.8 and newer: the (libuv) TCPStore server can listen on a socket it is handed."""
+    try:
+        major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return True  # an unusual version string: try, and fall back on NotImplementedError
+    return (major, minor) >= (2, 8)
+
+
 class _Store:
-    """Rank 0's rendezvous store and the socket it listens on (None on the other ranks until they connect)."""
+    """This rank's rendezvous store: the server on rank 0, a client elsewhere (None until it is open)."""
 
     def __init__(self) -> None:
         self.store: object | None = None
-        self.listener: socket.socket | None = None
 
     def open_on_main(self, address: str, world_size: int, timeout: timedelta) -> tuple[str, int]:
+        import torch
         import torch.distributed as dist
 
         try:
             # Our own socket, bound to the chosen address only (not every interface), port picked by the kernel:
             # no free-port race.
-            self.listener = socket.create_server((address, 0), backlog=max(128, world_size))
-            self.store = dist.TCPStore(
-                address, self.listener.getsockname()[1], world_size, True, timeout=timeout,
-                wait_for_workers=False, master_listen_fd=self.listener.fileno(),
-            )
+            listener = socket.create_server((address, 0), backlog=max(128, world_size))
+            try:
+                if not _store_adopts_sockets(torch.__version__):
+                    raise NotImplementedError  # asking would print a C++ error line before the same refusal
+                self.store = dist.TCPStore(
+                    address, listener.getsockname()[1], world_size, True, timeout=timeout,
+                    wait_for_workers=False, master_listen_fd=listener.fileno(),
+                )
+                listener.detach()  # the store's server owns the socket now and closes it: one owner, one close
+            except NotImplementedError:
+                # torch 2.4 to 2.7: the libuv store cannot adopt a socket. It opens its own on a kernel-chosen
+                # port, listening on every interface (the non-libuv store could adopt ours, but aborts the
+                # process when it is closed at exit).
+                listener.close()
+                self.store = dist.TCPStore(address, 0, world_size, True, timeout=timeout, wait_for_workers=False)
+                log.info("torch %s cannot bind the rendezvous store to %s alone: it listens on every interface "
+                         "(port %d, chosen by the kernel); torch 2.8 and newer bind it to that address only",
+                         torch.__version__, address, self.store.port)  # type: ignore[attr-defined]
         except Exception as exc:
             raise UserError(
                 f"rank 0 on {socket.gethostname()} could not open the rendezvous store on {address}: {exc} "
@@ -165,8 +221,7 @@ class _Store:
         return address, self.store.port  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
+        self.store = None  # the last reference: the server (rank 0) stops listening
 
 
 def _rendezvous(cfg: NetworkSettings, dist: Dist, address: str) -> tuple[_Store, str, int]:
@@ -244,10 +299,14 @@ def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezv
     import torch.distributed as tdist
 
     topo = dist.topology
-    device_type, backend = dist.agree(lambda: choose_device(settings, topo))
-    device_index = topo.local_rank if device_type == "cuda" else None
+    device_type, backend, device_index = dist.agree(lambda: choose_device(settings, topo))
+    uuid = None
     if device_type == "cuda":
         torch.cuda.set_device(device_index)  # before the process group, so nothing lands on GPU 0 by accident
+        uuid = f"GPU-{torch.cuda.get_device_properties(device_index).uuid}"
+        log.info("%s uses cuda:%d (%s) of %d visible", topo.label, device_index, uuid, torch.cuda.device_count())
+    placements = dist.allgather((topo.hostname, uuid))
+    dist.agree(lambda: shared_gpus(placements))
     placed = dist.placed(device_type, device_index, backend, rendezvous, num_threads)
     tdist.init_process_group(
         backend=backend,

@@ -41,6 +41,10 @@ def write_snapshot(directory: Path, snapshot: Snapshot, keep_last: int) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         payload = snapshot.to_payload()
         write_atomic(path, lambda out: torch.save(payload, out))
+        # Only now, with the new file complete on disk, does `latest` move; then old snapshots go.
+        write_atomic(directory / LATEST, lambda out: out.write(f"{path.name}\n".encode()))
+        for old in list_snapshots(directory)[:-keep_last]:
+            old.unlink(missing_ok=True)
     except (OSError, RuntimeError) as exc:
         previous = list_snapshots(directory)
         kept = f"the previous snapshot {previous[-1]} is intact" if previous else "no earlier snapshot exists"
@@ -48,10 +52,6 @@ def write_snapshot(directory: Path, snapshot: Snapshot, keep_last: int) -> Path:
             f"saving snapshot {path} failed ({type(exc).__name__}: {exc}); {kept}. Free space or choose another "
             f"--checkpoint-dir, then --resume"
         ) from None
-    # Only now, with the new file complete on disk, does `latest` move; then old snapshots go.
-    write_atomic(directory / LATEST, lambda out: out.write(f"{path.name}\n".encode()))
-    for old in list_snapshots(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
     return path
 
 
@@ -64,12 +64,13 @@ def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int) -> Pat
 
 
 def save_weights(path: Path, state_dict: dict[str, Any], dist: Dist) -> None:
-    """Collective: rank 0 writes the final weights (a plain state_dict, as the classic scripts save)."""
+    """Collective: rank 0 writes the final weights (a plain state_dict on CPU, as the classic scripts save)."""
 
     def write() -> None:
+        on_cpu = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in state_dict.items()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, lambda out: torch.save(state_dict, out))
+            write_atomic(path, lambda out: torch.save(on_cpu, out))  # loadable on a machine without a GPU
         except (OSError, RuntimeError) as exc:
             raise UserError(f"writing the final weights to {path} failed ({type(exc).__name__}: {exc})") from None
 

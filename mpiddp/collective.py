@@ -11,6 +11,8 @@ do the communication first, then agree on a purely local computation.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn, Protocol, TypeVar
 import numpy as np
 
 from mpiddp.errors import AgreedError, HelpRequested, UserError
-from mpiddp.failfast import EXIT_USER_ERROR
+from mpiddp.failfast import EXIT_USER_ERROR, flush_logs
 from mpiddp.topology import RankRecord, Topology, build_topology
 
 if TYPE_CHECKING:
@@ -297,8 +299,15 @@ class Dist:
         return self.transport.pingpong(peer, nbytes, repeats)
 
     def abort(self, code: int) -> NoReturn:
-        """End every rank of the job now (MPI_Abort); safe from any thread, whatever the others are doing."""
+        """End every rank of the job now (MPI_Abort), whatever the others are doing. Main thread only."""
         self.transport.abort(code)
+
+    def abort_from_thread(self, code: int) -> NoReturn:
+        """The same from a helper thread (watchdogs). MPI was initialised FUNNELED, so only the main thread may
+        call MPI: this process exits with `code` instead, and the launcher ends every other rank of the job."""
+        flush_logs()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def solo_topology(hostname: str = "localhost") -> Topology:

@@ -211,6 +211,12 @@ class Config:
         return "digits_cnn" if self.dataset == "digits" else "resnet18"
 
     @property
+    def input_size(self) -> int:
+        """The side of the images the model sees."""
+        defaults = {"digits": 8, "synthetic": 32, "cifar10": 32, "mnist": 28, "imagefolder": 224}
+        return self.image_size or defaults[self.dataset]
+
+    @property
     def has_eval(self) -> bool:
         return self.dataset != "synthetic"
 

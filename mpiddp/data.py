@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging
 import pickle
-from collections.abc import Iterator
+import secrets
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 from mpiddp.config import ON_DISK_DATASETS, Config
 from mpiddp.errors import UserError
 from mpiddp.collective import Dist
+
+log = logging.getLogger(__name__)
 
 DIGITS_TEST_FRACTION = 0.2
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -224,18 +228,48 @@ def _transforms(cfg: Config, channels: int) -> tuple[Any, Any]:
     return train, evaluation
 
 
-def fetch(cfg: Config, dist: Dist) -> None:
-    """Collective: with --download, local rank 0 of each host fetches the dataset while the others wait.
+def download_dataset(cfg: Config) -> None:
+    """torchvision's download of CIFAR-10 or MNIST into --data-dir (both splits)."""
+    import torchvision
 
-    One download per host, never one per rank: concurrent writers corrupt the archive.
+    dataset_class = torchvision.datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision.datasets.MNIST
+    for train in (True, False):
+        dataset_class(root=cfg.data_dir, train=train, download=True)
+
+
+def _download_or_explain(download: Callable[[Config], None], cfg: Config) -> None:
+    try:
+        download(cfg)
+    except Exception as exc:  # urllib, torchvision and the filesystem raise many kinds
+        raise UserError(f"--download of {cfg.dataset} into {cfg.data_dir} failed ({type(exc).__name__}: {exc}); "
+                        f"check the network, or put the files there yourself and drop --download") from None
+
+
+def fetch(cfg: Config, dist: Dist, download: Callable[[Config], None] = download_dataset) -> None:
+    """Collective: with --download, fetch the dataset once per filesystem: never two writers on one archive.
+
+    Global rank 0 downloads and leaves a marker in --data-dir. A host whose local rank 0 then sees the marker
+    shares that filesystem and reads rank 0's copy; a host that does not, downloads its own copy.
     """
-    if cfg.download and dist.topology.local_rank == 0:
-        import torchvision
-
-        dataset_class = torchvision.datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision.datasets.MNIST
-        for train in (True, False):
-            dataset_class(root=cfg.data_dir, train=train, download=True)
-    dist.barrier()
+    if not cfg.download:
+        return
+    data_dir = Path(cfg.data_dir or ".")
+    marker = data_dir / f".mpiddp-download-{dist.from_main(lambda: secrets.token_hex(8))}"
+    if dist.is_main:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        _download_or_explain(download, cfg)
+        marker.touch()
+    dist.barrier()  # the others look for the marker only once rank 0 is done
+    shared = marker.exists()
+    if dist.topology.local_rank == 0 and not shared:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        _download_or_explain(download, cfg)
+    hosts_sharing = dist.allgather(shared if dist.topology.local_rank == 0 else None)
+    if dist.is_main:
+        marker.unlink(missing_ok=True)
+        local = [name for (name, ranks) in dist.topology.hosts if not hosts_sharing[ranks[0]]]
+        log.info("--download: fetched once for every host sharing %s%s", data_dir,
+                 f"; separately on {', '.join(local)}" if local else "")
 
 
 def load_datasets(cfg: Config, model_channels_for: Any) -> Datasets:

@@ -12,6 +12,7 @@ from mpiddp import preflight
 from mpiddp.bootstrap import connect, distributed
 from mpiddp.collective import Dist
 from mpiddp.config import Config, parse_args
+from mpiddp.errors import UserError
 from mpiddp.failfast import EXIT_OK, EXIT_STOPPED, FailFast
 from mpiddp.log import setup_logging
 from mpiddp.metrics import build_summary, make_run_logger, process_start_time
@@ -148,9 +149,16 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, 
                     "interfaces": dist.rendezvous.interface_per_host},
         wandb_run_id=wandb_run_id,
     )
-    if dist.is_main:  # a local file write, no collective
-        write_json_atomic(run_dir / "summary.json", summary)
+    dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
     return summary
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Rank 0's part: the summary file, or a UserError every rank reports (the snapshots are already safe)."""
+    try:
+        write_json_atomic(path, summary)
+    except OSError as exc:
+        raise UserError(f"writing {path} failed ({exc.strerror or exc}); the snapshots are intact") from None
 
 
 def main(argv: list[str] | None = None) -> int:

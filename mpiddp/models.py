@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import difflib
 
+import torch
 from torch import nn
 
 from mpiddp.errors import UserError
 
 BUILTIN = ("digits_cnn",)
+
+
+class MaxPoolTo4(nn.Module):
+    """Max-pool any input to 4x4. Plain max pooling when the size is a multiple of 4 (8x8 digits, 28x28 MNIST,
+    32x32 CIFAR): its CUDA backward is deterministic, adaptive pooling's is not (--deterministic would fail)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        height, width = x.shape[-2:]
+        if height % 4 == 0 and width % 4 == 0:
+            return nn.functional.max_pool2d(x, (height // 4, width // 4))
+        return nn.functional.adaptive_max_pool2d(x, 4)
 
 
 class DigitsCNN(nn.Module):
@@ -21,7 +33,7 @@ class DigitsCNN(nn.Module):
             nn.ReLU(inplace=True),
             nn.Conv2d(32, 64, kernel_size=3, padding=1),
             nn.ReLU(inplace=True),
-            nn.AdaptiveMaxPool2d(4),  # 8x8 digits -> 4x4; larger inputs pool to the same head
+            MaxPoolTo4(),  # 8x8 digits -> 4x4; larger inputs pool to the same head
         )
         self.head = nn.Sequential(
             nn.Flatten(),
@@ -51,14 +63,29 @@ def check_arch(name: str) -> None:
     raise UserError(f"unknown --arch {name!r}: {hint} (python -m mpiddp.models lists all {len(names)})")
 
 
-def build_model(name: str = "digits_cnn", num_classes: int = 10, in_channels: int = 1) -> nn.Module:
-    """A freshly initialised model; torchvision models expect 3 input channels (grey data is repeated)."""
+# Models whose training-mode forward returns a namedtuple with auxiliary heads: built without them.
+AUX_LOGITS = ("googlenet", "inception_v3")
+
+
+def build_model(name: str = "digits_cnn", num_classes: int = 10, in_channels: int = 1,
+                image_size: int | None = None) -> nn.Module:
+    """A freshly initialised model; torchvision models expect 3 input channels (grey data is repeated).
+    `image_size` matters to vision transformers, whose position embeddings are made for one size."""
     if name == "digits_cnn":
         return DigitsCNN(num_classes, in_channels)
     check_arch(name)
     import torchvision
 
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    options: dict[str, object] = {}
+    if name in AUX_LOGITS:
+        options.update(aux_logits=False, init_weights=True)
+    if name.startswith("vit_") and image_size is not None:
+        patch = int(name.rsplit("_", 1)[1])
+        if image_size % patch:
+            raise UserError(f"--arch {name} cuts images into {patch}x{patch} patches: use an --image-size that is "
+                            f"a multiple of {patch} (this data is {image_size}x{image_size})")
+        options["image_size"] = image_size
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **options)
 
 
 def input_channels(name: str, data_channels: int) -> int:

@@ -14,17 +14,33 @@ from mpiddp.collective import Dist
 from mpiddp.errors import UserError
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _current_umask()  # read once, at import, before any thread exists (os.umask sets while it reads)
+
+
+def _new_timestamped(runs_root: Path) -> Path:
+    """A new directory named after the time; mkdir without exist_ok, so two jobs in one second never share one."""
+    runs_root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for suffix in range(1000):
+        path = runs_root / (stamp if suffix == 0 else f"{stamp}-{suffix}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise UserError(f"{runs_root} has 1000 run directories named {stamp}*: give --run-dir")
+
+
 def _create(run_dir: str | None, runs_root: str) -> str:
-    if run_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path(runs_root) / stamp
-        suffix = 1
-        while path.exists():  # two jobs started in the same second
-            path = Path(runs_root) / f"{stamp}-{suffix}"
-            suffix += 1
-    else:
-        path = Path(run_dir)
+    path = Path(run_dir if run_dir is not None else runs_root)
     try:
+        path = _new_timestamped(Path(runs_root)) if run_dir is None else Path(run_dir)
         path.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
         probe.close()
@@ -49,6 +65,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     see the old file or the new one, never half of one."""
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(handle, 0o666 & ~UMASK)  # mkstemp makes 0600; teammates on a shared filesystem read these files
         with os.fdopen(handle, "wb") as out:
             write(out)
             out.flush()

@@ -258,7 +258,7 @@ class FinishWatch:
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        self.dist.abort(EXIT_HANG)
+        self.dist.abort_from_thread(EXIT_HANG)
 
 
 def run_script(argv: list[str], guard: FailFast) -> int:

@@ -127,8 +127,8 @@ class Snapshot:
         state.epoch, state.step, state.batches_done = self.epoch, self.step, self.batches_done
         if dist.rank < len(self.rng):
             set_rng_state(self.rng[dist.rank], dist.device)
-        else:  # a rank the snapshot's job did not have
-            torch.manual_seed(seed + dist.rank)
+        else:  # a rank the snapshot's job did not have: the stream a fresh start gives it, which no old rank has
+            torch.manual_seed(seed + 1 + dist.rank)
         if self.world_size == dist.world_size:
             return
         if state.batches_done:

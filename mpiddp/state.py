@@ -47,7 +47,7 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
     from mpiddp.optim import build_optimizer, build_scheduler
 
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
-    model = build_model(cfg.model_name, num_classes, channels)
+    model = build_model(cfg.model_name, num_classes, channels, cfg.input_size)
     if cfg.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format

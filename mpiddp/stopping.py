@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -40,7 +41,9 @@ class StopRequest:
             # A second signal: the user wants out now, snapshot or not.
             raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}")
         self.signum = signum
-        log.warning("received %s: stopping after the current step and saving a snapshot", signal.Signals(signum).name)
+        # Not through logging: a handler that logs can re-enter a logging call the main thread was in.
+        os.write(2, f"mpiddp: received {signal.Signals(signum).name}: stopping after the current step and saving "
+                    f"a snapshot\n".encode())
 
     def agreed(self, dist: Dist) -> int:
         """Collective, once per step: the signal any rank received (0 if none)."""

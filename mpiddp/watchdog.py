@@ -48,7 +48,7 @@ class Watchdog:
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
             store = tdist.TCPStore(dist.rendezvous.master_addr, dist.rendezvous.master_port, dist.world_size,
                                    False, timeout=timedelta(seconds=10))
-        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort)
+        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread)
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:

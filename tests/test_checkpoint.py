@@ -98,6 +98,7 @@ def steps_per_epoch(world_size, batch_size, num_train=1438):
 
 
 @pytest.mark.mpi
+@pytest.mark.floor  # also run against the oldest supported torch in CI
 def test_crash_then_resume_equals_straight_run(run_job, tmp_path):
     flags = ("--epochs", "4", "--batch-size", "64", "--deterministic", *FAST)
     straight = run_job(2, *flags, run_dir=tmp_path / "straight")

@@ -31,6 +31,7 @@ def assert_trained(job, world_size, min_accuracy):
     return summary
 
 
+@pytest.mark.floor  # also run against the oldest supported torch in CI
 def test_default_job_reaches_95_percent(run_job):
     job = run_job(2, timeout=300)
     summary = assert_trained(job, 2, 0.95)

@@ -10,6 +10,7 @@ from conftest import job_env, run_command
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.floor  # also run against the oldest supported torch in CI
 @pytest.mark.parametrize("kind", ["raise", "exit0", "exit1"])
 def test_one_failing_rank_ends_the_whole_job(run_job, kind):
     job = run_job(2, "--epochs", "3", "--no-progress", "--inject-fault", f"{kind}:1:3", timeout=60)
@@ -140,7 +141,7 @@ def test_more_local_ranks_than_gpus_names_both_numbers(monkeypatch):
     topo = build_topology(0, [RankRecord(r, "gpu-a", 0, r, 3) for r in range(3)])
     with pytest.raises(UserError, match="gpu-a runs 3 ranks but has 2 GPUs.*-H gpu-a:2"):
         choose_device(Config(), topo)
-    assert choose_device(Config(device="cpu"), topo) == ("cpu", "gloo")
+    assert choose_device(Config(device="cpu"), topo) == ("cpu", "gloo", None)
 
 
 def test_a_killed_rank_ends_the_job_and_keeps_the_snapshot(mpirun, tmp_path):

@@ -155,3 +155,30 @@ def test_a_stop_during_evaluation_saves_the_epoch_without_evaluating_on():
     assert caught.value.step == steps and saved == [(1, steps, 0)]  # the whole epoch 1, not one step more
     assert len(eval_batches) == 1  # the evaluation stopped at once
     assert [r["kind"] for r in loop_hooks.log.records].count("epoch") == 0
+
+
+def test_download_happens_once_per_filesystem(tmp_path):
+    from mpiddp.data import fetch
+
+    calls = []
+    cfg = Config(dataset="mnist", data_dir=str(tmp_path / "data"), download=True)
+    fetch(cfg, solo_dist(), download=lambda c: calls.append(c.data_dir))
+    assert calls == [str(tmp_path / "data")]
+    assert not any(p.name.startswith(".mpiddp-download-") for p in (tmp_path / "data").iterdir())  # marker gone
+    fetch(Config(), solo_dist(), download=lambda c: calls.append("never"))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("arch, size", [("googlenet", 32), ("vit_b_32", 32)])
+def test_models_with_aux_heads_or_position_embeddings_train_at_small_sizes(arch, size):
+    model = build_model(arch, num_classes=10, in_channels=3, image_size=size)
+    model.train()
+    logits = model(torch.randn(2, 3, size, size))
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 10)
+
+
+def test_a_vit_patch_that_does_not_divide_the_image_is_one_clear_error():
+    from mpiddp.errors import UserError
+
+    with pytest.raises(UserError, match="use an --image-size that is a multiple of 16"):
+        build_model("vit_b_16", 10, 3, image_size=28)

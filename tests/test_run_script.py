@@ -23,6 +23,7 @@ def assert_trained_together(records):
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and int(env["MASTER_PORT"]) > 0
 
 
+@pytest.mark.floor  # also run against the oldest supported torch in CI
 def test_a_torchrun_script_runs_unchanged_with_env_rendezvous(mpirun, tmp_path):
     job = run_command([mpirun, "-np", "3", sys.executable, "-m", "mpiddp", "run",
                        str(PROGRAMS / "torchrun_style.py"), str(tmp_path), "--their-flag"], tmp_path, timeout=120)

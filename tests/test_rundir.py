@@ -26,3 +26,13 @@ def test_an_unwritable_run_dir_is_one_agreed_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(AgreedError, match="cannot write to the run directory .*: choose a writable --run-dir"):
         prepare_run_dir(str(tmp_path / "file" / "run"), "runs", solo_dist())
+
+
+def test_written_files_follow_the_umask_not_mkstemps_0600(tmp_path):
+    import os
+
+    from mpiddp.rundir import UMASK, write_json_atomic
+
+    write_json_atomic(tmp_path / "summary.json", {"a": 1})
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o666 & ~UMASK
+    assert UMASK == (lambda m: (os.umask(m), m)[1])(os.umask(0o022))  # what the process really has

@@ -53,6 +53,7 @@ def final_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "snapshot-epoch0003.pt", weights_only=True)["model"]
 
 
+@pytest.mark.floor  # also run against the oldest supported torch in CI
 @pytest.mark.parametrize("target", ["mpirun-SIGUSR1", "rank1-SIGTERM"])
 def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_path, target):
     straight = tmp_path / "straight"

@@ -120,3 +120,32 @@ def test_requeue_count_comes_from_slurm():
 
     assert launcher_restarts({"SLURM_RESTART_COUNT": "2"}) == 2
     assert launcher_restarts({}) == 0 and launcher_restarts({"SLURM_RESTART_COUNT": "x"}) == 0
+
+
+def test_gpu_binding_follows_what_each_rank_sees(monkeypatch):
+    import torch
+
+    from mpiddp.bootstrap import choose_device, shared_gpus
+    from mpiddp.config import Config
+    from mpiddp.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    topo = build_topology(2, [RankRecord(r, "gpu-a", 0, r, 4) for r in range(4)])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert choose_device(Config(), topo) == ("cuda", "nccl", 2)  # all GPUs visible: cuda:<local rank>
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert choose_device(Config(), topo) == ("cuda", "nccl", 0)  # one visible GPU per rank
+    with pytest.raises(UserError, match="no bfloat16 support"):
+        choose_device(Config(amp="bf16"), topo)
+    shared_gpus([("gpu-a", "GPU-1"), ("gpu-a", "GPU-2"), ("gpu-b", "GPU-1"), ("gpu-b", None)])
+    with pytest.raises(UserError, match="ranks 0 and 2 on gpu-a both use GPU GPU-1"):
+        shared_gpus([("gpu-a", "GPU-1"), ("gpu-a", "GPU-2"), ("gpu-a", "GPU-1")])
+
+
+def test_nccl_keeps_its_own_interface_choice_unless_the_user_names_one():
+    from mpiddp.bootstrap import socket_interfaces
+
+    assert socket_interfaces("eth0", False, {}) == {"GLOO_SOCKET_IFNAME": "eth0"}
+    assert socket_interfaces("eth0", True, {}) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert socket_interfaces("eth0", True, {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "eth0"}
