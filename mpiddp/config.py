@@ -123,6 +123,18 @@ class Config:
                              help="micro-batches per optimizer step")
     amp: str = option("off", "--amp", group=TRAINING, choices=AMP_MODES,
                       help=f"autocast: {', '.join(AMP_MODES)} (fp16 uses a GradScaler)")
+    grad_compression: str = option(
+        "none", "--grad-compression", group=TRAINING, choices=("none", "fp16", "bf16", "powersgd"),
+        help="gradient all-reduce: none (fp32), fp16 or bf16 (half the bytes), powersgd (low-rank, with error "
+        "feedback): for networks slower than the GPUs")
+    powersgd_rank: int = option(1, "--powersgd-rank", group=TRAINING, parse=int, at_least=1,
+                                help="PowerSGD: rank of the gradient approximation (higher: closer, more bytes)")
+    powersgd_warmup_steps: int = option(10, "--powersgd-warmup-steps", group=TRAINING, parse=int, at_least=2,
+                                        help="PowerSGD: optimizer steps with plain all-reduce before compressing")
+    bucket_cap_mb: float = option(25.0, "--bucket-cap-mb", group=TRAINING, parse=float,
+                                  help="DDP gradient bucket size in MB (fewer, larger all-reduces when raised)")
+    static_graph: bool = option(False, "--static-graph", group=TRAINING,
+                                help="tell DDP the model uses the same parameters every step (enables optimisations)")
     channels_last: bool = option(False, "--channels-last", group=TRAINING, help="NHWC memory format (faster convs on GPUs)")
     sync_bn: bool = option(False, "--sync-bn", group=TRAINING, help="synchronise BatchNorm statistics across ranks")
     compile: bool = option(False, "--compile", group=TRAINING, help="torch.compile the model")
@@ -203,6 +215,8 @@ class Config:
             raise ValueError("--rendezvous-timeout and --collective-timeout must be positive seconds")
         if self.master_addr is not None and not self.master_addr.strip():
             raise ValueError("--master-addr is empty: give a host name or IP address, or leave it out")
+        if not 0 < self.bucket_cap_mb <= 4096:
+            raise ValueError(f"--bucket-cap-mb must be in (0, 4096], got {self.bucket_cap_mb:g}")
 
     @property
     def model_name(self) -> str:

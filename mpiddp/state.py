@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -9,8 +10,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mpiddp import compression
 from mpiddp.collective import Dist
 from mpiddp.config import Config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,6 +27,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
+    comm_state: object | None = None  # the PowerSGD hook's state (error feedback; see compression.py)
     epoch: int = 0  # completed epochs
     step: int = 0  # completed optimizer steps
     batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)
@@ -53,11 +58,21 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     device = dist.device
     model = model.to(device, memory_format=memory_format)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb,
+        static_graph=cfg.static_graph,
+        gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less per step
+    )
+    comm_state = compression.register(ddp, cfg.grad_compression, cfg.powersgd_rank, cfg.powersgd_warmup_steps,
+                                      dist.backend)
+    if cfg.grad_compression != "none":
+        log.info("gradient all-reduce: %s%s; buckets of %g MB", cfg.grad_compression,
+                 f" (rank {cfg.powersgd_rank}, after {cfg.powersgd_warmup_steps} plain steps)"
+                 if cfg.grad_compression == "powersgd" else "", cfg.bucket_cap_mb)
     wrapped = torch.compile(ddp) if cfg.compile else ddp
     optimizer = build_optimizer(cfg, ddp.parameters())
     scheduler = build_scheduler(cfg, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.grad_accum))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     # Same weights everywhere, but each rank its own stream for augmentation and dropout.
     torch.manual_seed(cfg.seed + 1 + dist.rank)
-    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler)
+    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, comm_state)

@@ -82,6 +82,21 @@ def own_script_comparison(repeats: int) -> dict:
     return compare("own script: whole job", "wall_s", "mpiddp run (mpirun)", a, "torchrun", b) | {"target": "<= 1"}
 
 
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+
+
+def compression_comparisons(repeats: int, work: Path) -> list[dict]:
+    """Scaling 1 -> 2 ranks (one thread each) with each gradient compression; efficiency = 2-rank images/s
+    over twice the 1-rank images/s, each pair run interleaved."""
+    rows = []
+    for kind in COMPRESSIONS:
+        flags = ("--num-threads", "1", "--grad-compression", kind, "--powersgd-rank", "4")
+        two, one = interleave(repeats, lambda: synthetic(2, work, STEPS, *flags), lambda: synthetic(1, work, STEPS, *flags))
+        rows.append(compare(f"scaling 1 -> 2 ranks, --grad-compression {kind}", "images_per_second", "2 ranks", two,
+                            "1 rank", one, 2.0) | {"target": ">= 0.9 with bf16" if kind == "bf16" else "efficiency"})
+    return rows
+
+
 def interleave(repeats: int, a, b) -> tuple[list[dict], list[dict]]:
     first, second = [], []
     for _ in range(repeats):
@@ -153,14 +168,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--only", choices=["own-script"], default=None,
+    parser.add_argument("--only", choices=["own-script", "compression"], default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.only == "own-script":
-        row = own_script_comparison(args.repeats)
-        (args.out / "only-own-script.json").write_text(json.dumps({"machine": machine(), **row}, indent=2) + "\n")
-        print(json.dumps(row, indent=2))
+    if args.only:
+        rows = ([own_script_comparison(args.repeats)] if args.only == "own-script"
+                else compression_comparisons(args.repeats, Path(tempfile.mkdtemp(prefix="mpiddp-bench-"))))
+        (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
+        print(json.dumps(rows, indent=2))
         return
     work = Path(tempfile.mkdtemp(prefix="mpiddp-bench-"))
     comparisons = []
@@ -189,6 +205,7 @@ def main() -> None:
                                "synthetic", syn) | {"target": "~1 (loader keeps up)"})
 
     comparisons.append(own_script_comparison(args.repeats))
+    comparisons += compression_comparisons(args.repeats, work)
 
     allreduce_out = work / "allreduce.json"
     run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out)])
