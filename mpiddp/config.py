@@ -187,8 +187,7 @@ class Config:
                                                  help=argparse.SUPPRESS)
 
     def __post_init__(self) -> None:
-        for spec in dataclasses.fields(self):
-            check_field(spec, getattr(self, spec.name))
+        check_declared(self)
         if self.dataset in ON_DISK_DATASETS and not self.data_dir:
             raise ValueError(f"--dataset {self.dataset} reads files: give --data-dir DIR")
         if self.download and self.dataset not in DOWNLOADABLE:
@@ -240,6 +239,12 @@ class Config:
         out["wandb_tags"] = list(self.wandb_tags)
         out["inject_fault"] = None if self.inject_fault is None else dataclasses.asdict(self.inject_fault)
         return out
+
+
+def check_declared(settings: Any) -> None:
+    """Every rule a dataclass built with `option` declares on its fields (Config, RunConfig)."""
+    for spec in dataclasses.fields(settings):
+        check_field(spec, getattr(settings, spec.name))
 
 
 def check_field(spec: dataclasses.Field, value: Any) -> None:

@@ -27,7 +27,7 @@ from types import TracebackType
 
 from mpiddp import preflight
 from mpiddp.collective import Dist, Rendezvous
-from mpiddp.config import LOG_LEVELS, MASTER_ADDR_ENV, check_field, option, parse_into, parser_for
+from mpiddp.config import LOG_LEVELS, MASTER_ADDR_ENV, check_declared, option, parse_into, parser_for
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.failfast import EXIT_HANG, FailFast
 
@@ -56,8 +56,7 @@ class RunConfig:
                                      help="torch/OpenMP threads per rank (default: a fair share; OMP_NUM_THREADS wins)")
 
     def __post_init__(self) -> None:
-        for spec in dataclasses.fields(self):
-            check_field(spec, getattr(self, spec.name))
+        check_declared(self)
         if self.rendezvous_timeout_s <= 0:
             raise ValueError("--rendezvous-timeout must be positive seconds")
         if self.master_addr is not None and not self.master_addr.strip():
