@@ -64,7 +64,7 @@ class MpiTransport:
         return self.comm.allgather(value)  # type: ignore[attr-defined]
 
     def gather(self, value: T) -> list[T] | None:
-        return self.comm.gather(value, root=0)  # type: ignore[attr-defined]
+        return self.large.gather(value, root=0)  # PowerSGD's per-rank state in snapshots can be large
 
     def bcast(self, value: T) -> T:
         return self.large.bcast(value, root=0)

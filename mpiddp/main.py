@@ -78,13 +78,16 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
 
     timing = outcome.timing
     gathered = dist.allgather(
-        (timing.step_times, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at)
+        (timing.step_times, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at,
+         timing.data_wait_times, timing.compute_times)
     )
     (finished_at,) = dist.reduce([time.time()], "max")
     summary = build_summary(
         config=cfg.to_dict(), topo=dist.topology, backend=dist.backend, device=dist.device.type,
         epochs=outcome.epochs,
         rank_step_times=[g[0] for g in gathered],
+        rank_data_wait_times=[g[4] for g in gathered],
+        rank_compute_times=[g[5] for g in gathered],
         rank_images_after_warmup=[g[1] for g in gathered],
         rank_seconds_after_warmup=[g[2] for g in gathered],
         first_step_done_at=[g[3] for g in gathered],

@@ -192,6 +192,8 @@ def build_summary(
     device: str,
     epochs: list[dict[str, Any]],
     rank_step_times: list[list[float]],
+    rank_data_wait_times: list[list[float]],
+    rank_compute_times: list[list[float]],
     rank_images_after_warmup: list[int],
     rank_seconds_after_warmup: list[float],
     first_step_done_at: list[float | None],
@@ -222,6 +224,9 @@ def build_summary(
         "images_per_second": sum(rank_images_after_warmup) / slowest if slowest > 0 else 0.0,
         "step_time_s": distribution([t for times in rank_step_times for t in times]),
         "rank_step_time_s": [float(np.mean(times)) if times else 0.0 for times in rank_step_times],
+        # What the all-reduce evens out: a slow loader or a slow device shows here, not in the step time.
+        "rank_data_wait_s": [float(np.mean(times)) if times else 0.0 for times in rank_data_wait_times],
+        "rank_compute_s": [float(np.mean(times)) if times else 0.0 for times in rank_compute_times],
         "time_to_first_step_s": (max(done) - job_started_at) if done else None,
         "first_step_done_at": max(done) if done else None,
         "wall_time_s": finished_at - job_started_at,

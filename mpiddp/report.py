@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,15 +54,44 @@ def text_summary(records: list[dict[str, Any]], summary: dict[str, Any] | None) 
         accuracy = last.get("eval_accuracy")
         lines.append(f"train loss {first['train_loss']:.4f} -> {last['train_loss']:.4f} over epochs "
                      f"{first['epoch']}-{last['epoch']}" + (f"; eval accuracy {100 * accuracy:.2f}%" if accuracy is not None else ""))
-        means = [r.get("rank_step_time_s") for r in epochs if r.get("rank_step_time_s")]
-        if means:
-            per_rank = [sum(m[i] for m in means) / len(means) for i in range(len(means[0]))]
-            slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
-            median = sorted(per_rank)[len(per_rank) // 2]
-            ratio = per_rank[slowest] / median if median > 0 else 1.0
-            verdict = f"rank {slowest} is a straggler ({ratio:.2f}x the median)" if ratio > 1.1 else "no straggler"
-            lines.append(f"mean step time per rank: {', '.join(f'{t * 1000:.1f} ms' for t in per_rank)}; {verdict}")
+        verdict = straggler_line(epochs)
+        if verdict:
+            lines.append(verdict)
     return "\n".join(lines)
+
+
+def rank_means(epochs: list[dict[str, Any]], key: str) -> list[float]:
+    """Each rank's `key` averaged over the epochs that recorded it (empty when none did)."""
+    per_epoch = [r[key] for r in epochs if r.get(key)]
+    if not per_epoch:
+        return []
+    return [sum(values[rank] for values in per_epoch) / len(per_epoch) for rank in range(len(per_epoch[0]))]
+
+
+def straggler_line(epochs: list[dict[str, Any]]) -> str | None:
+    """Each rank's time before it waits for the others (data wait + compute; every rank's whole step is the
+    slowest one's after the all-reduce), and the rank that holds the job back, with what slows it."""
+    waits, computes = rank_means(epochs, "rank_data_wait_s"), rank_means(epochs, "rank_compute_s")
+    if not waits or not computes:  # a run written before the split was recorded
+        busy, parts = rank_means(epochs, "rank_step_time_s"), None
+    else:
+        busy, parts = [w + c for w, c in zip(waits, computes)], (waits, computes)
+    if not busy:
+        return None
+    slowest = max(range(len(busy)), key=busy.__getitem__)
+    median = statistics.median(busy)
+    ratio = busy[slowest] / median if median > 0 else 1.0
+    verdict = "no straggler"
+    if ratio > 1.1:
+        cause = ""
+        if parts is not None:
+            extra_wait = waits[slowest] - statistics.median(waits)
+            cause = ": waiting for data" if extra_wait > computes[slowest] - statistics.median(computes) else ": computing"
+        verdict = f"rank {slowest} is a straggler ({ratio:.2f}x the median{cause})"
+    if parts is None:
+        return f"mean step time per rank: {', '.join(f'{t * 1000:.1f} ms' for t in busy)}; {verdict}"
+    return ("mean data wait + compute per rank: "
+            f"{', '.join(f'{w * 1000:.1f}+{c * 1000:.1f} ms' for w, c in zip(waits, computes))}; {verdict}")
 
 
 def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -103,13 +133,15 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.set(xlabel="seconds since the first record", ylabel="images/s (all ranks)", title="throughput")
     save(fig, "throughput.png")
 
-    per_rank = [r["rank_step_time_s"] for r in epochs if r.get("rank_step_time_s")]
-    if per_rank:
+    timed = [r for r in epochs if r.get("rank_compute_s")]
+    if timed:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for rank in range(len(per_rank[0])):
-            ax.plot([r["epoch"] for r in epochs if r.get("rank_step_time_s")],
-                    [1000 * times[rank] for times in per_rank], "o-", label=f"rank {rank}")
-        ax.set(xlabel="epoch", ylabel="mean step time (ms)", title="step time per rank (stragglers stand out)")
+        for rank in range(len(timed[0]["rank_compute_s"])):
+            ax.plot([r["epoch"] for r in timed],
+                    [1000 * (r["rank_data_wait_s"][rank] + r["rank_compute_s"][rank]) for r in timed], "o-",
+                    label=f"rank {rank}")
+        ax.set(xlabel="epoch", ylabel="data wait + compute per step (ms)",
+               title="time before the all-reduce wait, per rank (stragglers stand out)")
         ax.legend(ncol=4, fontsize="small")
         save(fig, "rank_step_time.png")
     return written

@@ -64,6 +64,8 @@ class Snapshot:
     batches_done: int = 0  # batches of epoch `epoch + 1` already trained (a stop part-way through)
     config: dict[str, Any] = field(default_factory=dict)
     wandb_run_id: str | None = None
+    # Every rank's gradient-communication state (PowerSGD's error feedback and warm start), in rank order.
+    communication: list[dict[str, Any]] = field(default_factory=list)
     format: int = FORMAT_VERSION
 
     @classmethod
@@ -71,6 +73,7 @@ class Snapshot:
                 wandb_run_id: str | None) -> Snapshot:
         """Collective: every rank's RNG goes to global rank 0, whose snapshot is the complete one."""
         rng = dist.gather(rng_state(dist.device)) or []
+        communication = dist.gather(state.gradient_hook.state_dict() if state.gradient_hook else {}) or []
         return cls(
             arch=arch,
             model=state.unwrapped.state_dict(),
@@ -84,6 +87,7 @@ class Snapshot:
             world_size=dist.world_size,
             config=config,
             wandb_run_id=wandb_run_id,
+            communication=communication if any(communication) else [],
         )
 
     def to_payload(self) -> dict[str, Any]:
@@ -117,6 +121,15 @@ class Snapshot:
             )
         return [f"--{key.replace('_', '-')} changed from {old!r} to {new!r}" for key, (old, new) in sorted(changed.items())]
 
+    def _restore_communication(self, state: TrainState, dist: Dist) -> None:
+        hook = state.gradient_hook
+        if hook is None or hook.powersgd is None or not self.communication:
+            return  # no PowerSGD now, or none then: nothing to carry over
+        if dist.rank < len(self.communication) and self.communication[dist.rank]:
+            hook.load_state_dict(self.communication[dist.rank])
+        elif dist.is_main:  # a local log line, no collective
+            log.warning("ranks beyond the snapshot's %d start PowerSGD's error feedback from zero", len(self.communication))
+
     def restore_into(self, state: TrainState, dist: Dist, seed: int, batch_size: int) -> None:
         """Put the snapshot back on every rank: weights, optimizer, schedule, scaler, counters, this rank's RNG."""
         state.unwrapped.load_state_dict(self.model)
@@ -125,6 +138,7 @@ class Snapshot:
         if self.scaler:
             state.scaler.load_state_dict(self.scaler)
         state.epoch, state.step, state.batches_done = self.epoch, self.step, self.batches_done
+        self._restore_communication(state, dist)
         if dist.rank < len(self.rng):
             set_rng_state(self.rng[dist.rank], dist.device)
         else:  # a rank the snapshot's job did not have: the stream a fresh start gives it, which no old rank has

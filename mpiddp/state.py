@@ -27,6 +27,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
+    gradient_hook: compression.GradientHook | None = None  # the all-reduce: PowerSGD's state, the clock's signal
     epoch: int = 0  # completed epochs
     step: int = 0  # completed optimizer steps
     batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)
@@ -62,8 +63,8 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less per step
     )
-    compression.register(ddp, cfg.grad_compression, cfg.powersgd_rank, cfg.powersgd_warmup_steps,
-                         dist.backend)
+    hook = compression.register(ddp, cfg.grad_compression, cfg.powersgd_rank, cfg.powersgd_warmup_steps,
+                                dist.backend)
     if cfg.grad_compression != "none":
         log.info("gradient all-reduce: %s%s; buckets of %g MB", cfg.grad_compression,
                  f" (rank {cfg.powersgd_rank}, after {cfg.powersgd_warmup_steps} plain steps)"
@@ -74,4 +75,4 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     # Same weights everywhere, but each rank its own stream for augmentation and dropout.
     torch.manual_seed(cfg.seed + 1 + dist.rank)
-    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler)
+    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook)

@@ -17,15 +17,18 @@ import torch
 from torch import nn
 
 from mpiddp.collective import Dist
-from mpiddp.config import Config, FaultInjection
+from mpiddp.config import ALL_RANKS, Config, FaultInjection
 from mpiddp.data import Loaders
+from mpiddp.errors import UserError
 from mpiddp.log import make_progress, progress_wanted
 from mpiddp.metrics import RunLogger
 from mpiddp.state import TrainState, optimizer_steps_per_epoch
+from mpiddp.steptime import StepClock, StepTime
 from mpiddp.stopping import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
 
+STRAGGLE_S = 0.05
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,17 +39,19 @@ class RankTiming:
 
     warmup_steps: int
     step_times: list[float] = field(default_factory=list)
+    data_wait_times: list[float] = field(default_factory=list)
+    compute_times: list[float] = field(default_factory=list)
     images_after_warmup: int = 0
     seconds_after_warmup: float = 0.0
     first_step_done_at: float | None = None  # time.time() when the first step finished
 
-    def record(self, seconds: float, images: int) -> None:
-        if self.first_step_done_at is None:
-            self.first_step_done_at = time.time()
-        self.step_times.append(seconds)
+    def record(self, step: StepTime) -> None:
+        self.step_times.append(step.step)
+        self.data_wait_times.append(step.data_wait)
+        self.compute_times.append(step.compute)
         if len(self.step_times) > self.warmup_steps:
-            self.images_after_warmup += images
-            self.seconds_after_warmup += seconds
+            self.images_after_warmup += step.images
+            self.seconds_after_warmup += step.step
 
 
 @dataclass
@@ -61,10 +66,9 @@ class Meter:
     def on(cls, device: torch.device) -> Meter:
         return cls(torch.zeros((), device=device))
 
-    def add(self, loss_sum: torch.Tensor, images: int, seconds: float) -> None:
+    def add(self, loss_sum: torch.Tensor, images: int) -> None:
         self.loss += loss_sum
         self.images += images
-        self.seconds += seconds
 
     def reduced(self, dist: Dist) -> tuple[float, int, float]:
         """Collective: (mean loss per image, images, seconds of the slowest rank) over the whole job."""
@@ -168,7 +172,7 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, am
 
 def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
     """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or not fault.hits(rank, step):
+    if fault is None or fault.kind.startswith("slow-") or not fault.hits(rank, step):
         return
     log.warning("injecting fault %r at step %d", fault.kind, step)
     if fault.kind == "raise":
@@ -176,6 +180,13 @@ def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
     if fault.kind == "stall":
         threading.Event().wait()  # block forever, as a rank stuck in I/O or a deadlock would
     sys.exit(0 if fault.kind == "exit0" else 1)
+
+
+def straggle(fault: FaultInjection | None, rank: int, step: int, phase: str) -> None:
+    """A straggler drill (--inject-fault slow-data / slow-compute): from its step on, this rank's loader or
+    compute takes STRAGGLE_S longer, as a slow disk or a throttled GPU would."""
+    if fault is not None and fault.kind == f"slow-{phase}" and fault.rank in (rank, ALL_RANKS) and step >= fault.step:
+        time.sleep(STRAGGLE_S)
 
 
 def step_record(window: Meter, dist: Dist, state: TrainState, epoch: int) -> dict[str, Any]:
@@ -193,7 +204,7 @@ def step_record(window: Meter, dist: Dist, state: TrainState, epoch: int) -> dic
 
 
 def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
-                timing: RankTiming) -> tuple[Meter, list[float]]:
+                timing: RankTiming) -> tuple[Meter, list[StepTime]]:
     """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
     times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step."""
     device = dist.device
@@ -204,19 +215,37 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
                              optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum), f"epoch {epoch}/{cfg.epochs}")
     state.model.train()
     totals, window = Meter.on(device), Meter.on(device)
-    step_times: list[float] = []
+    step_times: list[StepTime] = []
+    clock = StepClock(device)
+    if state.gradient_hook is not None:
+        state.gradient_hook.on_ready = clock.gradients_ready
+
+    def account() -> None:
+        """Read the clock (on a GPU this waits for the device: only where the loop syncs anyway)."""
+        for step in clock.flush():
+            totals.seconds += step.step
+            window.seconds += step.step
+            step_times.append(step)
+            timing.record(step)
+
     batches_seen = skipped
-    tick = time.perf_counter()
-    for group in micro_batch_groups(loaders.train, cfg.grad_accum):
+    groups = micro_batch_groups(loaders.train, cfg.grad_accum)
+    while True:
+        clock.waiting_for_data()
+        straggle(cfg.inject_fault, dist.rank, state.step, "data")
+        group = next(groups, None)
+        if group is None:
+            break
+        clock.computing()
+        straggle(cfg.inject_fault, dist.rank, state.step, "compute")
         loss_sum, images = train_step(state, group, device, cfg.amp, memory_format)
+        clock.step_done(images)
+        if timing.first_step_done_at is None:
+            timing.first_step_done_at = time.time()
         inject_fault(cfg.inject_fault, dist.rank, state.step)
         batches_seen += len(group)
-        now = time.perf_counter()
-        elapsed, tick = now - tick, now
-        totals.add(loss_sum, images, elapsed)
-        window.add(loss_sum, images, elapsed)
-        step_times.append(elapsed)
-        timing.record(elapsed, images)
+        totals.add(loss_sum, images)
+        window.add(loss_sum, images)
         progress.update(1)
         hooks.heartbeat("train", state.step)
         signum = hooks.stop.agreed(dist)
@@ -226,10 +255,12 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             hooks.save(state)
             raise Stopped(signal.Signals(signum).name, state.step)
         if state.step % cfg.log_every == 0:
+            account()
             record = step_record(window, dist, state, epoch)  # the only per-window sync
             hooks.log.log(record)
             progress.update(0, postfix=f"loss {record['loss']:.4f}")
             window = Meter.on(device)
+    account()
     progress.close()
     return totals, step_times
 
@@ -254,11 +285,13 @@ def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dis
 
 
 def epoch_record(state: TrainState, loaders: Loaders, dist: Dist, epoch: int, totals: Meter,
-                 step_times: list[float], evaluation: tuple[float, float, float]) -> dict[str, Any]:
+                 step_times: list[StepTime], evaluation: tuple[float, float, float]) -> dict[str, Any]:
     """Collective: one record of the epoch for the whole job."""
     train_loss, train_images, slowest = totals.reduced(dist)
     correct, eval_loss, eval_count = dist.reduce(list(evaluation), "sum")
-    rank_means = dist.allgather(sum(step_times) / max(1, len(step_times)))
+    count = max(1, len(step_times))
+    rank_means = dist.allgather((sum(t.step for t in step_times) / count, sum(t.data_wait for t in step_times) / count,
+                                 sum(t.compute for t in step_times) / count))
     assert eval_count == loaders.num_eval, f"evaluated {eval_count} of {loaders.num_eval} test samples"
     return {
         "kind": "epoch",
@@ -269,10 +302,25 @@ def epoch_record(state: TrainState, loaders: Loaders, dist: Dist, epoch: int, to
         "eval_accuracy": correct / eval_count if eval_count else None,
         "images_per_second": train_images / slowest if slowest > 0 else 0.0,
         "epoch_time_s": slowest,
-        "rank_step_time_s": rank_means,
+        "rank_step_time_s": [means[0] for means in rank_means],
+        "rank_data_wait_s": [means[1] for means in rank_means],
+        "rank_compute_s": [means[2] for means in rank_means],
         "lr": state.optimizer.param_groups[0]["lr"],
         "time": time.time(),
     }
+
+
+def nondeterministic_op(exc: RuntimeError, arch: str, device: torch.device) -> UserError | None:
+    """torch's error for an operation without a deterministic version under --deterministic, said as what to do
+    (every rank runs the same model and hits it at the same step, so each says it; None for other errors)."""
+    text = str(exc)
+    if "does not have a deterministic implementation" not in text:
+        return None
+    operation = text.split(" does not have", 1)[0].strip().split()[-1]
+    return UserError(
+        f"--deterministic: --arch {arch} uses {operation}, which has no deterministic implementation on {device.type}; "
+        "train without --deterministic, or pick a model without that operation"
+    )
 
 
 def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
@@ -281,6 +329,16 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
     `hooks.save(state)` runs at the configured epochs, and at the step where the ranks agree to stop on a
     signal; then Stopped is raised on every rank.
     """
+    try:
+        return _train(cfg, state, loaders, dist, hooks)
+    except RuntimeError as exc:
+        explained = nondeterministic_op(exc, cfg.model_name, dist.device) if cfg.deterministic else None
+        if explained is None:
+            raise
+        raise explained from None
+
+
+def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
     timing = RankTiming(cfg.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
     for epoch in range(state.epoch + 1, cfg.epochs + 1):

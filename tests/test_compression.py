@@ -26,17 +26,80 @@ def fresh(kind):
     torch.manual_seed(0)
     model = build_model("digits_cnn")
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    state = compression.register(ddp, kind, rank=2, warmup_steps=2, backend="gloo")
-    return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    hook = compression.register(ddp, kind, rank=2, warmup_steps=2, backend="gloo")
+    return model, ddp, hook, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 
 
-@pytest.mark.parametrize("kind", ["fp16", "bf16", "powersgd"])
-def test_each_compression_trains(kind):
-    model, ddp, state, optimizer = fresh(kind)
+@pytest.mark.parametrize("kind", ["none", "fp16", "bf16", "powersgd"])
+def test_each_compression_trains_and_reports_ready_buckets(kind):
+    model, ddp, hook, optimizer = fresh(kind)
+    ready = []
+    hook.on_ready = lambda: ready.append(1)
     before = copy.deepcopy(model.state_dict())
     steps(ddp, optimizer, 4, seed=1)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert (state is not None) == (kind == "powersgd")
+    assert (hook.powersgd is not None) == (kind == "powersgd")
+    assert len(ready) >= 4  # at least one ready bucket per step
+
+
+class UsedInReverse(torch.nn.Module):
+    """Layers registered in the opposite order of use: DDP's first buckets (registration order) differ from
+    the ones it rebuilds after the first step (gradient order), as in many real models."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(256, 10)
+        self.body = torch.nn.Linear(512, 256)
+        self.stem = torch.nn.Linear(64, 512)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(torch.relu(self.stem(x.flatten(1))))))
+
+
+def powersgd_job(seed=0):
+    torch.manual_seed(seed)
+    model = UsedInReverse()
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=0.1)  # several buckets
+    hook = compression.register(ddp, "powersgd", rank=2, warmup_steps=2, backend="gloo")
+    return model, ddp, hook, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_powersgd_state_survives_a_restart():
+    """Error feedback and warm-start Q saved per parameter and restored into a new DDP whose buckets differ
+    (its first step runs on the initial buckets): the resumed weights equal the uninterrupted run's up to
+    float rounding (BLAS rounds by memory alignment, and the buckets put tensors at other offsets); without
+    the state they differ at the scale of the updates."""
+    model, ddp, hook, optimizer = powersgd_job()
+    steps(ddp, optimizer, 9, seed=1)
+    uninterrupted = copy.deepcopy(model.state_dict())
+
+    def resumed(load_hook_state):
+        model, ddp, hook, optimizer = powersgd_job()
+        steps(ddp, optimizer, 5, seed=1)  # the same first five steps (the data generator is re-seeded below)
+        saved = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
+                 "hook": copy.deepcopy(hook.state_dict())}
+        assert saved["hook"]["error"] and saved["hook"]["q"] and saved["hook"]["iter"] == 5
+        model, ddp, hook, optimizer = powersgd_job(seed=7)  # a new job: other initial weights, overwritten
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        if load_hook_state:
+            hook.load_state_dict(saved["hook"])
+        generator_state = torch.Generator().manual_seed(1)
+        for _ in range(5):  # skip the data the first job consumed
+            torch.randn(16, 1, 8, 8, generator=generator_state), torch.randint(0, 10, (16,), generator=generator_state)
+        for _ in range(4):
+            optimizer.zero_grad()
+            inputs = torch.randn(16, 1, 8, 8, generator=generator_state)
+            targets = torch.randint(0, 10, (16,), generator=generator_state)
+            torch.nn.functional.cross_entropy(ddp(inputs), targets).backward()
+            optimizer.step()
+        return model.state_dict()
+
+    def largest_difference(weights):
+        return max(float((uninterrupted[k] - v).abs().max()) for k, v in weights.items())
+
+    assert largest_difference(resumed(load_hook_state=True)) < 1e-6
+    assert largest_difference(resumed(load_hook_state=False)) > 1e-4  # the state matters
 
 
 def test_compression_flags():

@@ -1,6 +1,7 @@
 """The training loop's parts in-process (one rank, no mpirun): step, accumulation, epochs, stops, resume skipping."""
 
 import copy
+import dataclasses
 import signal
 
 import pytest
@@ -91,6 +92,25 @@ def test_a_stop_signal_saves_mid_epoch_and_stops_at_that_step():
     assert saved == [(0, 1, 2)]  # one optimizer step of two micro-batches into epoch 1
 
 
+def test_a_slow_loader_or_device_shows_in_its_own_phase(monkeypatch):
+    """Straggler drills in-process: each delay lands in the phase it hit, not in the other one."""
+    from mpiddp import train as train_module
+    from mpiddp.config import FaultInjection
+
+    monkeypatch.setattr(train_module, "STRAGGLE_S", 0.1)
+    measured = {}
+    for phase in ("data", "compute"):
+        cfg, dist, loaders, state = job(epochs=1, batch_size=256)
+        cfg = dataclasses.replace(cfg, inject_fault=FaultInjection.parse(f"slow-{phase}:0:0"))
+        record = train(cfg, state, loaders, dist, hooks([])).epochs[0]
+        measured[phase] = (record["rank_data_wait_s"][0], record["rank_compute_s"][0], record["rank_step_time_s"][0])
+        assert measured[phase][2] >= measured[phase][0] + measured[phase][1]  # the phases are parts of the step
+    (wait_when_slow_data, compute_when_slow_data, _), (wait_when_slow_compute, compute_when_slow_compute, _) = \
+        measured["data"], measured["compute"]
+    assert wait_when_slow_data >= 0.1 and wait_when_slow_data - wait_when_slow_compute > 0.05
+    assert compute_when_slow_compute >= 0.1 and compute_when_slow_compute - compute_when_slow_data > 0.05
+
+
 def test_a_resumed_epoch_skips_what_was_already_trained():
     cfg, dist, loaders, state = job(epochs=1, batch_size=64)
     full = len(loaders.train)
@@ -119,8 +139,9 @@ def test_synthetic_batches_skip_too():
 
 def test_meter_reduces_to_mean_loss_and_slowest_seconds():
     meter = Meter.on(torch.device("cpu"))
-    meter.add(torch.tensor(6.0), 3, 0.5)
-    meter.add(torch.tensor(2.0), 1, 0.25)
+    meter.add(torch.tensor(6.0), 3)
+    meter.add(torch.tensor(2.0), 1)
+    meter.seconds = 0.75
     assert meter.reduced(solo_dist()) == (2.0, 4, 0.75)
 
 
@@ -182,3 +203,18 @@ def test_a_vit_patch_that_does_not_divide_the_image_is_one_clear_error():
 
     with pytest.raises(UserError, match="use an --image-size that is a multiple of 16"):
         build_model("vit_b_16", 10, 3, image_size=28)
+
+
+def test_an_operation_without_a_deterministic_version_is_one_line_of_advice():
+    from mpiddp.train import nondeterministic_op
+
+    # torch's own wording (the message of use_deterministic_algorithms(True)'s alert)
+    error = RuntimeError(
+        "adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, but you set "
+        "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation, or you "
+        "can use the 'warn_only=True' option, if that's acceptable for your application.")
+    explained = nondeterministic_op(error, "vgg11", torch.device("cuda", 0))
+    assert str(explained) == (
+        "--deterministic: --arch vgg11 uses adaptive_avg_pool2d_backward_cuda, which has no deterministic "
+        "implementation on cuda; train without --deterministic, or pick a model without that operation")
+    assert nondeterministic_op(RuntimeError("CUDA out of memory"), "vgg11", torch.device("cuda", 0)) is None

@@ -39,6 +39,8 @@ def test_summary_has_every_documented_field_and_right_arithmetic():
             {"epoch": 2, "train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.3},
         ],
         rank_step_times=[[0.1, 0.2, 0.3], [0.3, 0.3, 0.3]],
+        rank_data_wait_times=[[0.01, 0.01, 0.01], [0.1, 0.1, 0.1]],
+        rank_compute_times=[[0.05, 0.05, 0.05], [0.05, 0.06, 0.07]],
         rank_images_after_warmup=[64, 64],
         rank_seconds_after_warmup=[0.5, 0.8],
         first_step_done_at=[105.0, 106.0],
@@ -52,6 +54,8 @@ def test_summary_has_every_documented_field_and_right_arithmetic():
     assert summary["train_loss"] == 0.5 and summary["eval_accuracy"] == 0.9
     assert summary["images_per_second"] == pytest.approx(128 / 0.8)  # all images over the slowest rank
     assert summary["rank_step_time_s"] == pytest.approx([0.2, 0.3])
+    assert summary["rank_data_wait_s"] == pytest.approx([0.01, 0.1])
+    assert summary["rank_compute_s"] == pytest.approx([0.05, 0.06])
     assert summary["step_time_s"]["max"] == pytest.approx(0.3)
     assert summary["time_to_first_step_s"] == pytest.approx(6.0)
     assert summary["wall_time_s"] == pytest.approx(30.0)
@@ -97,3 +101,17 @@ def test_atomic_write_failure_keeps_previous_file(tmp_path):
         write_json_atomic(target, {"a": object()})
     assert json.loads(target.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_the_straggler_line_names_the_rank_and_what_slows_it():
+    from mpiddp.report import straggler_line
+
+    slow_loader = [{"rank_step_time_s": [0.2, 0.2, 0.2], "rank_data_wait_s": [0.01, 0.01, 0.09],
+                    "rank_compute_s": [0.1, 0.1, 0.1]}]
+    assert straggler_line(slow_loader).endswith("rank 2 is a straggler (1.73x the median: waiting for data)")
+    slow_gpu = [{"rank_step_time_s": [0.2, 0.2], "rank_data_wait_s": [0.0, 0.0], "rank_compute_s": [0.1, 0.05]}]
+    assert straggler_line(slow_gpu).endswith("rank 0 is a straggler (1.33x the median: computing)")
+    even = [{"rank_step_time_s": [0.2, 0.2], "rank_data_wait_s": [0.0, 0.0], "rank_compute_s": [0.1, 0.1]}]
+    assert straggler_line(even).endswith("no straggler")
+    older_run = [{"rank_step_time_s": [0.1, 0.3]}]  # written before the split was recorded
+    assert straggler_line(older_run) == "mean step time per rank: 100.0 ms, 300.0 ms; rank 1 is a straggler (1.50x the median)"

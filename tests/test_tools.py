@@ -39,15 +39,18 @@ def test_check_fails_with_reasons(mpirun, tmp_path):
     assert "PROBLEMS:" in job.output and "cannot write to" in job.output
 
 
-def test_report_plots_a_run(run_job):
-    job = run_job(2, "--epochs", "2", "--no-progress", "--wandb", "disabled")
+def test_report_plots_a_run_and_names_the_straggler(run_job):
+    # rank 1 computes 50 ms longer per step: after the all-reduce every rank's step is as long, but its own
+    # compute time shows it
+    job = run_job(2, "--epochs", "2", "--no-progress", "--wandb", "disabled", "--inject-fault", "slow-compute:1:0")
     assert job.returncode == 0, job.output[-3000:]
     report = run_command([sys.executable, "-m", "mpiddp", "report", str(job.run_dir)], job.run_dir, timeout=120)
     assert report.returncode == 0, report.output
     for name in ("loss.png", "accuracy.png", "throughput.png", "rank_step_time.png"):
         assert (job.run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert "digits_cnn on digits: 2 ranks on 1 hosts" in report.output
-    assert "eval accuracy" in report.output and "mean step time per rank" in report.output
+    assert "eval accuracy" in report.output and "mean data wait + compute per rank" in report.output
+    assert "rank 1 is a straggler" in report.output and "the median: computing)" in report.output
 
 
 def test_report_on_a_missing_run_is_one_line(tmp_path):

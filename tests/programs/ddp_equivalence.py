@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
 
+from mpiddp import compression
 from mpiddp.bootstrap import connect, distributed
 from mpiddp.config import Config
 from mpiddp.failfast import FailFast
@@ -26,7 +27,9 @@ STEPS, MICRO_BATCH = 6, 8
 def state_for(model, ddp=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    return TrainState(ddp or model, ddp, model, optimizer, schedule, torch.amp.GradScaler("cpu", enabled=False))
+    # mpiddp's own communication hook (plain all-reduce) is what the DDP side runs, as in a job
+    hook = compression.register(ddp, "none", backend="gloo") if ddp is not None else None
+    return TrainState(ddp or model, ddp, model, optimizer, schedule, torch.amp.GradScaler("cpu", enabled=False), hook)
 
 
 def main(out_path: str, accum: int) -> None:
