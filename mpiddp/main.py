@@ -17,6 +17,7 @@ from mpiddp.failfast import EXIT_OK, EXIT_STOPPED, FailFast
 from mpiddp.log import setup_logging
 from mpiddp.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.rundir import prepare_run_dir, write_json_atomic
+from mpiddp.startup import StartupClock, slowest_per_phase
 from mpiddp.stopping import Stopped, StopRequest
 
 log = logging.getLogger("mpiddp")
@@ -72,14 +73,17 @@ def resume_mode(cfg: Config, dist: Dist) -> str | None:
     return None
 
 
-def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_at: float) -> dict[str, Any]:
+def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_at: float,
+              startup: StartupClock) -> dict[str, Any]:
     """Collective: gather every rank's timing into the job's summary (every rank returns it)."""
     import torch
 
     timing = outcome.timing
+    if timing.first_step_done_at is not None:
+        startup.mark("first_step", at=timing.first_step_done_at)
     gathered = dist.allgather(
         (timing.step_times, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at,
-         timing.data_wait_times, timing.compute_times)
+         timing.data_wait_times, timing.compute_times, startup.durations())
     )
     (finished_at,) = dist.reduce([time.time()], "max")
     summary = build_summary(
@@ -93,11 +97,12 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
         first_step_done_at=[g[3] for g in gathered],
         job_started_at=job_started_at, finished_at=finished_at, torch_version=torch.__version__,
     )
+    summary["startup_s"] = slowest_per_phase([g[6] for g in gathered])
     summary.update(arch=cfg.model_name, dataset=cfg.dataset, num_train=loaders.num_train, num_eval=loaders.num_eval)
     return summary
 
 
-def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, Any] | None:
+def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: StartupClock) -> dict[str, Any] | None:
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
     None when a resumed run had nothing left to train."""
     from mpiddp import checkpoint
@@ -106,14 +111,17 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, 
     from mpiddp.train import Hooks, train
     from mpiddp.watchdog import Watchdog
 
-    (job_started_at,) = dist.reduce([process_start_time()], "min")
+    startup.mark("process_group")
+    (job_started_at,) = dist.reduce([startup.started_at], "min")
     checkpoint_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
     if resume_mode(cfg, dist) is None:  # before anything is loaded or written
         dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
     configure_torch(cfg)
     loaders, channels = load_data(cfg, dist)
+    startup.mark("data")
     state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
     restored = resume(cfg, dist, state, checkpoint_dir)
+    startup.mark("model")
     if state.epoch >= cfg.epochs:
         log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
                  checkpoint_dir, state.epoch)
@@ -128,6 +136,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, 
     )
     run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
                     "resumed_from": str(restored[0]) if restored else None, "time": time.time()})
+    startup.mark("logger")
     watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist).start()
 
     def save(train_state: TrainState) -> None:
@@ -143,7 +152,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest) -> dict[str, 
         run_logger.close()
     if cfg.model_filename:
         checkpoint.save_weights(checkpoint_dir / cfg.model_filename, state.unwrapped.state_dict(), dist)
-    summary = summarise(cfg, dist, outcome, loaders, job_started_at)
+    summary = summarise(cfg, dist, outcome, loaders, job_started_at, startup)
     assert dist.rendezvous is not None
     summary.update(
         resumed_from=str(restored[0]) if restored is not None else None,
@@ -171,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         from mpiddp import report
 
         return report.main(args)
+    startup = StartupClock(process_start_time())
+    startup.mark("interpreter_and_imports")
     with FailFast() as guard:
         if command == "run":  # the user's own script
             from mpiddp.script import run_script
@@ -181,15 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(dist.topology, cfg.log_level)
         topo = dist.topology
         log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_library)
+        startup.mark("mpi_and_topology")
         if command == "check":
             return _check(cfg, dist, guard)
         log.info("config: %s", cfg.to_dict())
         log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
         run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, dist)
+        startup.mark("preflight")
         stop = StopRequest().install()
         try:
             with distributed(cfg, dist, guard) as placed:
-                summary = run(cfg, placed, run_dir, stop)
+                summary = run(cfg, placed, run_dir, stop, startup)
         except Stopped as stopped:
             # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.
             if dist.is_main:  # one line for the job, not one per rank
@@ -204,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             "n/a" if accuracy is None else f"{100 * accuracy:.2f}%", summary["images_per_second"],
             summary["wall_time_s"], run_dir,
         )
+        log.info("start-up, slowest rank per phase: %s",
+                 ", ".join(f"{phase} {entry['seconds']:.2f} s (rank {entry['rank']})"
+                           for phase, entry in summary["startup_s"].items()))
     return EXIT_OK
 
 

@@ -6,8 +6,11 @@ import json
 import logging
 import os
 import platform
+import queue
+import secrets
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,18 +55,39 @@ class NullLogger:
 
 
 class WandbLogger:
-    """Rank 0's wandb run. A failure to log never stops training: it warns once and goes quiet."""
+    """Rank 0's wandb run, started and fed on a thread of its own: wandb's start (1-2 s, up to its timeout when
+    the network is bad) never delays the first step, and records logged before it is up wait in the queue.
+    A failure never stops training: it warns once and goes quiet (metrics.jsonl has every record anyway)."""
 
-    def __init__(self, run: Any) -> None:
-        self.run = run
-
-    @property
-    def run_id(self) -> str | None:
-        return None if self.run is None else self.run.id
+    def __init__(self, start: Callable[[], Any], run_id: str) -> None:
+        self.run_id = run_id
+        self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, args=(start,), name="mpiddp-wandb", daemon=True)
+        self._thread.start()
 
     def log(self, record: dict[str, Any]) -> None:
-        if self.run is None or record["kind"] == "start":  # segment markers are for metrics.jsonl and report
-            return
+        if record["kind"] != "start":  # segment markers are for metrics.jsonl and report
+            self._queue.put(record)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(WANDB_INIT_TIMEOUT_S + 30)
+        if self._thread.is_alive():
+            log.warning("wandb did not finish within %d s; its local files may be incomplete", WANDB_INIT_TIMEOUT_S + 30)
+
+    def _work(self, start: Callable[[], Any]) -> None:
+        run = start()
+        while (record := self._queue.get()) is not None:
+            if run is not None:
+                run = self._send(run, record)
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as exc:
+                log.warning("wandb did not finish cleanly: %s", exc)
+
+    @staticmethod
+    def _send(run: Any, record: dict[str, Any]) -> Any:
         values: dict[str, Any] = {}
         for key, value in record.items():
             if key in ("kind", "step", "time") or value is None:
@@ -73,17 +97,11 @@ class WandbLogger:
             else:
                 values[f"{record['kind']}/{key}"] = value
         try:
-            self.run.log(values, step=record["step"])
+            run.log(values, step=record["step"])
+            return run
         except Exception as exc:  # wandb lost its service or connection: keep training
             log.warning("wandb logging failed (%s); continuing without wandb", exc)
-            self.run = None
-
-    def close(self) -> None:
-        if self.run is not None:
-            try:
-                self.run.finish()
-            except Exception as exc:
-                log.warning("wandb did not finish cleanly: %s", exc)
+            return None
 
 
 class FanOut:
@@ -116,37 +134,41 @@ def wandb_mode(requested: str, env: dict[str, str], netrc: Path) -> str:
 
 
 def start_wandb(cfg: Config, run_dir: Path, resume_id: str | None) -> WandbLogger | None:
-    """Rank 0 only. Never prompts; bounded start-up; offline or nothing when online cannot start."""
+    """Rank 0 only. Never prompts; bounded start-up, in the background; offline or nothing when online cannot
+    start. The run id is chosen here, so snapshots can carry it before wandb is up."""
     mode = wandb_mode(cfg.wandb, dict(os.environ), Path.home() / ".netrc")
     if mode == "disabled":
         return None
-    try:
-        import wandb
-    except ImportError:
-        log.warning("wandb is not installed; continuing without it (pip install wandb)")
-        return None
-    attempts = [mode] if mode == "offline" else [mode, "offline"]
-    for attempt in attempts:
-        try:
-            run = wandb.init(
-                project=cfg.wandb_project,
-                name=cfg.wandb_name or run_dir.name,
-                group=cfg.wandb_group,
-                tags=list(cfg.wandb_tags) or None,
-                config=cfg.to_dict(),
-                dir=str(run_dir),
-                mode=attempt,
-                id=resume_id,
-                resume="allow" if resume_id else None,
-                settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S, console="off", silent=True),
-            )
-            log.info("wandb %s run %s in %s", attempt, run.id, run_dir / "wandb")
-            return WandbLogger(run)
-        except Exception as exc:
-            log.warning("wandb %s start failed (%s)", attempt, str(exc).splitlines()[0] if str(exc) else exc)
-    log.warning("continuing without wandb")
-    return None
+    run_id = resume_id or secrets.token_hex(4)  # wandb ids: lower-case letters and digits
 
+    def start() -> Any:
+        try:
+            import wandb
+        except ImportError:
+            log.warning("wandb is not installed; continuing without it (pip install wandb)")
+            return None
+        for attempt in [mode] if mode == "offline" else [mode, "offline"]:
+            try:
+                run = wandb.init(
+                    project=cfg.wandb_project,
+                    name=cfg.wandb_name or run_dir.name,
+                    group=cfg.wandb_group,
+                    tags=list(cfg.wandb_tags) or None,
+                    config=cfg.to_dict(),
+                    dir=str(run_dir),
+                    mode=attempt,
+                    id=run_id,
+                    resume="allow",
+                    settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S, console="off", silent=True),
+                )
+                log.info("wandb %s run %s in %s", attempt, run.id, run_dir / "wandb")
+                return run
+            except Exception as exc:
+                log.warning("wandb %s start failed (%s)", attempt, str(exc).splitlines()[0] if str(exc) else exc)
+        log.warning("continuing without wandb")
+        return None
+
+    return WandbLogger(start, run_id)
 
 
 def make_run_logger(cfg: Config, run_dir: Path, topo: Topology, resume_id: str | None) -> tuple[RunLogger, str | None]:

@@ -27,6 +27,14 @@ def assert_trained(job, world_size, min_accuracy):
     assert summary["images_per_second"] > 0
     assert len(summary["rank_step_time_s"]) == world_size
     assert 0 < summary["time_to_first_step_s"] < summary["wall_time_s"]
+    # every start-up phase, each the slowest rank's; together they are the time to the first step (give or
+    # take the start of the earliest process vs each rank's own)
+    from mpiddp.startup import PHASES
+
+    assert set(summary["startup_s"]) == set(PHASES)
+    assert all(0 <= summary["startup_s"][p]["rank"] < world_size for p in PHASES)
+    assert sum(e["seconds"] for e in summary["startup_s"].values()) == pytest.approx(summary["time_to_first_step_s"], abs=1.0)
+    assert len(summary["rank_data_wait_s"]) == len(summary["rank_compute_s"]) == world_size
     assert summary["mpi_library"].startswith(("Open MPI", "MPICH"))
     return summary
 

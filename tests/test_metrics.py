@@ -115,3 +115,48 @@ def test_the_straggler_line_names_the_rank_and_what_slows_it():
     assert straggler_line(even).endswith("no straggler")
     older_run = [{"rank_step_time_s": [0.1, 0.3]}]  # written before the split was recorded
     assert straggler_line(older_run) == "mean step time per rank: 100.0 ms, 300.0 ms; rank 1 is a straggler (1.50x the median)"
+
+
+class FakeRun:
+    def __init__(self, fail_on_log=False):
+        self.logged, self.finished, self.fail_on_log = [], False, fail_on_log
+
+    def log(self, values, step):
+        if self.fail_on_log:
+            raise ConnectionError("service gone")
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_starts_in_the_background_and_gets_every_record_in_order():
+    import threading
+
+    from mpiddp.metrics import WandbLogger
+
+    may_start, run = threading.Event(), FakeRun()
+    logger = WandbLogger(lambda: may_start.wait() and run, "abc123")
+    # wandb is still starting: logging does not wait for it
+    logger.log({"kind": "start", "step": 0})
+    logger.log({"kind": "step", "step": 5, "loss": 1.5, "time": 1.0})
+    logger.log({"kind": "epoch", "step": 10, "rank_step_time_s": [0.1, 0.2], "eval_loss": None})
+    may_start.set()
+    logger.close()
+    assert run.logged == [(5, {"step/loss": 1.5}), (10, {"epoch/rank_step_time_s/rank_0": 0.1,
+                                                         "epoch/rank_step_time_s/rank_1": 0.2})]
+    assert run.finished and logger.run_id == "abc123"
+
+
+def test_wandb_that_fails_to_start_or_to_log_never_stops_training(caplog):
+    from mpiddp.metrics import WandbLogger
+
+    never_started = WandbLogger(lambda: None, "abc")
+    never_started.log({"kind": "step", "step": 1, "loss": 1.0})
+    never_started.close()
+    broken = FakeRun(fail_on_log=True)
+    failing = WandbLogger(lambda: broken, "abc")
+    failing.log({"kind": "step", "step": 1, "loss": 1.0})
+    failing.log({"kind": "step", "step": 2, "loss": 1.0})
+    failing.close()
+    assert caplog.text.count("wandb logging failed") == 1 and not broken.finished
