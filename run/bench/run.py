@@ -97,6 +97,43 @@ def compression_comparisons(repeats: int, work: Path) -> list[dict]:
     return rows
 
 
+GPU_BATCH, GPU_STEPS = 128, 60
+
+
+def gpu_benchmark(repeats: int, work: Path) -> dict:
+    """resnet50, AMP bf16, channels-last, synthetic 224 px: images/s per GPU on 1 GPU and on every local GPU
+    (scaling efficiency), and NCCL all-reduce bus bandwidth by size (as nccl-tests defines it)."""
+    count = int(subprocess.run([PYTHON, "-c", "import torch; print(torch.cuda.device_count())"], env=ENV,
+                               capture_output=True, text=True, check=True).stdout.strip() or 0)
+    if count == 0:
+        sys.exit("--only gpu needs a CUDA GPU: torch.cuda.device_count() is 0 here")
+    flags = ("--device", "cuda", "--arch", "resnet50", "--amp", "bf16", "--channels-last", "--image-size", "224",
+             "--num-classes", "1000", "--steps-per-epoch", str(GPU_STEPS), "--throughput-warmup-steps", "10")
+
+    def resnet50(ranks: int) -> dict:
+        run_dir = Path(tempfile.mkdtemp(dir=work))
+        run([MPIRUN, "-np", str(ranks), "--bind-to", "none", PYTHON, "-m", "mpiddp", "--run-dir", str(run_dir),
+             "--wandb", "disabled", "--no-progress", "--epochs", "1", "--batch-size", str(GPU_BATCH), "--use_syn", *flags])
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {"images_per_second": summary["images_per_second"],
+                "images_per_second_per_gpu": summary["images_per_second"] / ranks,
+                "startup_s": summary["startup_s"]}
+
+    one, every = interleave(repeats, lambda: resnet50(1), lambda: resnet50(count))
+    allreduce_out = work / "allreduce-cuda.json"
+    run([MPIRUN, "-np", str(count), "--bind-to", "none", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out), "cuda"])
+    per_gpu_one = statistics.median(r["images_per_second_per_gpu"] for r in one)
+    per_gpu_all = statistics.median(r["images_per_second_per_gpu"] for r in every)
+    return {
+        "gpus": count, "batch_per_gpu": GPU_BATCH,
+        "resnet50_bf16_images_per_second_per_gpu": {"1 GPU": per_gpu_one, f"{count} GPUs": per_gpu_all},
+        "scaling_efficiency": per_gpu_all / per_gpu_one if per_gpu_one else None,
+        "target": ">= 3000 images/s per H100; busbw within 10% of nccl-tests",
+        "runs": {"1 GPU": one, f"{count} GPUs": every},
+        "allreduce": json.loads(allreduce_out.read_text()),
+    }
+
+
 def interleave(repeats: int, a, b) -> tuple[list[dict], list[dict]]:
     first, second = [], []
     for _ in range(repeats):
@@ -168,13 +205,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--only", choices=["own-script", "compression"], default=None,
+    parser.add_argument("--only", choices=["own-script", "compression", "gpu"], default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only:
-        rows = ([own_script_comparison(args.repeats)] if args.only == "own-script"
-                else compression_comparisons(args.repeats, Path(tempfile.mkdtemp(prefix="mpiddp-bench-"))))
+        work = Path(tempfile.mkdtemp(prefix="mpiddp-bench-"))
+        rows = {"own-script": lambda: [own_script_comparison(args.repeats)],
+                "compression": lambda: compression_comparisons(args.repeats, work),
+                "gpu": lambda: [gpu_benchmark(args.repeats, work)]}[args.only]()
         (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         print(json.dumps(rows, indent=2))
         return
@@ -208,7 +247,7 @@ def main() -> None:
     comparisons += compression_comparisons(args.repeats, work)
 
     allreduce_out = work / "allreduce.json"
-    run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out)])
+    run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out), "cpu"])
     results = {"machine": machine(), "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M"),
                "comparisons": comparisons, "allreduce": json.loads(allreduce_out.read_text())}
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
