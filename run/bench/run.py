@@ -44,22 +44,39 @@ def mpiddp(ranks: int, work: Path, *flags: str) -> dict:
     launched = run([MPIRUN, "-np", str(ranks), "--bind-to", "none", PYTHON, "-m", "mpiddp", "--run-dir", str(run_dir),
                     "--wandb", "disabled", "--no-progress", "--epochs", "1", "--batch-size", str(BATCH),
                     "--throughput-warmup-steps", str(WARMUP), "--arch", "resnet18", "--image-size", str(SIZE), *flags])
+    ended = time.time()
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"images_per_second": summary["images_per_second"],
-            "launch_to_first_step_s": summary["first_step_done_at"] - launched}
+            "launch_to_first_step_s": summary["first_step_done_at"] - launched, "wall_s": ended - launched,
+            "startup_s": {phase: entry["seconds"] for phase, entry in summary["startup_s"].items()}}
 
 
 def synthetic(ranks: int, work: Path, steps: int = STEPS, *flags: str) -> dict:
     return mpiddp(ranks, work, "--use_syn", "--steps-per-epoch", str(steps), *flags)
 
 
-def plain_ddp(work: Path) -> dict:
+def plain_ddp(work: Path, steps: int = STEPS, warmup: int = WARMUP) -> dict:
     out = work / f"plain-{time.time_ns()}.json"
     launched = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(HERE / "plain_ddp.py"), str(out), str(BATCH), str(STEPS), str(WARMUP), str(SIZE)])
+                    str(HERE / "plain_ddp.py"), str(out), str(BATCH), str(steps), str(warmup), str(SIZE)])
+    ended = time.time()
     result = json.loads(out.read_text())
     return {"images_per_second": result["images_per_second"],
-            "launch_to_first_step_s": result["first_step_done_at"] - launched}
+            "launch_to_first_step_s": result["first_step_done_at"] - launched, "wall_s": ended - launched}
+
+
+def startup_comparisons(repeats: int, work: Path) -> list[dict]:
+    """A one-step job (resnet18, synthetic, 2 ranks): mpiddp under mpirun vs the hand-written DDP script under
+    torchrun; launch to the first finished step, and the whole job from launch to exit."""
+    a, b = interleave(repeats, lambda: synthetic(2, work, 1, "--throughput-warmup-steps", "0"),
+                      lambda: plain_ddp(work, steps=1, warmup=0))
+    phases = {phase: statistics.median(r["startup_s"][phase] for r in a) for phase in a[0]["startup_s"]}
+    return [
+        compare("start-up: launch to first step (one-step job)", "launch_to_first_step_s", "mpiddp (mpirun)", a,
+                "plain DDP (torchrun)", b) | {"target": "<= 0.8", "mpiddp_phases_s": phases},
+        compare("start-up: whole one-step job", "wall_s", "mpiddp (mpirun)", a, "plain DDP (torchrun)", b)
+        | {"target": "<= 0.8"},
+    ]
 
 
 def whole_job(command: list[str]) -> dict:
@@ -205,7 +222,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--only", choices=["own-script", "compression", "gpu"], default=None,
+    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu"], default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -213,6 +230,7 @@ def main() -> None:
         work = Path(tempfile.mkdtemp(prefix="mpiddp-bench-"))
         rows = {"own-script": lambda: [own_script_comparison(args.repeats)],
                 "compression": lambda: compression_comparisons(args.repeats, work),
+                "startup": lambda: startup_comparisons(args.repeats, work),
                 "gpu": lambda: [gpu_benchmark(args.repeats, work)]}[args.only]()
         (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         print(json.dumps(rows, indent=2))
@@ -243,6 +261,7 @@ def main() -> None:
     comparisons.append(compare("data: CIFAR-10 files vs synthetic", "images_per_second", "cifar10 on disk", disk,
                                "synthetic", syn) | {"target": "~1 (loader keeps up)"})
 
+    comparisons += startup_comparisons(args.repeats, work)
     comparisons.append(own_script_comparison(args.repeats))
     comparisons += compression_comparisons(args.repeats, work)
 
