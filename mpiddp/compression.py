@@ -87,8 +87,11 @@ class GradientHook:
         q = state.q_memory_dict.pop(index, None)
         state.p_memory_dict.pop(index, None)
         layout = q_layout(names, shapes, state)
-        if q is not None and layout is not None and sum(layout.values()) == q.numel():
+        if q is not None and sum(layout.values()) == q.numel():
             self._pending_q.update(zip(layout, split(q, list(layout.values()))))
+        elif q is not None:  # a torch whose PowerSGD lays out Q otherwise: only the warm start is lost
+            log.warning("PowerSGD's warm start restarts for %d parameters (unknown Q layout in torch %s)",
+                        len(layout), torch.__version__)
 
     def _pack(self, index: int, bucket: Any) -> None:
         state, names = self.powersgd, self._layout[index]
@@ -105,11 +108,12 @@ class GradientHook:
                                                      dtype=buffer.dtype, device=buffer.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's PowerSGD state per parameter, on the CPU (empty for the other compressions)."""
+        """This rank's PowerSGD state per parameter, on the CPU (empty for the other compressions). The live
+        state moves to its parameters; the next step lays it out again, in whatever buckets DDP then has."""
         if self.powersgd is None:
             return {}
         for index in list(self._layout):
-            self._unpack(index)  # the next step lays it out again, in whatever buckets DDP then has
+            self._unpack(index)
         state = self.powersgd
         keys, position, has_gauss, cached_gaussian = state.rng.get_state()[1:]
         return {

@@ -59,7 +59,7 @@ def test_channels_last_sync_bn_and_pinned_loaders_on_a_resnet(run_job, tmp_path)
 
 
 def test_compiled_model_trains(run_job):
-    trained(run_job(RANKS, *FAST, "--compile", "--epochs", "3", timeout=600), min_accuracy=0.9)
+    trained(run_job(RANKS, *FAST, "--compile", "--epochs", "5", timeout=600), min_accuracy=0.9)
 
 
 def test_deterministic_runs_repeat_bit_for_bit(run_job, tmp_path):
