@@ -125,11 +125,15 @@ def test_crash_then_resume_equals_straight_run(run_job, tmp_path, communication)
         for name, tensor in a["model"].items():
             assert torch.equal(tensor, b["model"][name]), name
         assert resumed.summary["train_loss"] == pytest.approx(straight.summary["train_loss"], rel=1e-9)
-    else:  # equal up to float rounding: DDP's first step after a restart lays the buckets out differently
+    else:
+        # Equal up to float rounding: DDP's first step after a restart lays the buckets out differently, and
+        # the rounding grows over the following steps (measured after 44 steps: under 1e-6 on torch 2.14, 5e-6
+        # on 2.4.1). Without the PowerSGD state, weights differ by about 1e-2 (tests/test_compression.py).
         assert len(b["communication"]) == 2 and b["communication"][1]["error"]
         for name, tensor in a["model"].items():
-            assert torch.allclose(tensor, b["model"][name], rtol=0, atol=1e-6), name
-        assert resumed.summary["train_loss"] == pytest.approx(straight.summary["train_loss"], rel=1e-5)
+            difference = float((tensor - b["model"][name]).abs().max())
+            assert difference < 1e-4, (name, difference)
+        assert resumed.summary["train_loss"] == pytest.approx(straight.summary["train_loss"], rel=1e-4)
 
 
 @pytest.mark.mpi
