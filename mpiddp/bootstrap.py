@@ -20,7 +20,8 @@ from mpiddp.errors import AgreedError, UserError
 from mpiddp.failfast import FailFast
 from mpiddp.netif import Interface, choose_network, local_interfaces
 from mpiddp.stopping import Stopped
-from mpiddp.topology import Topology, build_topology, check_launcher, gather_records, init_mpi, launcher_restarts
+from mpiddp.mpistart import init_mpi
+from mpiddp.topology import Topology, build_topology, check_launcher, gather_records, launcher_restarts
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 def connect(guard: FailFast | None = None) -> Dist:
     """Collective: initialise MPI, check the launcher and learn the job's layout. Every rank raises the same
     AgreedError when the layout cannot work; `guard` learns the Dist so it can abort the whole job."""
-    comm = init_mpi()
+    comm, mpi_settings = init_mpi()
     transport = MpiTransport(comm)
     if guard is not None:
         guard.dist = Dist(_provisional_topology(transport), transport)
@@ -37,7 +38,7 @@ def connect(guard: FailFast | None = None) -> Dist:
     topology = agree_on(transport, lambda: build_topology(transport.rank, records, mpi_library))
     # Rank 0's view of the launcher's restart count is the job's (every rank must decide alike).
     restarts = transport.bcast(launcher_restarts(os.environ))
-    dist = Dist(dataclasses.replace(topology, restarts=restarts), transport)
+    dist = Dist(dataclasses.replace(topology, restarts=restarts, mpi_settings=mpi_settings), transport)
     if guard is not None:
         guard.dist = dist
     return dist

@@ -106,7 +106,7 @@ def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
         for local_rank, rank in enumerate(ranks):
             first = host if local_rank == 0 else ""
             lines.append(f"{first:<16} {rank:<14} {local_rank:<8} {devices[rank]}")
-    lines += ["", f"MPI: {topo.mpi_library}", f"backend: {dist.backend} on {dist.device.type}; rendezvous "
+    lines += ["", f"MPI: {topo.mpi_description}", f"backend: {dist.backend} on {dist.device.type}; rendezvous "
               f"{rendezvous.master_addr}:{rendezvous.master_port}; interfaces "
               f"{rendezvous.interface_per_host or 'left to gloo/NCCL'}"]
     versions = {k: v for k, v in prints[0].items() if not k.startswith("_")}

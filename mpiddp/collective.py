@@ -1,6 +1,6 @@
 """Dist: the one typed object every module uses to talk across ranks, and its single-process twin.
 
-Only this module, topology and bootstrap import mpi4py. Everything else calls `Dist` methods: reduce numbers,
+Only this module, mpistart, topology and bootstrap import mpi4py. Everything else calls `Dist` methods: reduce numbers,
 gather values, barrier, agree on user errors, let global rank 0 do file work, agree on a stop signal.
 
 The rule that keeps `agree` and `from_main` deadlock-free: the attempt they run must not communicate. If one

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dist.agree(lambda: parse_args(args))
         setup_logging(dist.topology, cfg.log_level)
         topo = dist.topology
-        log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_library)
+        log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_description)
         startup.mark("mpi_and_topology")
         if command == "check":
             return _check(cfg, dist, guard)

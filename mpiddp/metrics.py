@@ -253,6 +253,7 @@ def build_summary(
         "first_step_done_at": max(done) if done else None,
         "wall_time_s": finished_at - job_started_at,
         "mpi_library": topo.mpi_library,
+        "mpi_settings": topo.mpi_settings,
         "torch_version": torch_version,
         "python_version": platform.python_version(),
         "config": config,

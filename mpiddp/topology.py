@@ -49,6 +49,7 @@ class Topology:
     # host name -> its world ranks in local-rank order; hosts ordered by their lowest world rank
     hosts: tuple[tuple[str, tuple[int, ...]], ...]
     mpi_library: str = "unknown"
+    mpi_settings: str = ""  # what mpiddp set for MPI before starting it (mpistart), '' when nothing
     restarts: int = 0  # the scheduler requeued this job this many times (then training resumes by itself)
 
     @property
@@ -58,6 +59,13 @@ class Topology:
     @property
     def hosts_dict(self) -> dict[str, list[int]]:
         return {name: list(ranks) for name, ranks in self.hosts}
+
+    @property
+    def mpi_description(self) -> str:
+        """The MPI library, and what mpiddp set for it (for the log and `check`)."""
+        if not self.mpi_settings:
+            return self.mpi_library
+        return f"{self.mpi_library} (mpiddp set {self.mpi_settings}; set OMPI_MCA_btl to choose the BTLs yourself)"
 
     @property
     def label(self) -> str:
@@ -178,17 +186,6 @@ def launcher_restarts(env: Mapping[str, str]) -> int:
     """How many times the scheduler has restarted this job (Slurm's requeue keeps the job id and counts here)."""
     value = env.get("SLURM_RESTART_COUNT", "0")
     return int(value) if value.isdigit() else 0
-
-
-def init_mpi() -> Any:
-    """Initialise MPI and return COMM_WORLD. Importing mpiddp alone never initialises MPI."""
-    import mpi4py
-
-    # Only the main thread calls MPI; MPI_THREAD_MULTIPLE disables fast transports in some MPIs.
-    mpi4py.rc.thread_level = "funneled"
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
 
 
 def mpi_library_version() -> str:

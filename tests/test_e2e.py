@@ -49,6 +49,16 @@ def test_default_job_reaches_95_percent(run_job):
     assert "eval acc" in job.output  # rank 0's per-epoch line
     # rank 0 alone logs at INFO, so each epoch line appears once, not once per rank
     assert job.output.count("epoch 15/15 | train loss") == 1
+    if summary["mpi_library"].startswith("Open MPI") and "OMPI_MCA_btl" not in os.environ:
+        # nobody chose the BTLs: mpiddp leaves out the libfabric BTL, whose close sleeps 1 s in MPI_Init
+        assert summary["mpi_settings"] == "btl=^ofi"
+        assert "mpiddp set btl=^ofi" in job.output
+
+
+def test_a_btl_choice_of_the_user_is_left_alone(run_job):
+    job = run_job(2, *QUICK, mpirun_args=("--mca", "btl", "self,tcp"))
+    summary = assert_trained(job, 2, 0.85)
+    assert summary["mpi_settings"] == ""
 
 
 @pytest.mark.parametrize("np", [1, 3])
@@ -104,6 +114,7 @@ def test_mpich_launch_trains_too(mpich, tmp_path):
     command = [str(mpich / "bin" / "mpiexec"), "-n", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *QUICK]
     summary = assert_trained(run_command(command, run_dir, 180, env=mpich_env(mpich)), 2, 0.85)
     assert summary["mpi_library"].startswith("MPICH")
+    assert summary["mpi_settings"] == ""  # Open MPI's parameters mean nothing to MPICH
 
 
 def test_no_progress_bar_frames_when_mpiruns_output_is_not_a_terminal(run_job):

@@ -13,7 +13,7 @@ from mpiddp.topology import RankRecord, build_topology
 REQUIRED = {
     "world_size", "num_hosts", "hosts", "backend", "device", "epochs", "train_loss", "eval_accuracy",
     "images_per_second", "step_time_s", "rank_step_time_s", "time_to_first_step_s", "wall_time_s",
-    "mpi_library", "torch_version",
+    "mpi_library", "mpi_settings", "torch_version",
 }
 
 

@@ -1,0 +1,90 @@
+"""Starting MPI: the thread level, and Open MPI's libfabric BTL left out when nobody chose the BTLs.
+
+Open MPI's libfabric BTL (btl/ofi) sleeps one second whenever it is closed, which happens inside MPI_Init on
+every machine where it is built but not used. mpiddp's own MPI traffic is small control messages (start-up,
+agreement, metrics, shutdown; gradients go through NCCL or gloo), which never need that BTL, so unless the
+user or the site chose the BTLs, mpiddp excludes it before MPI starts and every rank starts a second sooner.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SKIP_OFI_BTL = "^ofi"
+
+
+def btl_chosen_in(text: str) -> bool:
+    """Whether an Open MPI parameter file sets `btl` (comments and other parameters do not count)."""
+    for line in text.splitlines():
+        key, sep, _ = line.split("#", 1)[0].partition("=")
+        if sep and key.strip() == "btl":
+            return True
+    return False
+
+
+def parameter_files(env: Mapping[str, str], library_dir: Path | None) -> list[Path]:
+    """The Open MPI parameter files that could set `btl` for this process: the user's, the installation's
+    (next to the library, or under OPAL_PREFIX / OPAL_SYSCONFDIR) and the distributions' usual place."""
+    listed = env.get("OMPI_MCA_mca_base_param_files")
+    if listed:
+        return [Path(os.path.expanduser(name)) for name in listed.split(os.pathsep) if name]
+    config_dirs = [Path(env[name]) for name in ("OPAL_SYSCONFDIR",) if env.get(name)]
+    if env.get("OPAL_PREFIX"):
+        config_dirs.append(Path(env["OPAL_PREFIX"]) / "etc")
+    if library_dir is not None:
+        config_dirs += [library_dir.parent / "etc", library_dir.parent.parent / "etc"]
+    config_dirs += [Path("/etc/openmpi"), Path("/etc")]
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    return [home / ".openmpi" / "mca-params.conf"] + [d / "openmpi-mca-params.conf" for d in config_dirs]
+
+
+def btl_already_chosen(env: Mapping[str, str], files: list[Path]) -> bool:
+    """Whether the environment (mpirun's --mca arrives there too) or a parameter file already chooses the BTLs."""
+    if "OMPI_MCA_btl" in env:
+        return True
+    for path in files:
+        try:
+            if btl_chosen_in(path.read_text(errors="replace")):
+                return True
+        except OSError:  # absent or unreadable: it chooses nothing
+            continue
+    return False
+
+
+def _loaded_library_dir(prefix: str) -> Path | None:
+    """Where the already-loaded shared library named prefix* lives (Linux); None elsewhere or when not found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if Path(path).name.startswith(prefix):
+                    return Path(path).parent
+    except OSError:
+        pass
+    return None
+
+
+def init_mpi() -> tuple[Any, str]:
+    """Initialise MPI and return (COMM_WORLD, what mpiddp set for MPI, '' when nothing). Importing mpiddp alone
+    never initialises MPI."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:  # else the user's code imported it first and chose for itself
+        mpi4py.rc.initialize = False  # so Open MPI's parameters can be settled first
+        mpi4py.rc.finalize = True
+    from mpi4py import MPI
+
+    if MPI.Is_initialized():
+        return MPI.COMM_WORLD, ""
+    adjusted = ""
+    if MPI.Get_library_version().startswith("Open MPI"):  # callable before MPI_Init
+        if not btl_already_chosen(os.environ, parameter_files(os.environ, _loaded_library_dir("libmpi.so"))):
+            os.environ["OMPI_MCA_btl"] = SKIP_OFI_BTL
+            adjusted = f"btl={SKIP_OFI_BTL}"
+    # Only the main thread calls MPI; MPI_THREAD_MULTIPLE disables fast transports in some MPIs.
+    MPI.Init_thread(MPI.THREAD_FUNNELED)
+    return MPI.COMM_WORLD, adjusted
