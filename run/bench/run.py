@@ -39,11 +39,15 @@ def run(command: list[str]) -> float:
     return launched
 
 
+def mpiddp_command(ranks: int, run_dir: Path, *flags: str) -> list[str]:
+    return [MPIRUN, "-np", str(ranks), "--bind-to", "none", PYTHON, "-m", "mpiddp", "--run-dir", str(run_dir),
+            "--wandb", "disabled", "--no-progress", "--epochs", "1", "--batch-size", str(BATCH),
+            "--throughput-warmup-steps", str(WARMUP), "--arch", "resnet18", "--image-size", str(SIZE), *flags]
+
+
 def mpiddp(ranks: int, work: Path, *flags: str) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    launched = run([MPIRUN, "-np", str(ranks), "--bind-to", "none", PYTHON, "-m", "mpiddp", "--run-dir", str(run_dir),
-                    "--wandb", "disabled", "--no-progress", "--epochs", "1", "--batch-size", str(BATCH),
-                    "--throughput-warmup-steps", str(WARMUP), "--arch", "resnet18", "--image-size", str(SIZE), *flags])
+    launched = run(mpiddp_command(ranks, run_dir, *flags))
     ended = time.time()
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"images_per_second": summary["images_per_second"],
@@ -103,6 +107,25 @@ def own_script_comparison(repeats: int) -> dict:
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 
+def solo_jobs_at_once(work: Path, *flags: str) -> dict:
+    """Two independent 1-rank jobs started together: two ranks' compute sharing the machine with no
+    communication at all, i.e. the most any 2-rank job (any compression) can reach here."""
+    run_dirs = [Path(tempfile.mkdtemp(dir=work)) for _ in range(2)]
+    commands = [mpiddp_command(1, run_dir, "--use_syn", "--steps-per-epoch", str(STEPS), *flags) for run_dir in run_dirs]
+    for command in commands:
+        print("+ " + " ".join(command) + " &", flush=True)
+    jobs = [subprocess.Popen(c, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for c in commands]
+    for job in jobs:
+        output, _ = job.communicate()
+        if job.returncode != 0:
+            sys.exit(f"benchmark command failed ({job.returncode}):\n{output[-3000:]}")
+    summaries = [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
+    return {"images_per_second": sum(s["images_per_second"] for s in summaries),
+            "compute_s": statistics.mean(s["rank_compute_s"][0] for s in summaries),
+            "step_s": statistics.mean(s["rank_step_time_s"][0] for s in summaries)}
+
+
 def compression_comparisons(repeats: int, work: Path) -> list[dict]:
     """Scaling 1 -> 2 ranks (one thread each) with each gradient compression. Efficiency = 2-rank images/s
     over twice the 1-rank images/s of plain all-reduce (a 1-rank job with a compression hook pays its
@@ -119,6 +142,12 @@ def compression_comparisons(repeats: int, work: Path) -> list[dict]:
                                               "1 rank": statistics.median(r["compute_s"] for r in one)},
                        "step_s": {"2 ranks": statistics.median(r["step_s"] for r in two),
                                   "1 rank": statistics.median(r["step_s"] for r in one)}})
+    both, one = interleave(repeats, lambda: solo_jobs_at_once(work, *plain), lambda: synthetic(1, work, STEPS, *plain))
+    rows.append(compare("ceiling: two 1-rank jobs at once (no communication)", "images_per_second", "2 jobs at once",
+                        both, "1 rank, plain", one, 2.0)
+                | {"target": "the most any compression can reach on this machine",
+                   "compute_per_step_s": {"2 jobs at once": statistics.median(r["compute_s"] for r in both),
+                                          "1 rank": statistics.median(r["compute_s"] for r in one)}})
     return rows
 
 
