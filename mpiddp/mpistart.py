@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mpiddp.topology import mpi_library_version
+
 SKIP_OFI_BTL = "^ofi"
 
 
@@ -32,7 +34,7 @@ def parameter_files(env: Mapping[str, str], library_dir: Path | None) -> list[Pa
     listed = env.get("OMPI_MCA_mca_base_param_files")
     if listed:
         return [Path(os.path.expanduser(name)) for name in listed.split(os.pathsep) if name]
-    config_dirs = [Path(env[name]) for name in ("OPAL_SYSCONFDIR",) if env.get(name)]
+    config_dirs = [Path(env["OPAL_SYSCONFDIR"])] if env.get("OPAL_SYSCONFDIR") else []
     if env.get("OPAL_PREFIX"):
         config_dirs.append(Path(env["OPAL_PREFIX"]) / "etc")
     if library_dir is not None:
@@ -81,7 +83,7 @@ def init_mpi() -> tuple[Any, str]:
     if MPI.Is_initialized():
         return MPI.COMM_WORLD, ""
     adjusted = ""
-    if MPI.Get_library_version().startswith("Open MPI"):  # callable before MPI_Init
+    if mpi_library_version().startswith("Open MPI"):  # callable before MPI_Init
         if not btl_already_chosen(os.environ, parameter_files(os.environ, _loaded_library_dir("libmpi.so"))):
             os.environ["OMPI_MCA_btl"] = SKIP_OFI_BTL
             adjusted = f"btl={SKIP_OFI_BTL}"

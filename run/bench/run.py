@@ -29,13 +29,22 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
            PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", CI="true")
 
 
+def start(command: list[str], suffix: str = "") -> subprocess.Popen:
+    print("+ " + " ".join(command) + suffix, flush=True)
+    return subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(job: subprocess.Popen) -> None:
+    """Wait for a started command; fail loudly."""
+    output, _ = job.communicate()
+    if job.returncode != 0:
+        sys.exit(f"benchmark command failed ({job.returncode}):\n{output[-3000:]}")
+
+
 def run(command: list[str]) -> float:
     """Run, fail loudly, return the launch time (epoch seconds)."""
-    print("+ " + " ".join(command), flush=True)
     launched = time.time()
-    done = subprocess.run(command, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        sys.exit(f"benchmark command failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    finish(start(command))
     return launched
 
 
@@ -57,7 +66,11 @@ def mpiddp(ranks: int, work: Path, *flags: str) -> dict:
 
 
 def synthetic(ranks: int, work: Path, steps: int = STEPS, *flags: str) -> dict:
-    return mpiddp(ranks, work, "--use_syn", "--steps-per-epoch", str(steps), *flags)
+    return mpiddp(ranks, work, *synthetic_flags(steps), *flags)
+
+
+def synthetic_flags(steps: int) -> tuple[str, ...]:
+    return ("--use_syn", "--steps-per-epoch", str(steps))
 
 
 def plain_ddp(work: Path, steps: int = STEPS, warmup: int = WARMUP) -> dict:
@@ -111,15 +124,9 @@ def solo_jobs_at_once(work: Path, *flags: str) -> dict:
     """Two independent 1-rank jobs started together: two ranks' compute sharing the machine with no
     communication at all, i.e. the most any 2-rank job (any compression) can reach here."""
     run_dirs = [Path(tempfile.mkdtemp(dir=work)) for _ in range(2)]
-    commands = [mpiddp_command(1, run_dir, "--use_syn", "--steps-per-epoch", str(STEPS), *flags) for run_dir in run_dirs]
-    for command in commands:
-        print("+ " + " ".join(command) + " &", flush=True)
-    jobs = [subprocess.Popen(c, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for c in commands]
+    jobs = [start(mpiddp_command(1, run_dir, *synthetic_flags(STEPS), *flags), " &") for run_dir in run_dirs]
     for job in jobs:
-        output, _ = job.communicate()
-        if job.returncode != 0:
-            sys.exit(f"benchmark command failed ({job.returncode}):\n{output[-3000:]}")
+        finish(job)
     summaries = [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
     return {"images_per_second": sum(s["images_per_second"] for s in summaries),
             "compute_s": statistics.mean(s["rank_compute_s"][0] for s in summaries),
