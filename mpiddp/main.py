@@ -182,11 +182,21 @@ def main(argv: list[str] | None = None) -> int:
         return report.main(args)
     startup = StartupClock(process_start_time())
     startup.mark("interpreter_and_imports")
-    with FailFast() as guard:
-        if command == "run":  # the user's own script
+    if command == "run":  # the user's own script: its signals are its own, as under torchrun
+        with FailFast() as guard:
             from mpiddp.script import run_script
 
             return run_script(args, guard)
+    # From the first moment: a scheduler's stop signal during start-up must not kill a rank (default action).
+    stop = StopRequest().install()
+    try:
+        return _main(command, args, startup, stop)
+    finally:
+        stop.release()
+
+
+def _main(command: str, args: list[str], startup: StartupClock, stop: StopRequest) -> int:
+    with FailFast() as guard:
         dist = connect(guard)
         cfg = dist.agree(lambda: parse_args(args))
         setup_logging(dist.topology, cfg.log_level)
@@ -199,15 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
         run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, dist)
         startup.mark("preflight")
-        stop = StopRequest().install()
         try:
             with distributed(cfg, dist, guard) as placed:
                 summary = run(cfg, placed, run_dir, stop, startup)
         except Stopped as stopped:
             # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.
             if dist.is_main:  # one line for the job, not one per rank
-                log.warning("%s; snapshot saved in %s. Continue with --resume (exit status %d)",
-                            stopped, run_dir, EXIT_STOPPED)
+                saved = "snapshot saved in %s" if stopped.saved else "nothing trained since the last snapshot in %s"
+                log.warning("%s; " + saved + ". Continue with --resume (exit status %d)", stopped, run_dir, EXIT_STOPPED)
             return EXIT_STOPPED
         if summary is None:
             return EXIT_OK

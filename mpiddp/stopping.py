@@ -1,4 +1,12 @@
-"""Graceful stop on SIGTERM, SIGINT, SIGUSR1 or SIGUSR2: every rank agrees on the same step, saves, exits 3."""
+"""Graceful stop on SIGTERM, SIGINT, SIGUSR1 or SIGUSR2: every rank agrees on the same step, saves, exits 3.
+
+Schedulers send more than one signal: Slurm's `scancel` and preemption signal every process of every step
+*and* the batch shell, which hands the stop on as SIGUSR1 a moment later; a time limit adds its own. So any
+number of these signals, in any order and in any phase (start-up, a step, evaluation, saving, teardown), mean
+one thing: stop at the next agreed step with one snapshot. Only a person at a terminal escalates: the second
+Ctrl-C (SIGINT) hands SIGINT back to the operating system, so the third ends the rank at once, even when it
+is stuck inside a C call where Python handlers cannot run.
+"""
 
 from __future__ import annotations
 
@@ -14,22 +22,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# Signals a scheduler or launcher sends, possibly several times: never a reason to abort a save.
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+INTERRUPTS_TO_ABORT = 3
 
 
 class Stopped(Exception):
-    """Raised on every rank at the same step after the stop snapshot is saved."""
+    """Raised on every rank at the same step, after the stop snapshot is saved (or when nothing was trained
+    since the last one: `saved` is False)."""
 
-    def __init__(self, signal_name: str, step: int) -> None:
+    def __init__(self, signal_name: str, step: int, saved: bool = True) -> None:
         super().__init__(f"stopped by {signal_name} at step {step}")
         self.signal_name = signal_name
         self.step = step
+        self.saved = saved
 
 
 class StopRequest:
-    """Remembers a stop signal; `agreed` turns one rank's signal into every rank's decision."""
+    """Remembers the first stop signal; `agreed` turns one rank's signal into every rank's decision."""
 
     def __init__(self) -> None:
         self.signum = 0
+        self.interrupts = 0
 
     def install(self) -> StopRequest:
         for signum in STOP_SIGNALS:
@@ -37,14 +51,30 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum:
-            # A second signal: the user wants out now, snapshot or not.
-            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}")
-        self.signum = signum
-        # Not through logging: a handler that logs can re-enter a logging call the main thread was in.
-        os.write(2, f"mpiddp: received {signal.Signals(signum).name}: stopping after the current step and saving "
-                    f"a snapshot\n".encode())
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+        if not self.signum:
+            self.signum = signum
+            # Not through logging: a handler that logs can re-enter a logging call the main thread was in.
+            _say(f"received {signal.Signals(signum).name}: stopping after the current step and saving a snapshot "
+                 f"(Ctrl-C {INTERRUPTS_TO_ABORT} times ends this rank at once, without saving)")
+        elif signum == signal.SIGINT and self.interrupts == INTERRUPTS_TO_ABORT - 1:
+            # From now on the kernel's default action handles SIGINT: the next one works even in a hung C call.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _say("already stopping and saving; press Ctrl-C once more to end this rank at once, without saving")
 
     def agreed(self, dist: Dist) -> int:
         """Collective, once per step: the signal any rank received (0 if none)."""
         return dist.agree_stop(self.signum)
+
+    def release(self) -> None:
+        """The job is ending: a scheduler's late signal must not kill a rank during teardown or interpreter
+        shutdown (where Python puts back the default action, which for SIGUSR1 is death, exit 138). SIGINT
+        goes back to the default, so a person can still interrupt a teardown that hangs."""
+        for signum in SCHEDULER_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _say(text: str) -> None:
+    os.write(2, f"mpiddp: {text}\n".encode())

@@ -341,6 +341,9 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
 def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
     timing = RankTiming(cfg.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
+    signum = hooks.stop.agreed(dist)
+    if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
+        raise Stopped(signal.Signals(signum).name, state.step, saved=False)
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
         totals, step_times = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
         evaluation = evaluate_or_stop(cfg, state, loaders, dist, hooks, epoch)

@@ -84,3 +84,80 @@ def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_pat
     expected, got = final_weights(straight), final_weights(run_dir)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+def rank_pids(run_dir: Path) -> list[int]:
+    """The ranks only: mpirun's own command line matches too, and SIGTERM to mpirun kills the ranks at once."""
+    found = subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout
+    pids = []
+    for pid in found.split():
+        try:
+            if b"OMPI_COMM_WORLD_RANK=" in Path(f"/proc/{pid}/environ").read_bytes():
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+class SignalStorm:
+    """Sends SIGTERM and then SIGUSR1 to every rank, over and over, as Slurm's scancel/preemption plus the
+    batch script's forwarding do, until the job ends: whatever phase each signal lands in."""
+
+    def __init__(self, run_dir: Path, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
+        import threading
+
+        self.run_dir, self.signals, self.sent = run_dir, signals, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._storm, daemon=True)
+
+    def _storm(self) -> None:
+        while not self.done.is_set():
+            for signum in self.signals:
+                for pid in rank_pids(self.run_dir):
+                    try:
+                        os.kill(pid, signum)
+                        self.sent += 1
+                    except ProcessLookupError:
+                        pass
+                self.done.wait(0.1)  # spacing between signals, as the batch shell's forwarding has
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("from_line", ["epoch 1/3 |", "every rank runs"])
+def test_any_number_of_stop_signals_in_any_phase_give_one_snapshot_and_exit_3(mpirun, tmp_path, from_line):
+    run_dir = tmp_path / "storm"
+    process, seen = start(mpirun, run_dir), []
+    wait_for(process, from_line, seen)
+    with SignalStorm(run_dir) as storm:
+        output = finish(process, seen)
+    assert storm.sent >= 2
+    assert process.returncode == 3, output[-3000:]
+    assert "interrupted" not in output and "Traceback" not in output, output[-3000:]
+    snapshots = sorted(p.name for p in (run_dir / "checkpoints").glob("snapshot-*.pt")) if (run_dir / "checkpoints").is_dir() else []
+    if from_line.startswith("epoch"):
+        # The epoch-1 snapshot (save_every) and exactly one stop snapshot after it.
+        assert len([name for name in snapshots if name != "snapshot-epoch0001.pt"]) == 1, snapshots
+        assert output.count("snapshot saved in") == 1
+    else:  # stopped during start-up, before any step: nothing to save, nothing lost
+        assert snapshots == [], snapshots
+        assert "nothing trained since the last snapshot" in output
+
+
+def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
+    run_dir = tmp_path / "interrupt"
+    process, seen = start(mpirun, run_dir, "--inject-fault", "stall:1:2"), []  # rank 1 never reaches a step's end
+    wait_for(process, "training digits_cnn", seen)
+    for _ in range(3):
+        for pid in rank_pids(run_dir):
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.3)  # a person pressing Ctrl-C three times, not synchronisation
+    output = finish(process, seen, timeout=60)
+    assert process.returncode != 0 and process.returncode != 3, output[-3000:]
+    assert "press Ctrl-C once more" in output
