@@ -84,12 +84,23 @@ def test_train_logs_every_window_and_epoch_and_saves_at_the_cadence():
 def test_a_stop_signal_saves_mid_epoch_and_stops_at_that_step():
     cfg, dist, loaders, state = job(epochs=2, batch_size=64, grad_accum=2)
     stop = StopRequest()
-    stop.signum = signal.SIGUSR1  # as if the handler had run
+    saved = []
+    loop_hooks = hooks(saved, stop)
+    loop_hooks.heartbeat = lambda phase, step: setattr(stop, "signum", signal.SIGUSR1)  # as if the handler had run
+    with pytest.raises(Stopped) as caught:
+        train(cfg, state, loaders, dist, loop_hooks)
+    assert caught.value.step == 1 and caught.value.signal_name == "SIGUSR1" and caught.value.saved
+    assert saved == [(0, 1, 2)]  # one optimizer step of two micro-batches into epoch 1
+
+
+def test_a_stop_signal_during_start_up_stops_before_the_first_step_without_saving():
+    cfg, dist, loaders, state = job(epochs=2, batch_size=64)
+    stop = StopRequest()
+    stop.signum = signal.SIGTERM  # arrived while the data and model were being built
     saved = []
     with pytest.raises(Stopped) as caught:
         train(cfg, state, loaders, dist, hooks(saved, stop))
-    assert caught.value.step == 1 and caught.value.signal_name == "SIGUSR1"
-    assert saved == [(0, 1, 2)]  # one optimizer step of two micro-batches into epoch 1
+    assert caught.value.step == 0 and not caught.value.saved and saved == []
 
 
 def test_a_slow_loader_or_device_shows_in_its_own_phase(monkeypatch):
