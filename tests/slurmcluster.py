@@ -17,6 +17,7 @@ from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("sbatch", "scontrol", "scancel", "srun", "sinfo")
+GRACE_S = 60  # the preemptible partition's grace time: SIGTERM, then this long to save before the kill
 
 
 def unavailable_reason() -> str | None:
@@ -62,7 +63,13 @@ class SlurmCluster:
             f"SlurmctldLogFile={self.root / 'slurmctld.log'}",
             f"SlurmdLogFile={self.root / 'slurmd.log'}",
             f"NodeName={host} CPUs={os.cpu_count() or 1} State=UNKNOWN",
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+            # Real preemption: a job in `high` preempts one in `low`, which gets SIGTERM, GRACE_S to save, then
+            # is requeued by Slurm (or ends by itself, and must requeue itself: run/slurm.sbatch does).
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF",
+            f"PartitionName=low Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S}",
+            "PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF",
             "",
         ]))
         Path("/run/munge").mkdir(parents=True, exist_ok=True)

@@ -104,3 +104,54 @@ def test_a_failing_rank_under_srun_ends_the_job_with_one_report(slurm, tmp_path)
     log = output(tmp_path, job_id)
     assert info["JobState"] == "FAILED" and exit_code(info) != 0, log[-4000:]
     assert log.count("injected fault on rank 1 at step 3") >= 1 and log.count("Traceback") == 1
+
+
+def wait_for_training(workdir: Path, name: str, job_id: int) -> None:
+    metrics = workdir / "runs" / name / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and '"kind": "step"' in metrics.read_text()):  # training has started
+        assert time.monotonic() < deadline, output(workdir, job_id)[-4000:]
+        time.sleep(0.5)  # polling a file another process writes
+
+
+def stop_snapshot(workdir: Path, name: str) -> str:
+    checkpoints = workdir / "runs" / name / "checkpoints"
+    latest = (checkpoints / "latest").read_text().strip()
+    assert (checkpoints / latest).is_file(), latest
+    return latest
+
+
+def test_plain_scancel_saves_the_same_step_and_ends_the_job(slurm, tmp_path):
+    """scancel signals every rank *and* the batch shell (which forwards SIGUSR1): one snapshot, exit 3, no requeue."""
+    name = "scancel"
+    job_id = slurm.submit(*SMALL, "--job-name", name, SBATCH, "--epochs", "400", *FAST,
+                          env=batch_env("srun"), cwd=tmp_path)
+    wait_for_training(tmp_path, name, job_id)
+    assert slurm.run("scancel", str(job_id)).returncode == 0
+    info = slurm.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), within_s=120)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "CANCELLED" and exit_code(info) == 3, log[-4000:]
+    assert log.count("snapshot saved in") == 1 and "interrupted" not in log, log[-4000:]
+    assert "not requeued" in log and info["Restarts"] == "0"
+    stop_snapshot(tmp_path, name)
+
+
+def test_preemption_saves_requeues_itself_and_continues_from_the_stop_snapshot(slurm, tmp_path):
+    """A real preemption: a job in the high partition takes the node; the low one saves within its grace time,
+    ends, requeues itself (Slurm would not: it ended by itself), and continues from its stop snapshot."""
+    name = "preempted"
+    job_id = slurm.submit(*SMALL, "--partition", "low", "--job-name", name, SBATCH, "--epochs", "400", *FAST,
+                          env=batch_env("srun"), cwd=tmp_path)
+    wait_for_training(tmp_path, name, job_id)
+    urgent = slurm.submit("--partition", "high", "--ntasks=1", "--cpus-per-task=1", "--output", "urgent.out",
+                          "--wrap", "true", cwd=tmp_path)
+    slurm.wait_for(urgent, ("COMPLETED",), within_s=180)
+    deadline = time.monotonic() + 180
+    while "resumed from" not in output(tmp_path, job_id):
+        assert time.monotonic() < deadline, output(tmp_path, job_id)[-4000:] + str(slurm.job(job_id))
+        time.sleep(0.5)  # polling the scheduler's restart of the job
+    log = output(tmp_path, job_id)
+    assert "preempted; requeueing job" in log and log.count("snapshot saved in") == 1, log[-4000:]
+    assert slurm.job(job_id)["Restarts"] == "1"
+    assert f"{name}/checkpoints/{stop_snapshot(tmp_path, name)}: epoch" in log
+    slurm.run("scancel", str(job_id))
