@@ -294,3 +294,27 @@ def test_settings_that_cannot_continue_a_snapshot_are_refused(run_job, tmp_path)
     assert changed.output.count("cannot continue under: --optimizer 'sgd' -> 'adamw', --amp 'off' -> 'bf16'") == 1
     nothing = run_job(2, "--epochs", "1", "--resume", *FAST, run_dir=tmp_path / "empty", timeout=90)
     assert nothing.returncode == 0 and nothing.output.count("--resume: no snapshot in") == 1
+
+
+@pytest.mark.mpi
+def test_a_changed_lr_on_resume_is_the_lr_that_trains(run_job, tmp_path):
+    """Issue 19: `--epochs 2`, then `--epochs 4 --lr 0.5 --resume` logged the new lr and trained on 0.05's cosine."""
+    from mpiddp.optim import lr_factor
+
+    run_dir = tmp_path / "run"
+    first = run_job(2, "--epochs", "2", *FAST, run_dir=run_dir)
+    assert first.returncode == 0, first.output[-3000:]
+    steps_per_epoch = next(r["step"] for r in first.metrics if r["kind"] == "epoch" and r["epoch"] == 1)
+    resumed = run_job(2, "--epochs", "4", "--lr", "0.5", "--resume", *FAST, run_dir=run_dir)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "resuming with --lr changed from 0.05 to 0.5" in resumed.output
+    records = resumed.metrics
+    start = max(i for i, r in enumerate(records) if r["kind"] == "start")
+    later = [r for r in records[start:] if r["kind"] in ("step", "epoch")]
+    assert {r["epoch"] for r in later} == {3, 4} and len(later) > 2
+    for record in later:  # the lr after the record's step: what the next step trains at
+        expected = 0.5 * lr_factor(record["step"], steps_per_epoch=steps_per_epoch, total_steps=4 * steps_per_epoch,
+                                   warmup_steps=0, schedule="cosine", lr_step_epochs=30, lr_gamma=0.1)
+        assert record["lr"] == pytest.approx(expected, abs=1e-12), record
+    epoch_3 = next(r for r in later if r["kind"] == "epoch" and r["epoch"] == 3)
+    assert epoch_3["lr"] == pytest.approx(0.5 * 0.5 * (1 + math.cos(math.pi * 3 / 4)))  # 0.0732, not 0.0073
