@@ -204,3 +204,25 @@ def test_a_snapshot_stopped_after_an_epochs_last_batch_resumes_at_the_next_epoch
     before = first_job(tmp_path, batches_done=BATCHES_AT_32)  # written so by an older mpiddp: 10 of 10 batches
     resumed = resumed_job(tmp_path, dataclasses.replace(before, resume="auto"))
     assert (resumed.epoch, resumed.batches_done, resumed.step) == (3, 0, 30)
+
+
+def test_a_changed_powersgd_rank_keeps_the_error_feedback_and_restarts_the_warm_start(tmp_path):
+    dist = solo_dist()
+    before = Config(device="cpu", grad_compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=2, bucket_cap_mb=0.01)
+
+    def train(state, count):
+        for _ in range(count):
+            torch.nn.functional.cross_entropy(state.model(torch.randn(8, 1, 8, 8)), torch.randint(0, 10, (8,))).backward()
+            state.optimizer.step()
+            state.optimizer.zero_grad()
+            state.step += 1
+
+    state = build_state(before, dist, 10, 1, batches_per_epoch=5)
+    train(state, 4)
+    taken = Snapshot.capture(state, dist, before.model_name, before.to_dict(), None)
+    assert taken.communication[0]["q"] and taken.communication[0]["error"]
+    fresh = build_state(dataclasses.replace(before, powersgd_rank=1), dist, 10, 1, batches_per_epoch=5)
+    taken.restore_into(fresh, dist, seed=0, batch_size=32)
+    assert fresh.gradient_hook._pending_q == {} and fresh.gradient_hook._pending_error
+    train(fresh, 2)  # rank-1 matrices from here on; the old rank-2 ones would not fit
+    assert all(torch.isfinite(p).all() for p in fresh.unwrapped.parameters())
