@@ -56,8 +56,8 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[P
     changes = dist.agree(lambda: snapshot.check_settings(cfg.to_dict()))
     snapshot.restore_into(state, dist, cfg.seed, cfg.batch_size)
     if state.batches_per_epoch and state.batches_done >= state.batches_per_epoch:
-        # Stopped after an epoch's last batch (a snapshot of an older mpiddp): its training is complete, as after
-        # a stop during its evaluation; a resumed epoch of 0 steps would write a record of nothing.
+        # Stopped after an epoch's last batch (a snapshot of an older mpiddp, or fewer batches per epoch now): its
+        # training is complete, as after a stop during its evaluation; an epoch of 0 steps would record nothing.
         state.epoch, state.batches_done = state.epoch + 1, 0
     # Loading brought back the snapshot's lr, momentum, weight decay and schedule base: this job's flags win.
     before = state.optimizer.param_groups[0]["lr"]
