@@ -30,6 +30,16 @@ RUN_LOCAL_SETTINGS = frozenset({
 # (the seed) another train/eval split and data order, which the restored position and RNG streams belong to.
 # Every other setting a resume changes is applied: see main.resume and optim.apply_on_resume.
 INCOMPATIBLE_SETTINGS = frozenset({"arch", "dataset", "num_classes", "optimizer", "amp", "sync_bn", "seed"})
+# Settings that act only together with another one's value: a change listed on resume says when it has no effect.
+ONLY_WITH = {"momentum": ("optimizer", "sgd"), "lr_step_epochs": ("schedule", "step"), "lr_gamma": ("schedule", "step"),
+             "powersgd_rank": ("grad_compression", "powersgd"), "powersgd_warmup_steps": ("grad_compression", "powersgd")}
+
+
+def _without_effect(key: str, config: dict[str, Any]) -> str:
+    if key not in ONLY_WITH or config.get(ONLY_WITH[key][0]) == ONLY_WITH[key][1]:
+        return ""
+    other, value = ONLY_WITH[key]
+    return f" (no effect: it acts only with --{other.replace('_', '-')} {value})"
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -121,7 +131,8 @@ class Snapshot:
                 f"the snapshot was trained with other settings that it cannot continue under: {', '.join(refused)}. "
                 f"Resume with the snapshot's settings, or start a new run without --resume"
             )
-        return [f"--{key.replace('_', '-')} changed from {old!r} to {new!r}" for key, (old, new) in sorted(changed.items())]
+        return [f"--{key.replace('_', '-')} changed from {old!r} to {new!r}{_without_effect(key, config)}"
+                for key, (old, new) in sorted(changed.items())]
 
     def _restore_communication(self, state: TrainState, dist: Dist) -> None:
         hook = state.gradient_hook

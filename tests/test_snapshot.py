@@ -226,3 +226,12 @@ def test_a_changed_powersgd_rank_keeps_the_error_feedback_and_restarts_the_warm_
     assert fresh.gradient_hook._pending_q == {} and fresh.gradient_hook._pending_error
     train(fresh, 2)  # rank-1 matrices from here on; the old rank-2 ones would not fit
     assert all(torch.isfinite(p).all() for p in fresh.unwrapped.parameters())
+
+
+def test_a_changed_setting_without_effect_says_so(tmp_path):
+    taken = Snapshot.capture(trained_state(1), solo_dist(), "digits_cnn",
+                             Config(optimizer="adamw", momentum=0.9, lr_gamma=0.1).to_dict(), None)
+    changes = taken.check_settings(Config(optimizer="adamw", momentum=0.5, lr_gamma=0.5, schedule="step").to_dict())
+    assert changes == ["--lr-gamma changed from 0.1 to 0.5",
+                       "--momentum changed from 0.9 to 0.5 (no effect: it acts only with --optimizer sgd)",
+                       "--schedule changed from 'cosine' to 'step'"]
