@@ -1,5 +1,6 @@
-"""Snapshot files. Saving is collective: global rank 0 writes atomically, then `latest` moves, then all go on.
-Loading uses weights_only=True, so a snapshot file can never run code; rank 0 reads, every rank receives."""
+"""Snapshot files. Saving is collective: global rank 0 writes the file atomically, every rank hears that it
+succeeded, and only then does `latest` move and the lineage rotate. Loading uses weights_only=True, so a snapshot
+file can never run code; rank 0 reads, every rank receives."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from mpiddp.snapshot import Snapshot
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+# The snapshots of the lineage that `latest` continues, oldest first, one name a line: each line's parent is the
+# line before it. Rotation deletes only from here, so a rollback's abandoned future is never what decides.
+LINEAGE = "lineage"
 _SNAPSHOT = re.compile(r"^snapshot-epoch(\d{4,})(?:-batch(\d+))?\.pt$")
 
 
@@ -26,28 +30,49 @@ def snapshot_name(epoch: int, batches_done: int = 0) -> str:
     return f"snapshot-epoch{epoch:04d}-batch{batches_done:06d}.pt" if batches_done else f"snapshot-epoch{epoch:04d}.pt"
 
 
+def snapshot_key(name: str) -> tuple[int, int] | None:
+    """(completed epochs, batches of the next one): the order of training progress; None for other names."""
+    m = _SNAPSHOT.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
 def list_snapshots(directory: Path) -> list[Path]:
     """Snapshots in `directory`, oldest first."""
     if not directory.is_dir():
         return []
-    found = [((int(m.group(1)), int(m.group(2) or 0)), p) for p in directory.iterdir() if (m := _SNAPSHOT.match(p.name))]
+    found = [(key, p) for p in directory.iterdir() if (key := snapshot_key(p.name)) is not None]
     return [p for _, p in sorted(found)]
 
 
-def write_snapshot(directory: Path, snapshot: Snapshot, keep_last: int) -> Path:
-    """Rank 0's part of `save`: the file, then `latest`, then rotation. A UserError leaves the previous one intact."""
+def latest_name(directory: Path) -> str | None:
+    """The file name `latest` holds, or None without one."""
+    pointer = directory / LATEST
+    return (pointer.read_text().strip() or None) if pointer.is_file() else None
+
+
+def read_lineage(directory: Path) -> list[str]:
+    """The current lineage's snapshot names, oldest first (some may already be deleted). A directory written
+    before lineages were recorded: every snapshot up to the one `latest` names, by name."""
+    path = directory / LINEAGE
+    if path.is_file():
+        return [line.strip() for line in path.read_text().splitlines() if snapshot_key(line.strip()) is not None]
+    head = latest_name(directory)
+    head_key = snapshot_key(head) if head else None
+    return [p.name for p in list_snapshots(directory)
+            if head_key is None or (snapshot_key(p.name) or head_key) <= head_key]
+
+
+def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
+    """Rank 0's first part of `save`: the file alone (`latest` still names the previous one). A UserError leaves
+    the previous snapshot intact."""
     path = directory / snapshot_name(snapshot.epoch, snapshot.batches_done)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         payload = snapshot.to_payload()
         write_atomic(path, lambda out: torch.save(payload, out))
-        # Only now, with the new file complete on disk, does `latest` move; then old snapshots go.
-        write_atomic(directory / LATEST, lambda out: out.write(f"{path.name}\n".encode()))
-        for old in list_snapshots(directory)[:-keep_last]:
-            old.unlink(missing_ok=True)
     except (OSError, RuntimeError) as exc:
-        previous = list_snapshots(directory)
-        kept = f"the previous snapshot {previous[-1]} is intact" if previous else "no earlier snapshot exists"
+        previous = latest_name(directory)
+        kept = f"the previous snapshot {directory / previous} is intact" if previous else "no earlier snapshot exists"
         raise UserError(
             f"saving snapshot {path} failed ({type(exc).__name__}: {exc}); {kept}. Free space or choose another "
             f"--checkpoint-dir, then --resume"
@@ -55,10 +80,44 @@ def write_snapshot(directory: Path, snapshot: Snapshot, keep_last: int) -> Path:
     return path
 
 
+def publish(directory: Path, path: Path, keep_last: int) -> list[str]:
+    """Rank 0's second part of `save`, once every rank has heard the file is complete: the lineage file, then
+    `latest`, then rotation. Returns the names rotated away.
+
+    The new snapshot continues the lineage's snapshots that are older in training progress: after a rollback
+    (`--resume` of an older snapshot) the newer ones are an abandoned future, left on disk and out of the lineage.
+    Rotation keeps the newest `keep_last` of the lineage and never deletes the new file or what `latest` names.
+    """
+    name, key = path.name, snapshot_key(path.name)
+    assert key is not None, name
+    lineage = [old for old in read_lineage(directory) if (snapshot_key(old) or key) < key] + [name]
+    try:
+        write_atomic(directory / LINEAGE, lambda out: out.write("".join(f"{n}\n" for n in lineage).encode()))
+        write_atomic(directory / LATEST, lambda out: out.write(f"{name}\n".encode()))
+    except OSError as exc:
+        raise UserError(
+            f"snapshot {path} is complete, but moving {directory / LATEST} to it failed ({exc.strerror or exc}); "
+            f"resume from it with --resume {path}"
+        ) from None
+    protected = {name, latest_name(directory)}
+    doomed = [old for old in lineage[:-keep_last] if old not in protected]
+    try:
+        for old in doomed:
+            (directory / old).unlink(missing_ok=True)
+        kept = [n for n in lineage if n not in doomed]
+        write_atomic(directory / LINEAGE, lambda out: out.write("".join(f"{n}\n" for n in kept).encode()))
+    except OSError as exc:  # the new snapshot is safe and published: old files left behind are only space
+        log.warning("rotating old snapshots in %s failed (%s); %s stays loadable", directory, exc.strerror or exc, path)
+    return doomed
+
+
 def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int) -> Path:
-    """Collective: rank 0 writes the snapshot; every rank returns its path once `latest` names it, or raises
-    the same AgreedError (disk full, permissions) while the previous snapshot stays loadable."""
-    path = dist.from_main(lambda: write_snapshot(directory, snapshot, keep_last))
+    """Collective: rank 0 writes the snapshot; every rank hears it succeeded (a barrier, so a rank that died
+    meanwhile stops the job before anything moves); then rank 0 moves `latest` and rotates, and every rank
+    returns the path. A failure raises the same AgreedError everywhere while the previous snapshot stays loadable."""
+    path = dist.from_main(lambda: write_snapshot(directory, snapshot))
+    dist.barrier()  # `latest` names only a snapshot that every rank knows was saved
+    dist.from_main(lambda: publish(directory, path, keep_last))
     log.info("saved %s", path)
     return path
 
@@ -90,15 +149,19 @@ def load(path: Path) -> Snapshot:
 
 
 def resolve(resume: str, directory: Path) -> tuple[Path, Snapshot] | None:
-    """The snapshot to resume from. `auto`: the newest loadable one in `directory` (`latest` first), or None."""
+    """The snapshot to resume from. `auto`: what `latest` names, else the newest loadable one of its lineage
+    (never a newer snapshot a rollback abandoned); without `latest` (an older mpiddp), the newest by name; or None."""
     if resume != "auto":
         return Path(resume), load(Path(resume))
-    candidates = list_snapshots(directory)
-    pointer = directory / LATEST
-    if pointer.is_file():
-        named = directory / pointer.read_text().strip()
-        if named in candidates:  # what `latest` names first, then older ones
-            candidates = [p for p in candidates if p != named] + [named]
+    head = latest_name(directory)
+    if head is None:
+        candidates = list_snapshots(directory)
+    else:
+        head_key = snapshot_key(head)
+        older = [n for n in read_lineage(directory) if head_key is None or (snapshot_key(n) or head_key) < head_key]
+        candidates = [directory / n for n in [*older, head] if (directory / n).is_file()]
+        if not (directory / head).is_file():
+            log.warning("skipping %s, which %s names: it does not exist", directory / head, directory / LATEST)
     for path in reversed(candidates):
         try:
             return path, load(path)

@@ -49,13 +49,23 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[P
         if dist.is_main:  # one line for the job
             log.warning("--resume: no snapshot in %s, starting from scratch", checkpoint_dir)
         return None
+    from mpiddp.optim import apply_on_resume
+    from mpiddp.state import schedule_position
+
     path, snapshot = restored
     changes = dist.agree(lambda: snapshot.check_settings(cfg.to_dict()))
     snapshot.restore_into(state, dist, cfg.seed, cfg.batch_size)
+    if state.batches_per_epoch and state.batches_done >= state.batches_per_epoch:
+        # Stopped after an epoch's last batch (a snapshot of an older mpiddp, or fewer batches per epoch now): its
+        # training is complete, as after a stop during its evaluation; an epoch of 0 steps would record nothing.
+        state.epoch, state.batches_done = state.epoch + 1, 0
+    # Loading brought back the snapshot's lr, momentum, weight decay and schedule base: this job's flags win.
+    before = state.optimizer.param_groups[0]["lr"]
+    after = apply_on_resume(cfg, state.optimizer, state.scheduler, schedule_position(
+        state.epoch, state.batches_done, state.batches_per_epoch, cfg.grad_accum))
     if dist.is_main:  # a local log line, no collective
         for change in changes:
             log.warning("resuming with %s", change)
-        before, after = state.optimizer.param_groups[0]["lr"], state.scheduler.base_lrs[0] * state.scheduler.lr_lambdas[0](state.step)
         if abs(before - after) > 1e-9 * max(abs(before), 1e-12):
             log.warning("the learning-rate schedule changed with the settings: at step %d it was %.6g and is now %.6g",
                         state.step, before, after)

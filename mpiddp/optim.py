@@ -30,8 +30,8 @@ def lr_factor(step: int, *, steps_per_epoch: int, total_steps: int, warmup_steps
 
 
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Stepped once per optimizer step. The schedule is a function of the step and the flags, so a resumed
-    run that keeps its flags continues the same curve (the snapshot stores the step)."""
+    """Stepped once per optimizer step. The schedule is a function of the step and the flags; a resumed run
+    is put at its position on this curve by `apply_on_resume`."""
     total = steps_per_epoch * cfg.epochs
     warmup = min(total, round(cfg.warmup_epochs * steps_per_epoch))
 
@@ -40,3 +40,19 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epo
                          schedule=cfg.schedule, lr_step_epochs=cfg.lr_step_epochs, lr_gamma=cfg.lr_gamma)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def apply_on_resume(cfg: Config, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                    position: int) -> float:
+    """After a snapshot's optimizer and schedule state are loaded, which bring back *its* learning rate, momentum
+    and weight decay: this job's values, and this job's schedule (length, warm-up, kind) at `position` optimizer
+    steps. With unchanged flags nothing moves. Returns the learning rate of the next step."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+        group["weight_decay"] = cfg.weight_decay
+        if "momentum" in group:  # SGD; AdamW has no momentum setting (its betas are fixed)
+            group["momentum"] = cfg.momentum
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    scheduler.last_epoch = position - 1
+    scheduler.step()  # sets every group's lr to base_lr x factor(position), as a straight run would have it
+    return optimizer.param_groups[0]["lr"]

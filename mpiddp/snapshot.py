@@ -26,8 +26,20 @@ RUN_LOCAL_SETTINGS = frozenset({
     "num_threads", "inject_fault", "data_dir", "download", "num_workers", "worker_start_method", "eval_batch_size",
     "device", "backend",
 })
-# Settings whose change makes the snapshot's state unusable: another model, optimizer state or loss scaling.
-INCOMPATIBLE_SETTINGS = frozenset({"arch", "dataset", "num_classes", "optimizer", "amp", "sync_bn"})
+# Settings whose change makes the snapshot's state unusable: another model, optimizer state or loss scaling, or
+# (the seed) another train/eval split and data order, which the restored position and RNG streams belong to.
+# Every other setting a resume changes is applied: see main.resume and optim.apply_on_resume.
+INCOMPATIBLE_SETTINGS = frozenset({"arch", "dataset", "num_classes", "optimizer", "amp", "sync_bn", "seed"})
+# Settings that act only together with another one's value: a change listed on resume says when it has no effect.
+ONLY_WITH = {"momentum": ("optimizer", "sgd"), "lr_step_epochs": ("schedule", "step"), "lr_gamma": ("schedule", "step"),
+             "powersgd_rank": ("grad_compression", "powersgd"), "powersgd_warmup_steps": ("grad_compression", "powersgd")}
+
+
+def _without_effect(key: str, config: dict[str, Any]) -> str:
+    if key not in ONLY_WITH or config.get(ONLY_WITH[key][0]) == ONLY_WITH[key][1]:
+        return ""
+    other, value = ONLY_WITH[key]
+    return f" (no effect: it acts only with --{other.replace('_', '-')} {value})"
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -119,14 +131,21 @@ class Snapshot:
                 f"the snapshot was trained with other settings that it cannot continue under: {', '.join(refused)}. "
                 f"Resume with the snapshot's settings, or start a new run without --resume"
             )
-        return [f"--{key.replace('_', '-')} changed from {old!r} to {new!r}" for key, (old, new) in sorted(changed.items())]
+        return [f"--{key.replace('_', '-')} changed from {old!r} to {new!r}{_without_effect(key, config)}"
+                for key, (old, new) in sorted(changed.items())]
 
     def _restore_communication(self, state: TrainState, dist: Dist) -> None:
         hook = state.gradient_hook
         if hook is None or hook.powersgd is None or not self.communication:
             return  # no PowerSGD now, or none then: nothing to carry over
         if dist.rank < len(self.communication) and self.communication[dist.rank]:
-            hook.load_state_dict(self.communication[dist.rank])
+            saved = self.communication[dist.rank]
+            if self.config.get("powersgd_rank", hook.powersgd.matrix_approximation_rank) != \
+                    hook.powersgd.matrix_approximation_rank:
+                saved = {**saved, "q": {}}  # warm-start matrices of the old rank do not fit; error feedback does
+                if dist.is_main:
+                    log.warning("--powersgd-rank changed: PowerSGD's warm start restarts, its error feedback carries over")
+            hook.load_state_dict(saved)
         elif dist.is_main:  # a local log line, no collective
             log.warning("ranks beyond the snapshot's %d start PowerSGD's error feedback from zero", len(self.communication))
 
@@ -138,6 +157,11 @@ class Snapshot:
         if self.scaler:
             state.scaler.load_state_dict(self.scaler)
         state.epoch, state.step, state.batches_done = self.epoch, self.step, self.batches_done
+        if state.batches_done and self.config.get("batch_size", batch_size) != batch_size:
+            if dist.is_main:  # a local log line, no collective
+                log.warning("the snapshot was taken part-way through epoch %d with --batch-size %d: that epoch "
+                            "restarts from its beginning with %d", state.epoch + 1, self.config["batch_size"], batch_size)
+            state.batches_done = 0
         self._restore_communication(state, dist)
         if dist.rank < len(self.rng):
             set_rng_state(self.rng[dist.rank], dist.device)

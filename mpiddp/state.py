@@ -31,6 +31,7 @@ class TrainState:
     epoch: int = 0  # completed epochs
     step: int = 0  # completed optimizer steps
     batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)
+    batches_per_epoch: int = 0  # this job's (micro-)batches per epoch: where a restored position falls in its schedule
 
 
 def configure_torch(cfg: Config) -> None:
@@ -44,6 +45,14 @@ def configure_torch(cfg: Config) -> None:
 
 def optimizer_steps_per_epoch(num_batches: int, grad_accum: int) -> int:
     return -(-num_batches // grad_accum)
+
+
+def schedule_position(epoch: int, batches_done: int, batches_per_epoch: int, grad_accum: int) -> int:
+    """Optimizer steps into this job's schedule at `epoch` completed epochs plus `batches_done` batches: counted
+    in this job's steps per epoch, so a resume with another batch size, accumulation or world size lands where
+    its own curve says, not where the snapshot's step count would on the old curve."""
+    steps = optimizer_steps_per_epoch(batches_per_epoch, grad_accum)
+    return epoch * steps + min(steps, optimizer_steps_per_epoch(batches_done, grad_accum))
 
 
 def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batches_per_epoch: int) -> TrainState:
@@ -75,4 +84,4 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     # Same weights everywhere, but each rank its own stream for augmentation and dropout.
     torch.manual_seed(cfg.seed + 1 + dist.rank)
-    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook)
+    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook, batches_per_epoch=batches_per_epoch)

@@ -211,6 +211,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     skipped = state.batches_done
     loaders.set_epoch(epoch, skip_batches=skipped)
+    epoch_batches = skipped + len(loaders.train)
     progress = make_progress(progress_wanted(cfg.progress) and dist.is_main,
                              optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum), f"epoch {epoch}/{cfg.epochs}")
     state.model.train()
@@ -252,6 +253,11 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         if signum:
             progress.close()
             state.batches_done = batches_seen
+            if batches_seen >= epoch_batches:  # the epoch's training is complete: saved as the epoch, as a stop
+                state.epoch, state.batches_done = epoch, 0  # during its evaluation is (never a 0-step epoch later)
+                if dist.is_main:  # a local log line, no collective
+                    log.warning("stopping after the last step of epoch %d: its training is saved, its evaluation is not",
+                                epoch)
             hooks.save(state)
             raise Stopped(signal.Signals(signum).name, state.step)
         if state.step % cfg.log_every == 0:

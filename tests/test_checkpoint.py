@@ -19,9 +19,15 @@ def solo():
     return solo_dist()
 
 
-def snapshot(value, arch="digits_cnn"):
-    return Snapshot(arch=arch, model={"w": torch.full((3,), float(value))}, optimizer={}, scheduler={},
-                    epoch=value, step=value * 10, rng=[rng_state(torch.device("cpu"))], world_size=1)
+def snapshot(value, arch="digits_cnn", batches_done=0, mark=None):
+    """`mark` tells apart two snapshots of the same progress (the one a rollback overwrote)."""
+    return Snapshot(arch=arch, model={"w": torch.full((3,), float(value if mark is None else mark))}, optimizer={},
+                    scheduler={}, epoch=value, step=value * 10, rng=[rng_state(torch.device("cpu"))], world_size=1,
+                    batches_done=batches_done)
+
+
+def names(directory):
+    return [p.name for p in checkpoint.list_snapshots(directory)]
 
 
 def test_save_rotates_and_points_latest(tmp_path, solo):
@@ -31,6 +37,77 @@ def test_save_rotates_and_points_latest(tmp_path, solo):
     assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0005.pt"
     path, loaded = checkpoint.resolve("auto", tmp_path)
     assert loaded.epoch == 5 and loaded.world_size == 1 and len(loaded.rng) == 1
+
+
+def test_a_stopped_snapshot_rotates_in_training_order(tmp_path, solo):
+    for epoch, batches in ((1, 0), (1, 7), (2, 0), (3, 0)):
+        checkpoint.save(tmp_path, snapshot(epoch, batches_done=batches), solo, keep_last=2)
+    assert names(tmp_path) == ["snapshot-epoch0002.pt", "snapshot-epoch0003.pt"]
+    assert checkpoint.read_lineage(tmp_path) == names(tmp_path)
+
+
+def test_a_save_after_a_rollback_keeps_itself_and_rotates_only_its_lineage(tmp_path, solo):
+    for epoch in range(1, 6):
+        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
+    # A job resumed from epoch 2 (--resume PATH) saves its epoch 3 with --keep-last 2: by name, the new epoch 3 was
+    # the oldest but two and went, leaving `latest` naming a missing file.
+    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, keep_last=2)
+    assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0003.pt"
+    assert names(tmp_path) == ["snapshot-epoch0002.pt", "snapshot-epoch0003.pt",  # the lineage's newest 2
+                               "snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]  # the abandoned future, untouched
+    assert checkpoint.read_lineage(tmp_path) == ["snapshot-epoch0002.pt", "snapshot-epoch0003.pt"]
+    path, found = checkpoint.resolve("auto", tmp_path)
+    assert path.name == "snapshot-epoch0003.pt" and found.model["w"][0] == 33
+    # The new lineage goes on over the abandoned names; rotation follows it.
+    checkpoint.save(tmp_path, snapshot(4, mark=44), solo, keep_last=2)
+    assert names(tmp_path) == ["snapshot-epoch0003.pt", "snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]
+    assert checkpoint.resolve("auto", tmp_path)[1].model["w"][0] == 44
+
+
+def test_a_lowered_keep_last_never_deletes_the_new_snapshot(tmp_path, solo):
+    for epoch in range(1, 6):
+        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
+    checkpoint.save(tmp_path, snapshot(2, mark=22), solo, keep_last=5)  # a rollback to epoch 1
+    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, keep_last=1)  # then --keep-last 1
+    assert (tmp_path / "snapshot-epoch0003.pt").is_file() and not (tmp_path / "snapshot-epoch0002.pt").exists()
+    assert checkpoint.read_lineage(tmp_path) == ["snapshot-epoch0003.pt"]
+    assert checkpoint.resolve("auto", tmp_path)[1].model["w"][0] == 33
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_auto_after_a_rollback_never_picks_the_abandoned_future(tmp_path, solo, damage):
+    for epoch in range(1, 6):
+        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
+    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, keep_last=5)  # resumed from epoch 2
+    head = tmp_path / "snapshot-epoch0003.pt"
+    if damage == "missing":
+        head.unlink()
+    else:
+        head.write_bytes(head.read_bytes()[:100])
+    path, found = checkpoint.resolve("auto", tmp_path)  # by name it was epoch 5, which this lineage never had
+    assert path.name == "snapshot-epoch0002.pt" and found.epoch == 2
+
+
+def test_a_directory_without_a_lineage_file_rotates_up_to_latest(tmp_path, solo):
+    for epoch in range(1, 4):
+        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
+    (tmp_path / "lineage").unlink()  # as an older mpiddp left it
+    checkpoint.save(tmp_path, snapshot(4), solo, keep_last=2)
+    assert names(tmp_path) == ["snapshot-epoch0003.pt", "snapshot-epoch0004.pt"]
+
+
+def test_latest_moves_only_after_every_rank_heard_the_save(tmp_path, solo, monkeypatch):
+    checkpoint.save(tmp_path, snapshot(1), solo, keep_last=3)
+
+    def peer_died():  # what a barrier does when another rank is gone: the job ends here
+        raise RuntimeError("rank 1 is gone")
+
+    monkeypatch.setattr(solo.transport, "barrier", peer_died)
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        checkpoint.save(tmp_path, snapshot(2), solo, keep_last=3)
+    assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0001.pt"
+    assert checkpoint.read_lineage(tmp_path) == ["snapshot-epoch0001.pt"]
+    assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
 
 
 def test_interrupted_save_keeps_previous_snapshot(tmp_path, solo, monkeypatch):
@@ -43,7 +120,7 @@ def test_interrupted_save_keeps_previous_snapshot(tmp_path, solo, monkeypatch):
     with pytest.raises(AgreedError, match="No space left on device.*snapshot-epoch0001.pt is intact"):
         checkpoint.save(tmp_path, snapshot(2), solo, keep_last=3)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "snapshot-epoch0001.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage", "snapshot-epoch0001.pt"]
     assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
 
 
@@ -217,3 +294,27 @@ def test_settings_that_cannot_continue_a_snapshot_are_refused(run_job, tmp_path)
     assert changed.output.count("cannot continue under: --optimizer 'sgd' -> 'adamw', --amp 'off' -> 'bf16'") == 1
     nothing = run_job(2, "--epochs", "1", "--resume", *FAST, run_dir=tmp_path / "empty", timeout=90)
     assert nothing.returncode == 0 and nothing.output.count("--resume: no snapshot in") == 1
+
+
+@pytest.mark.mpi
+def test_a_changed_lr_on_resume_is_the_lr_that_trains(run_job, tmp_path):
+    """Issue 19: `--epochs 2`, then `--epochs 4 --lr 0.5 --resume` logged the new lr and trained on 0.05's cosine."""
+    from mpiddp.optim import lr_factor
+
+    run_dir = tmp_path / "run"
+    first = run_job(2, "--epochs", "2", *FAST, run_dir=run_dir)
+    assert first.returncode == 0, first.output[-3000:]
+    steps_per_epoch = next(r["step"] for r in first.metrics if r["kind"] == "epoch" and r["epoch"] == 1)
+    resumed = run_job(2, "--epochs", "4", "--lr", "0.5", "--resume", *FAST, run_dir=run_dir)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "resuming with --lr changed from 0.05 to 0.5" in resumed.output
+    records = resumed.metrics
+    start = max(i for i, r in enumerate(records) if r["kind"] == "start")
+    later = [r for r in records[start:] if r["kind"] in ("step", "epoch")]
+    assert {r["epoch"] for r in later} == {3, 4} and len(later) > 2
+    for record in later:  # the lr after the record's step: what the next step trains at
+        expected = 0.5 * lr_factor(record["step"], steps_per_epoch=steps_per_epoch, total_steps=4 * steps_per_epoch,
+                                   warmup_steps=0, schedule="cosine", lr_step_epochs=30, lr_gamma=0.1)
+        assert record["lr"] == pytest.approx(expected, abs=1e-12), record
+    epoch_3 = next(r for r in later if r["kind"] == "epoch" and r["epoch"] == 3)
+    assert epoch_3["lr"] == pytest.approx(0.5 * 0.5 * (1 + math.cos(math.pi * 3 / 4)))  # 0.0732, not 0.0073

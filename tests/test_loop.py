@@ -229,3 +229,26 @@ def test_an_operation_without_a_deterministic_version_is_one_line_of_advice():
         "--deterministic: --arch vgg11 uses adaptive_avg_pool2d_backward_cuda, which has no deterministic "
         "implementation on cuda; train without --deterministic, or pick a model without that operation")
     assert nondeterministic_op(RuntimeError("CUDA out of memory"), "vgg11", torch.device("cuda", 0)) is None
+
+
+def test_a_stop_on_an_epochs_last_step_saves_the_epoch_and_the_resumed_job_records_no_empty_epoch():
+    cfg, dist, loaders, state = job(epochs=2, batch_size=64)
+    steps = len(loaders.train)
+    stop, saved = StopRequest(), []
+
+    def heartbeat(phase, step):
+        if phase == "train" and step == steps:  # agreed right after the last batch of epoch 1
+            stop.signum = signal.SIGUSR1
+
+    loop_hooks = hooks(saved, stop)
+    loop_hooks.heartbeat = heartbeat
+    with pytest.raises(Stopped) as caught:
+        train(cfg, state, loaders, dist, loop_hooks)
+    # Saved as the completed epoch 1 (snapshot-epoch0001.pt), not as epoch 0 with all its batches done.
+    assert caught.value.step == steps and saved == [(1, steps, 0)]
+
+    resumed_hooks = hooks(saved)
+    outcome = train(cfg, state, loaders, dist, resumed_hooks)
+    assert [r["epoch"] for r in outcome.epochs] == [2]  # never a record of epoch 1 with 0 steps
+    assert all(r["train_loss"] > 0 and r["images_per_second"] > 0 for r in outcome.epochs)
+    assert len(outcome.timing.step_times) == steps and state.step == 2 * steps

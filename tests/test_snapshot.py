@@ -1,5 +1,6 @@
 """A snapshot's round trip in-process: capture, write, read, restore; old and foreign files."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -85,3 +86,152 @@ def test_another_world_size_restarts_a_partial_epoch(caplog):
     assert fresh.batches_done == 0 and fresh.epoch == 1
     assert "resuming a 4-rank snapshot on 1 ranks" in caplog.text
     assert "part-way through epoch 2 on another world size: that epoch restarts" in caplog.text
+
+
+# --- settings changed on resume: applied as a straight run with the new flags would have them, or refused ---------
+
+FIRST = dict(device="cpu", wandb="disabled", progress="off", epochs=4, lr=0.05, batch_size=32)
+BATCHES_AT_32 = 10  # batches per epoch at --batch-size 32 (a made-up loader: only the arithmetic matters)
+
+
+def batches_per_epoch(cfg):
+    return BATCHES_AT_32 * 32 // cfg.batch_size
+
+
+def first_job(tmp_path, batches_done=0, **settings):
+    """Two epochs (plus `batches_done` batches) of job A, saved as a snapshot in tmp_path."""
+    dist, cfg = solo_dist(), Config(**{**FIRST, **settings})
+    state = build_state(cfg, dist, 10, 1, batches_per_epoch=batches_per_epoch(cfg))
+    for _ in range(2 * BATCHES_AT_32 + batches_done):
+        state.optimizer.step()  # no gradients: only the schedule moves
+        state.scheduler.step()
+        state.step += 1
+    state.epoch, state.batches_done = 2, batches_done
+    checkpoint.save(tmp_path, Snapshot.capture(state, dist, cfg.model_name, cfg.to_dict(), None), dist, keep_last=3)
+    return cfg
+
+
+def resumed_job(tmp_path, cfg):
+    from mpiddp.main import resume
+
+    state = build_state(cfg, solo_dist(), 10, 1, batches_per_epoch=batches_per_epoch(cfg))
+    assert resume(cfg, solo_dist(), state, tmp_path) is not None
+    return state
+
+
+def straight_run_at(cfg, steps):
+    """What a run started with `cfg` has after `steps` optimizer steps."""
+    state = build_state(cfg, solo_dist(), 10, 1, batches_per_epoch=batches_per_epoch(cfg))
+    for _ in range(steps):
+        state.optimizer.step()
+        state.scheduler.step()
+    return state
+
+
+def optimizer_settings(state, steps=8):
+    """The optimizer's settings now and the learning rates of the next `steps` steps."""
+    groups = [{k: v for k, v in g.items() if k in ("lr", "momentum", "weight_decay")} for g in state.optimizer.param_groups]
+    rates = []
+    for _ in range(steps):
+        state.optimizer.step()
+        state.scheduler.step()
+        rates.append(state.optimizer.param_groups[0]["lr"])
+    return groups, state.scheduler.base_lrs, rates
+
+
+@pytest.mark.parametrize("first, changed, position", [
+    ({}, {"lr": 0.5}, 20),  # issue 19: epochs 3-4 ran on 0.05's cosine while the log said 0.5
+    ({}, {"momentum": 0.5}, 20),
+    ({}, {"weight_decay": 1e-2}, 20),
+    ({}, {"epochs": 8}, 20),  # a longer cosine
+    ({}, {"warmup_epochs": 3.0}, 20),
+    ({}, {"schedule": "constant"}, 20),
+    ({"schedule": "step"}, {"lr_step_epochs": 1}, 20),
+    ({"schedule": "step", "lr_step_epochs": 1}, {"lr_gamma": 0.5}, 20),
+    ({}, {"batch_size": 64}, 10),  # 5 batches per epoch now: 2 epochs are 10 steps into the new curve
+    ({}, {"grad_accum": 3}, 8),  # ceil(10 / 3) = 4 steps per epoch
+    ({}, {"lr": 0.5, "epochs": 6, "momentum": 0.8}, 20),
+], ids=lambda value: ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value))
+def test_a_setting_changed_on_resume_is_applied(tmp_path, caplog, first, changed, position):
+    before = first_job(tmp_path, **first)
+    after = dataclasses.replace(before, resume="auto", **changed)
+    with caplog.at_level(logging.WARNING):
+        resumed = resumed_job(tmp_path, after)
+    for key, value in changed.items():
+        assert f"resuming with --{key.replace('_', '-')} changed from {getattr(before, key)!r} to {value!r}" in caplog.text
+    assert optimizer_settings(resumed) == optimizer_settings(straight_run_at(after, position))
+    assert optimizer_settings(resumed)[1] == [after.lr]
+
+
+def test_unchanged_settings_continue_the_same_curve(tmp_path):
+    before = first_job(tmp_path, batches_done=4)
+    resumed = resumed_job(tmp_path, dataclasses.replace(before, resume="auto"))
+    assert resumed.scheduler.last_epoch == resumed.step == 24
+    assert optimizer_settings(resumed) == optimizer_settings(straight_run_at(before, 24))
+
+
+def test_another_batch_size_restarts_a_partial_epoch(tmp_path, caplog):
+    before = first_job(tmp_path, batches_done=4)
+    with caplog.at_level(logging.WARNING):
+        resumed = resumed_job(tmp_path, dataclasses.replace(before, resume="auto", batch_size=64))
+    assert (resumed.epoch, resumed.batches_done) == (2, 0)  # its 4 batches of 32 are not 4 batches of 64
+    assert "part-way through epoch 3 with --batch-size 32: that epoch restarts from its beginning with 64" in caplog.text
+    assert optimizer_settings(resumed) == optimizer_settings(straight_run_at(dataclasses.replace(before, batch_size=64), 10))
+
+
+def test_a_changed_seed_is_refused_in_one_line(tmp_path):
+    from mpiddp.errors import AgreedError
+
+    before = first_job(tmp_path)
+    with pytest.raises(AgreedError, match=r"cannot continue under: --seed 0 -> 1\. Resume with the snapshot's settings"):
+        resumed_job(tmp_path, dataclasses.replace(before, resume="auto", seed=1))
+
+
+def test_every_setting_is_run_local_refused_or_applied_on_resume():
+    """A new flag must be placed: it may differ freely, it is refused, or a resume applies it (tested above, or
+    taken from this job's flags when the job is built: data, model wrapping, communication, determinism)."""
+    from mpiddp.snapshot import INCOMPATIBLE_SETTINGS, RUN_LOCAL_SETTINGS
+
+    applied_to_optimizer = {"lr", "momentum", "weight_decay", "epochs", "warmup_epochs", "schedule", "lr_step_epochs",
+                            "lr_gamma", "batch_size", "grad_accum"}
+    built_from_flags = {"image_size", "steps_per_epoch", "grad_compression", "powersgd_rank", "powersgd_warmup_steps",
+                        "bucket_cap_mb", "static_graph", "channels_last", "compile", "deterministic"}
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert fields == RUN_LOCAL_SETTINGS | INCOMPATIBLE_SETTINGS | applied_to_optimizer | built_from_flags
+
+
+def test_a_snapshot_stopped_after_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path):
+    before = first_job(tmp_path, batches_done=BATCHES_AT_32)  # written so by an older mpiddp: 10 of 10 batches
+    resumed = resumed_job(tmp_path, dataclasses.replace(before, resume="auto"))
+    assert (resumed.epoch, resumed.batches_done, resumed.step) == (3, 0, 30)
+
+
+def test_a_changed_powersgd_rank_keeps_the_error_feedback_and_restarts_the_warm_start(tmp_path):
+    dist = solo_dist()
+    before = Config(device="cpu", grad_compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=2, bucket_cap_mb=0.01)
+
+    def train(state, count):
+        for _ in range(count):
+            torch.nn.functional.cross_entropy(state.model(torch.randn(8, 1, 8, 8)), torch.randint(0, 10, (8,))).backward()
+            state.optimizer.step()
+            state.optimizer.zero_grad()
+            state.step += 1
+
+    state = build_state(before, dist, 10, 1, batches_per_epoch=5)
+    train(state, 4)
+    taken = Snapshot.capture(state, dist, before.model_name, before.to_dict(), None)
+    assert taken.communication[0]["q"] and taken.communication[0]["error"]
+    fresh = build_state(dataclasses.replace(before, powersgd_rank=1), dist, 10, 1, batches_per_epoch=5)
+    taken.restore_into(fresh, dist, seed=0, batch_size=32)
+    assert fresh.gradient_hook._pending_q == {} and fresh.gradient_hook._pending_error
+    train(fresh, 2)  # rank-1 matrices from here on; the old rank-2 ones would not fit
+    assert all(torch.isfinite(p).all() for p in fresh.unwrapped.parameters())
+
+
+def test_a_changed_setting_without_effect_says_so(tmp_path):
+    taken = Snapshot.capture(trained_state(1), solo_dist(), "digits_cnn",
+                             Config(optimizer="adamw", momentum=0.9, lr_gamma=0.1).to_dict(), None)
+    changes = taken.check_settings(Config(optimizer="adamw", momentum=0.5, lr_gamma=0.5, schedule="step").to_dict())
+    assert changes == ["--lr-gamma changed from 0.1 to 0.5",
+                       "--momentum changed from 0.9 to 0.5 (no effect: it acts only with --optimizer sgd)",
+                       "--schedule changed from 'cosine' to 'step'"]
