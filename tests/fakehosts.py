@@ -82,6 +82,13 @@ class FakeHosts:
         self.agent.chmod(0o755)
         return self
 
+    def private_network(self, name: str, cidr: str, interface: str = "mgmt0") -> None:
+        """An interface on host `name` alone (a management network the other hosts have no route to)."""
+        netns = self.prefix + name
+        self._ip("link", "add", interface, "type", "bridge", netns=netns)
+        self._ip("addr", "add", cidr, "dev", interface, netns=netns)
+        self._ip("link", "set", interface, "up", netns=netns)
+
     def hosts_file(self, name: str) -> str:
         """Host `name`'s /etc/hosts."""
         own = "127.0.1.1" if self.debian_hosts else self.address(name)

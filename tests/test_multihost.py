@@ -103,6 +103,7 @@ def debian(tmp_path_factory, mpirun):
     cluster = FakeHosts(["nodea", "nodeb"], tmp_path_factory.mktemp("debianhosts"), debian_hosts=True, tag="d")
     try:
         cluster.up()
+        cluster.private_network("nodea", "10.99.0.1/24")
     except subprocess.CalledProcessError as exc:
         cluster.down()
         pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
@@ -225,3 +226,12 @@ def test_own_script_on_two_hosts_uses_the_shared_network(hosts, mpirun, tmp_path
     assert [r["env"]["GROUP_RANK"] for r in records] == ["0", "0", "1", "1"]
     assert {r["env"]["MASTER_ADDR"] for r in records} == {hosts.address("nodea")}  # not loopback
     assert all(r["weights"] == records[0]["weights"] for r in records)
+
+
+def test_master_addr_on_a_network_of_rank_0s_host_alone(debian, mpirun, tmp_path):
+    job = launch(debian, mpirun, tmp_path, ["-np", "2", "-H", "nodea:1,nodeb:1"], "--master-addr", "10.99.0.1",
+                 timeout=120)
+    assert job.returncode == 2, job.output[-3000:]
+    lines = [line for line in job.output.splitlines() if "error: --master-addr 10.99.0.1" in line]
+    assert len(lines) == 1, job.output[-3000:]
+    assert "cannot be reached from nodeb" in lines[0] and "e.g. 10.77.0.1" in lines[0]
