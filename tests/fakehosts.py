@@ -3,8 +3,9 @@
 Each host NAME gets a netns (PREFIX+NAME) with eth0 = 10.77.0.N/24 on a shared bridge, plus a decoy `docker0`
 carrying 172.17.0.1/16 on every host, as Docker does: a naive "first non-loopback address" choice picks it and
 cannot connect. With `debian_hosts`, each host's /etc/hosts maps its own name to 127.0.1.1, as Debian and
-Ubuntu install it (the other hosts' names keep their addresses). An rsh agent runs Open MPI's remote commands inside the named host (its netns, plus a fresh UTS
-namespace with that hostname), so `mpirun -H nodea:2,nodeb:2` started inside nodea behaves as on two machines.
+Ubuntu install it (the other hosts' names keep their addresses). An rsh agent runs Open MPI's remote commands
+inside the named host (its netns, plus a fresh UTS namespace with that hostname), so `mpirun -H nodea:2,nodeb:2`
+started inside nodea behaves as on two machines.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ def test_master_addr_sets_the_interface_per_host_and_iface_still_wins():
     toward = ("10.77.0.1", [Reach(True, "eth0", None), Reach(False, "ens5", None)])
     assert choose_address(settings(master_addr="nodea"), topo, [NODEA, NODEB], toward) == (
         "10.77.0.1", {"nodea": "eth0", "nodeb": "ens5"})
-    both = [[*NODEA, Interface("ib0", "10.9.0.1", "255.255.255.0")], [*NODEB, Interface("ib0", "10.9.0.2", "255.255.255.0")]]
+    both = [[*NODEA, Interface("ib0", "10.9.0.1", "255.255.255.0")],
+            [*NODEB, Interface("ib0", "10.9.0.2", "255.255.255.0")]]
     assert choose_address(settings(master_addr="nodea", iface="ib0"), topo, both, toward) == (
         "10.77.0.1", {"nodea": "ib0", "nodeb": "ib0"})
 
