@@ -18,7 +18,8 @@ from typing import Protocol
 from mpiddp.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.errors import AgreedError, UserError
 from mpiddp.failfast import FailFast
-from mpiddp.netif import Interface, choose_network, local_interfaces
+from mpiddp.netif import (Interface, Reach, choose_network, interfaces_toward, local_interfaces, master_address,
+                          reach, resolve_ipv4)
 from mpiddp.stopping import Stopped
 from mpiddp.mpistart import init_mpi
 from mpiddp.topology import Topology, build_topology, check_launcher, gather_records, launcher_restarts
@@ -132,20 +133,26 @@ def fair_thread_count(cfg: NetworkSettings, topo: Topology) -> int:
     return max(1, min(allowed, cores // topo.local_world_size))
 
 
-def choose_address(cfg: NetworkSettings, topo: Topology, per_host: list[list[Interface]]) -> tuple[str, dict[str, str]]:
-    """The address rank 0 advertises, and the interface gloo/NCCL should use on each host (empty: theirs).
+def choose_address(cfg: NetworkSettings, topo: Topology, per_host: list[list[Interface]],
+                   toward_master: tuple[str, list[Reach]] | None = None) -> tuple[str, dict[str, str]]:
+    """The address rank 0 advertises, and the interface gloo/NCCL should use on each host.
 
-    `per_host` holds every host's interfaces, in host order. Pure: every rank computes the same answer.
+    `per_host` holds every host's interfaces, in host order; with --master-addr, `toward_master` holds the
+    address it stands for and how each host reaches it. Pure: every rank computes the same answer.
     """
     host_names = [name for name, _ in topo.hosts]
     if cfg.iface:
         missing = [host for host, found in zip(host_names, per_host) if cfg.iface not in {i.name for i in found}]
         if missing:
             raise UserError(f"--iface {cfg.iface} has no IPv4 address on {', '.join(missing)}")
-        address = next(i.address for i in per_host[0] if i.name == cfg.iface)
-        return cfg.master_addr or address, {host: cfg.iface for host in host_names}
     if cfg.master_addr:
-        return cfg.master_addr, {}
+        assert toward_master is not None
+        address, reach_per_host = toward_master
+        # gloo left to itself uses the address its host's name resolves to: 127.0.1.1 on Debian and Ubuntu.
+        toward = interfaces_toward(address, cfg.master_addr, reach_per_host, per_host, host_names)
+        return address, {host: cfg.iface or name for host, name in zip(host_names, toward)}
+    if cfg.iface:
+        return next(i.address for i in per_host[0] if i.name == cfg.iface), {host: cfg.iface for host in host_names}
     choice = choose_network(per_host, host_names)
     return choice.master_addr, dict(zip(host_names, choice.interface_per_host))
 
@@ -164,13 +171,22 @@ def _agree_on_address(cfg: NetworkSettings, dist: Dist) -> tuple[str, dict[str, 
     """Collective: gather each host's interfaces, agree on the address and the interface per host, and point
     gloo (and, with --iface, NCCL) at it, so collectives use the network of the rendezvous."""
     topo = dist.topology
-    gathered = dist.allgather(local_interfaces() if topo.local_rank == 0 else None)
-    per_host = [gathered[ranks[0]] or [] for _, ranks in topo.hosts]
-    address, chosen = dist.agree(lambda: choose_address(cfg, topo, per_host))
-    if chosen:
-        os.environ.update(socket_interfaces(chosen[topo.hostname], bool(cfg.iface), dict(os.environ)))
-        log.info("rendezvous on %s; gloo interface per host: %s; NCCL: %s", address, chosen,
-                 os.environ.get("NCCL_SOCKET_IFNAME", "its own choice (set --iface or NCCL_SOCKET_IFNAME to fix it)"))
+    probes = topo.local_rank == 0  # one rank per host looks at the host's network
+    given = cfg.master_addr
+    gathered = dist.allgather((local_interfaces(), resolve_ipv4(given) if given else []) if probes else None)
+    per_host = [gathered[ranks[0]][0] for _, ranks in topo.hosts]  # type: ignore[index]
+    host_names = [name for name, _ in topo.hosts]
+    toward_master = None
+    if given:
+        resolved_per_host = [gathered[ranks[0]][1] for _, ranks in topo.hosts]  # type: ignore[index]
+        master = dist.agree(lambda: master_address(given, resolved_per_host, per_host, host_names))
+        reached = dist.allgather(reach(master, per_host[topo.host_index]) if probes else None)
+        toward_master = (master, [reached[ranks[0]] for _, ranks in topo.hosts])
+    address, chosen = dist.agree(lambda: choose_address(cfg, topo, per_host, toward_master))
+    os.environ.update(socket_interfaces(chosen[topo.hostname], bool(cfg.iface), dict(os.environ)))
+    log.info("rendezvous on %s%s; gloo interface per host: %s; NCCL: %s", address,
+             f" (--master-addr {given})" if given and given != address else "", chosen,
+             os.environ.get("NCCL_SOCKET_IFNAME", "its own choice (set --iface or NCCL_SOCKET_IFNAME to fix it)"))
     return address, chosen
 
 

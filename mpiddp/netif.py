@@ -86,3 +86,102 @@ def choose_network(per_host: list[list[Interface]], host_names: list[str]) -> Ne
         f"no network connects all {len(per_host)} hosts (interfaces: {listing}). "
         f"Pass --master-addr with an address of {host_names[0]} that every host can reach"
     )
+
+
+class Reach(NamedTuple):
+    """How one host reaches an address, as its kernel would route it."""
+
+    local: bool  # the host carries the address itself (its own traffic to it never leaves the host)
+    interface: str | None  # the interface the kernel sends from (None: unknown, or no route)
+    problem: str | None  # why there is no route, e.g. "Network is unreachable"
+
+
+def resolve_ipv4(name: str) -> list[str]:
+    """`name`'s IPv4 addresses as this host resolves them (its /etc/hosts, DNS), in order; [] when none."""
+    try:
+        found = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return []
+    return list(dict.fromkeys(str(entry[4][0]) for entry in found))
+
+
+def reach(address: str, interfaces: list[Interface]) -> Reach:
+    """Ask this host's kernel how it would reach `address` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        local = True
+    except OSError:
+        local = False
+    try:
+        # Connecting a UDP socket only looks up the route: the source address it gets names the interface.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            source = probe.getsockname()[0]
+    except OSError as exc:
+        return Reach(local, None, exc.strerror or str(exc))
+    if local:  # the interface that carries the address itself, not loopback (which routes local traffic)
+        source = address if any(i.address == address for i in interfaces) else source
+    exact = next((i.name for i in interfaces if i.address == source), None)
+    inside = next((i.name for i in interfaces if ipaddress.IPv4Address(source) in i.network), None)
+    return Reach(local, exact or inside, None)
+
+
+def _example(per_host: list[list[Interface]], host_names: list[str]) -> str:
+    """What to pass instead: the address mpiddp would choose by itself, if there is one."""
+    try:
+        choice = choose_network(per_host, host_names)
+    except UserError:
+        return ""
+    return f" (e.g. {choice.master_addr}, or leave --master-addr out and mpiddp chooses it)"
+
+
+def master_address(given: str, resolved_per_host: list[list[str]], per_host: list[list[Interface]],
+                   host_names: list[str]) -> str:
+    """The IPv4 address that --master-addr stands for: as rank 0's host resolves it, unless that is loopback
+    in a multi-host job (Debian and Ubuntu map a host's own name to 127.0.1.1), where the other hosts' answer
+    stands, provided rank 0's host carries it."""
+    first = host_names[0]
+    here = resolved_per_host[0]
+    if not here:
+        raise UserError(f"--master-addr {given} does not resolve to an IPv4 address on {first}, where rank 0 "
+                        f"runs: pass an address of {first}{_example(per_host, host_names)}")
+    if len(host_names) == 1:
+        return here[0]
+    usable = [a for a in here if not ipaddress.IPv4Address(a).is_loopback]
+    if usable:
+        return usable[0]
+    own = {i.address for i in per_host[0]}
+    elsewhere = [a for resolved in resolved_per_host[1:] for a in resolved
+                 if a in own and not ipaddress.IPv4Address(a).is_loopback]
+    if elsewhere:
+        return elsewhere[0]
+    raise UserError(f"--master-addr {given} resolves to loopback ({here[0]}) on {first}, where rank 0 runs (as "
+                    f"/etc/hosts on Debian and Ubuntu maps a host's own name), and no other host can reach that: "
+                    f"pass {first}'s address on a network every host shares{_example(per_host, host_names)}")
+
+
+def interfaces_toward(address: str, given: str, reach_per_host: list[Reach], per_host: list[list[Interface]],
+                      host_names: list[str]) -> tuple[str, ...]:
+    """The interface that carries `address` on rank 0's host and the one each other host routes it through;
+    a UserError naming the hosts that cannot reach it, and what to pass instead."""
+    shown = given if given == address else f"{given} ({address})"
+    example = _example(per_host, host_names)
+    first, others = reach_per_host[0], list(zip(host_names[1:], reach_per_host[1:]))
+    if not first.local:
+        raise UserError(f"--master-addr {shown} is not an address of {host_names[0]}, where rank 0 runs: pass "
+                        f"one of its addresses that every host can reach{example}")
+    if first.interface is None:
+        raise UserError(f"--master-addr {shown}: no interface of {host_names[0]} shows that address; name the "
+                        f"interface with --iface NAME")
+    problems = [
+        (f"is an address of {host} too (a per-host bridge such as docker0, or loopback), so {host} would "
+         f"only reach itself" if r.local else
+         f"cannot be reached from {host} ({r.problem})" if r.problem else
+         f"is reached from {host} through no interface mpiddp can name")
+        for host, r in others if r.local or r.problem or r.interface is None
+    ]
+    if problems:
+        raise UserError(f"--master-addr {shown} {'; it '.join(problems)}: pass an address of {host_names[0]} on "
+                        f"a network every host shares{example}")
+    return (first.interface, *(r.interface for _, r in others))  # type: ignore[return-value]

@@ -2,8 +2,10 @@
 
 Each host NAME gets a netns (PREFIX+NAME) with eth0 = 10.77.0.N/24 on a shared bridge, plus a decoy `docker0`
 carrying 172.17.0.1/16 on every host, as Docker does: a naive "first non-loopback address" choice picks it and
-cannot connect. An rsh agent runs Open MPI's remote commands inside the named host (its netns, plus a fresh UTS
-namespace with that hostname), so `mpirun -H nodea:2,nodeb:2` started inside nodea behaves as on two machines.
+cannot connect. With `debian_hosts`, each host's /etc/hosts maps its own name to 127.0.1.1, as Debian and
+Ubuntu install it (the other hosts' names keep their addresses). An rsh agent runs Open MPI's remote commands
+inside the named host (its netns, plus a fresh UTS namespace with that hostname), so `mpirun -H nodea:2,nodeb:2`
+started inside nodea behaves as on two machines.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def unavailable_reason() -> str | None:
 
 
 class FakeHosts:
-    def __init__(self, names: list[str], workdir: Path) -> None:
+    def __init__(self, names: list[str], workdir: Path, debian_hosts: bool = False, tag: str = "") -> None:
         self.names = names
-        self.prefix = f"mpd{os.getpid() % 100000}"
+        self.debian_hosts = debian_hosts
+        self.prefix = f"mpd{os.getpid() % 100000}{tag}"  # a tag tells two clusters of one test process apart
         self.switch = f"{self.prefix}sw"
         self.agent = workdir / "fakehost-agent.sh"
         self.created: list[str] = []
@@ -57,7 +60,6 @@ class FakeHosts:
         self.created.append(self.switch)
         self._ip("link", "add", "br0", "type", "bridge", netns=self.switch)
         self._ip("link", "set", "br0", "up", netns=self.switch)
-        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{self.address(n)} {n}\n" for n in self.names)
         for name in self.names:
             netns = self.prefix + name
             self._ip("netns", "add", netns)
@@ -76,10 +78,22 @@ class FakeHosts:
             self._ip("link", "set", "eth0", "up", netns=netns)
             etc = Path("/etc/netns") / netns
             etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text(hosts_file)
+            (etc / "hosts").write_text(self.hosts_file(name))
         self.agent.write_text(AGENT.format(prefix=self.prefix))
         self.agent.chmod(0o755)
         return self
+
+    def private_network(self, name: str, cidr: str, interface: str = "mgmt0") -> None:
+        """An interface on host `name` alone (a management network the other hosts have no route to)."""
+        netns = self.prefix + name
+        self._ip("link", "add", interface, "type", "bridge", netns=netns)
+        self._ip("addr", "add", cidr, "dev", interface, netns=netns)
+        self._ip("link", "set", interface, "up", netns=netns)
+
+    def hosts_file(self, name: str) -> str:
+        """Host `name`'s /etc/hosts."""
+        own = "127.0.1.1" if self.debian_hosts else self.address(name)
+        return "127.0.0.1 localhost\n" + "".join(f"{own if n == name else self.address(n)} {n}\n" for n in self.names)
 
     def kill_host(self, name: str) -> int:
         """SIGKILL every process inside host `name` (as if it lost power); returns how many."""
