@@ -91,23 +91,21 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
     timing = outcome.timing
     if timing.first_step_done_at is not None:
         startup.mark("first_step", at=timing.first_step_done_at)
-    gathered = dist.allgather(
-        (timing.step_times, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at,
-         timing.data_wait_times, timing.compute_times, startup.durations())
+    gathered = dist.allgather(  # a few hundred numbers per rank, however long the run
+        (timing.durations, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at,
+         startup.durations())
     )
     (finished_at,) = dist.reduce([time.time()], "max")
     summary = build_summary(
         config=cfg.to_dict(), topo=dist.topology, backend=dist.backend, device=dist.device.type,
         epochs=outcome.epochs,
-        rank_step_times=[g[0] for g in gathered],
-        rank_data_wait_times=[g[4] for g in gathered],
-        rank_compute_times=[g[5] for g in gathered],
+        rank_durations=[g[0] for g in gathered],
         rank_images_after_warmup=[g[1] for g in gathered],
         rank_seconds_after_warmup=[g[2] for g in gathered],
         first_step_done_at=[g[3] for g in gathered],
         job_started_at=job_started_at, finished_at=finished_at, torch_version=torch.__version__,
     )
-    summary["startup_s"] = slowest_per_phase([g[6] for g in gathered])
+    summary["startup_s"] = slowest_per_phase([g[4] for g in gathered])
     summary.update(arch=cfg.model_name, dataset=cfg.dataset, num_train=loaders.num_train, num_eval=loaders.num_eval)
     return summary
 

@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from mpiddp.config import Config
 from mpiddp.topology import Topology
+
+if TYPE_CHECKING:
+    from mpiddp.steptime import StepDurations
 
 log = logging.getLogger(__name__)
 
@@ -193,19 +196,6 @@ def process_start_time() -> float:
         return _IMPORT_TIME
 
 
-def distribution(values: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p90 and max of a sample (zeros when empty)."""
-    if len(values) == 0:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
-    array = np.asarray(values, dtype=np.float64)
-    return {
-        "mean": float(array.mean()),
-        "p50": float(np.percentile(array, 50)),
-        "p90": float(np.percentile(array, 90)),
-        "max": float(array.max()),
-    }
-
-
 def build_summary(
     *,
     config: dict[str, Any],
@@ -213,9 +203,7 @@ def build_summary(
     backend: str,
     device: str,
     epochs: list[dict[str, Any]],
-    rank_step_times: list[list[float]],
-    rank_data_wait_times: list[list[float]],
-    rank_compute_times: list[list[float]],
+    rank_durations: list[StepDurations],
     rank_images_after_warmup: list[int],
     rank_seconds_after_warmup: list[float],
     first_step_done_at: list[float | None],
@@ -225,8 +213,9 @@ def build_summary(
 ) -> dict[str, Any]:
     """summary.json from values every rank holds after the final gather (pure, so it is unit-tested)."""
     from mpiddp import __version__
+    from mpiddp.steptime import Durations
 
-    assert len(rank_step_times) == topo.world_size
+    assert len(rank_durations) == topo.world_size
     slowest = max(rank_seconds_after_warmup)
     last = epochs[-1] if epochs else {}
     done = [t for t in first_step_done_at if t is not None]
@@ -238,17 +227,17 @@ def build_summary(
         "backend": backend,
         "device": device,
         "epochs": last.get("epoch", 0),  # completed epochs, counting those before a resume
-        "steps": len(rank_step_times[0]),
+        "steps": rank_durations[0].count,
         "train_loss": last.get("train_loss"),
         "eval_loss": last.get("eval_loss"),
         "eval_accuracy": last.get("eval_accuracy"),
         # Global images per second after warm-up: all ranks' images over the slowest rank's time.
         "images_per_second": sum(rank_images_after_warmup) / slowest if slowest > 0 else 0.0,
-        "step_time_s": distribution([t for times in rank_step_times for t in times]),
-        "rank_step_time_s": [float(np.mean(times)) if times else 0.0 for times in rank_step_times],
+        "step_time_s": Durations.merged(d.step for d in rank_durations).distribution(),
+        "rank_step_time_s": [d.step.mean for d in rank_durations],
         # What the all-reduce evens out: a slow loader or a slow device shows here, not in the step time.
-        "rank_data_wait_s": [float(np.mean(times)) if times else 0.0 for times in rank_data_wait_times],
-        "rank_compute_s": [float(np.mean(times)) if times else 0.0 for times in rank_compute_times],
+        "rank_data_wait_s": [d.data_wait.mean for d in rank_durations],
+        "rank_compute_s": [d.compute.mean for d in rank_durations],
         "time_to_first_step_s": (max(done) - job_started_at) if done else None,
         "first_step_done_at": max(done) if done else None,
         "wall_time_s": finished_at - job_started_at,

@@ -9,8 +9,10 @@ the clock records CUDA events on the compute stream and reads them back when the
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Union
 
 import torch
@@ -97,3 +99,80 @@ class StepClock:
         self._pending = []
         return times
 
+
+
+# Durations from 1 microsecond to 10,000 s in log-spaced bins, 40 per decade: a quantile read from them is
+# within 3% of the true value, and the whole record is 400 integers however long the run.
+_BINS_PER_DECADE = 40
+_SMALLEST_DECADE = -6
+_NUM_BINS = 10 * _BINS_PER_DECADE
+
+
+@dataclass
+class Durations:
+    """Count, sum, largest and a histogram of one kind of duration on one rank: a fixed size for a run of any
+    length, and merged across ranks by adding, so the summary costs O(bins) memory and traffic, not O(steps)."""
+
+    count: int = 0
+    total: float = 0.0
+    largest: float = 0.0
+    bins: list[int] = field(default_factory=lambda: [0] * _NUM_BINS)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        self.largest = max(self.largest, seconds)
+        self.bins[_bin_of(seconds)] += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def quantile(self, fraction: float) -> float:
+        """The value below which `fraction` of the durations lie, to the histogram's resolution (0 when empty)."""
+        if not self.count:
+            return 0.0
+        wanted, seen = fraction * self.count, 0
+        for index, number in enumerate(self.bins):
+            seen += number
+            if number and seen >= wanted:
+                return min(self.largest, 10 ** (_SMALLEST_DECADE + (index + 0.5) / _BINS_PER_DECADE))
+        return self.largest
+
+    @classmethod
+    def merged(cls, parts: Iterable[Durations]) -> Durations:
+        together = cls()
+        for part in parts:
+            together.count += part.count
+            together.total += part.total
+            together.largest = max(together.largest, part.largest)
+            together.bins = [a + b for a, b in zip(together.bins, part.bins)]
+        return together
+
+    def distribution(self) -> dict[str, float]:
+        """mean, p50, p90 and max, as summary.json reports them."""
+        return {"mean": self.mean, "p50": self.quantile(0.5), "p90": self.quantile(0.9), "max": self.largest}
+
+
+def _bin_of(seconds: float) -> int:
+    if seconds <= 0:
+        return 0
+    return min(_NUM_BINS - 1, max(0, int((math.log10(seconds) - _SMALLEST_DECADE) * _BINS_PER_DECADE)))
+
+
+@dataclass
+class StepDurations:
+    """The three parts of every step on one rank, kept as fixed-size Durations."""
+
+    step: Durations = field(default_factory=Durations)
+    data_wait: Durations = field(default_factory=Durations)
+    compute: Durations = field(default_factory=Durations)
+
+    def add(self, timed: StepTime) -> None:
+        self.step.add(timed.step)
+        self.data_wait.add(timed.data_wait)
+        self.compute.add(timed.compute)
+
+    @property
+    def count(self) -> int:
+        return self.step.count

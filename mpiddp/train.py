@@ -23,7 +23,7 @@ from mpiddp.errors import UserError
 from mpiddp.log import make_progress, progress_wanted
 from mpiddp.metrics import RunLogger
 from mpiddp.state import TrainState, optimizer_steps_per_epoch
-from mpiddp.steptime import StepClock, StepTime
+from mpiddp.steptime import StepClock, StepDurations, StepTime
 from mpiddp.stopping import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
@@ -35,23 +35,24 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class RankTiming:
-    """This rank's own clock readings; gathered at the end, never synchronised per step."""
+    """This rank's own clock readings, of a fixed size however long the run; gathered at the end, never
+    synchronised per step."""
 
     warmup_steps: int
-    step_times: list[float] = field(default_factory=list)
-    data_wait_times: list[float] = field(default_factory=list)
-    compute_times: list[float] = field(default_factory=list)
+    durations: StepDurations = field(default_factory=StepDurations)
     images_after_warmup: int = 0
     seconds_after_warmup: float = 0.0
     first_step_done_at: float | None = None  # time.time() when the first step finished
 
     def record(self, step: StepTime) -> None:
-        self.step_times.append(step.step)
-        self.data_wait_times.append(step.data_wait)
-        self.compute_times.append(step.compute)
-        if len(self.step_times) > self.warmup_steps:
+        self.durations.add(step)
+        if self.durations.count > self.warmup_steps:
             self.images_after_warmup += step.images
             self.seconds_after_warmup += step.step
+
+    @property
+    def steps(self) -> int:
+        return self.durations.count
 
 
 @dataclass
@@ -204,7 +205,7 @@ def step_record(window: Meter, dist: Dist, state: TrainState, epoch: int) -> dic
 
 
 def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
-                timing: RankTiming) -> tuple[Meter, list[StepTime]]:
+                timing: RankTiming) -> tuple[Meter, StepDurations]:
     """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
     times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step."""
     device = dist.device
@@ -216,7 +217,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
                              optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum), f"epoch {epoch}/{cfg.epochs}")
     state.model.train()
     totals, window = Meter.on(device), Meter.on(device)
-    step_times: list[StepTime] = []
+    epoch_durations = StepDurations()
     clock = StepClock(device)
     if state.gradient_hook is not None:
         state.gradient_hook.on_ready = clock.gradients_ready
@@ -226,7 +227,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         for step in clock.flush():
             totals.seconds += step.step
             window.seconds += step.step
-            step_times.append(step)
+            epoch_durations.add(step)
             timing.record(step)
 
     batches_seen = skipped
@@ -268,7 +269,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             window = Meter.on(device)
     account()
     progress.close()
-    return totals, step_times
+    return totals, epoch_durations
 
 
 def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks,
@@ -291,13 +292,11 @@ def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dis
 
 
 def epoch_record(state: TrainState, loaders: Loaders, dist: Dist, epoch: int, totals: Meter,
-                 step_times: list[StepTime], evaluation: tuple[float, float, float]) -> dict[str, Any]:
+                 epoch_durations: StepDurations, evaluation: tuple[float, float, float]) -> dict[str, Any]:
     """Collective: one record of the epoch for the whole job."""
     train_loss, train_images, slowest = totals.reduced(dist)
     correct, eval_loss, eval_count = dist.reduce(list(evaluation), "sum")
-    count = max(1, len(step_times))
-    rank_means = dist.allgather((sum(t.step for t in step_times) / count, sum(t.data_wait for t in step_times) / count,
-                                 sum(t.compute for t in step_times) / count))
+    rank_means = dist.allgather((epoch_durations.step.mean, epoch_durations.data_wait.mean, epoch_durations.compute.mean))
     assert eval_count == loaders.num_eval, f"evaluated {eval_count} of {loaders.num_eval} test samples"
     return {
         "kind": "epoch",
@@ -351,9 +350,9 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
-        totals, step_times = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
+        totals, epoch_durations = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
         evaluation = evaluate_or_stop(cfg, state, loaders, dist, hooks, epoch)
-        record = epoch_record(state, loaders, dist, epoch, totals, step_times, evaluation)
+        record = epoch_record(state, loaders, dist, epoch, totals, epoch_durations, evaluation)
         history.append(record)
         hooks.log.log(record)
         accuracy = "n/a" if record["eval_accuracy"] is None else f"{100 * record['eval_accuracy']:.2f}%"

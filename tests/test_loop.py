@@ -78,7 +78,7 @@ def test_train_logs_every_window_and_epoch_and_saves_at_the_cadence():
     assert kinds.count("epoch") == 3 and kinds.count("step") == 3 * steps_per_epoch // 5
     last = outcome.epochs[-1]
     assert last["eval_accuracy"] > 0.5 and last["train_loss"] < outcome.epochs[0]["train_loss"]
-    assert len(outcome.timing.step_times) == 3 * steps_per_epoch
+    assert outcome.timing.steps == 3 * steps_per_epoch
 
 
 def test_a_stop_signal_saves_mid_epoch_and_stops_at_that_step():
@@ -127,7 +127,7 @@ def test_a_resumed_epoch_skips_what_was_already_trained():
     full = len(loaders.train)
     state.batches_done = 4
     outcome = train(cfg, state, loaders, dist, hooks([]))
-    assert len(outcome.timing.step_times) == full - 4
+    assert outcome.timing.steps == full - 4
     assert state.batches_done == 0 and state.epoch == 1
 
 
@@ -251,4 +251,4 @@ def test_a_stop_on_an_epochs_last_step_saves_the_epoch_and_the_resumed_job_recor
     outcome = train(cfg, state, loaders, dist, resumed_hooks)
     assert [r["epoch"] for r in outcome.epochs] == [2]  # never a record of epoch 1 with 0 steps
     assert all(r["train_loss"] > 0 and r["images_per_second"] > 0 for r in outcome.epochs)
-    assert len(outcome.timing.step_times) == steps and state.step == 2 * steps
+    assert outcome.timing.steps == steps and state.step == 2 * steps

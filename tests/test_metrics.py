@@ -3,10 +3,12 @@
 import json
 import time
 
+import numpy as np
 import pytest
 
 from mpiddp.data import EvalShardSampler, digits_split
-from mpiddp.metrics import build_summary, distribution, process_start_time
+from mpiddp.metrics import build_summary, process_start_time
+from mpiddp.steptime import Durations, StepDurations, StepTime
 from mpiddp.rundir import write_json_atomic
 from mpiddp.topology import RankRecord, build_topology
 
@@ -17,13 +19,27 @@ REQUIRED = {
 }
 
 
-def test_distribution():
-    stats = distribution([1.0, 2.0, 3.0, 4.0, 10.0])
-    assert stats["mean"] == pytest.approx(4.0)
-    assert stats["p50"] == pytest.approx(3.0)
-    assert stats["max"] == 10.0
-    assert 4.0 < stats["p90"] < 10.0
-    assert distribution([]) == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+def test_durations_are_fixed_size_and_their_quantiles_close():
+    rng = np.random.default_rng(0)
+    values = rng.lognormal(mean=-3, sigma=0.8, size=20_000)
+    parts = [Durations(), Durations()]
+    for index, value in enumerate(values):
+        parts[index % 2].add(float(value))
+    merged = Durations.merged(parts)
+    assert len(merged.bins) == len(Durations().bins)  # the same 400 integers after 20,000 steps
+    assert merged.count == 20_000 and merged.mean == pytest.approx(values.mean())
+    assert merged.largest == values.max()
+    for fraction, name in ((0.5, "p50"), (0.9, "p90")):
+        assert merged.quantile(fraction) == pytest.approx(np.quantile(values, fraction), rel=0.03)
+        assert merged.distribution()[name] == merged.quantile(fraction)
+    assert Durations().distribution() == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+
+
+def rank_durations(steps: list[float], waits: list[float], computes: list[float]) -> StepDurations:
+    durations = StepDurations()
+    for step, wait, compute in zip(steps, waits, computes):
+        durations.add(StepTime(step, wait, compute, 8))
+    return durations
 
 
 def test_summary_has_every_documented_field_and_right_arithmetic():
@@ -38,9 +54,8 @@ def test_summary_has_every_documented_field_and_right_arithmetic():
             {"epoch": 1, "train_loss": 1.0, "eval_accuracy": 0.5},
             {"epoch": 2, "train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.3},
         ],
-        rank_step_times=[[0.1, 0.2, 0.3], [0.3, 0.3, 0.3]],
-        rank_data_wait_times=[[0.01, 0.01, 0.01], [0.1, 0.1, 0.1]],
-        rank_compute_times=[[0.05, 0.05, 0.05], [0.05, 0.06, 0.07]],
+        rank_durations=[rank_durations([0.1, 0.2, 0.3], [0.01, 0.01, 0.01], [0.05, 0.05, 0.05]),
+                        rank_durations([0.3, 0.3, 0.3], [0.1, 0.1, 0.1], [0.05, 0.06, 0.07])],
         rank_images_after_warmup=[64, 64],
         rank_seconds_after_warmup=[0.5, 0.8],
         first_step_done_at=[105.0, 106.0],

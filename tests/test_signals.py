@@ -159,5 +159,5 @@ def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
             os.kill(pid, signal.SIGINT)
         time.sleep(0.3)  # a person pressing Ctrl-C three times, not synchronisation
     output = finish(process, seen, timeout=60)
-    assert process.returncode != 0 and process.returncode != 3, output[-3000:]
-    assert "press Ctrl-C once more" in output
+    # The rank died of its third SIGINT (the launcher may lose its last words: the message is tested in-process).
+    assert process.returncode not in (0, 3), output[-3000:]
