@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             from mpiddp.script import run_script
 
             return run_script(args, guard)
-    # From the first moment: a scheduler's stop signal during start-up must not kill a rank (default action).
-    stop = StopRequest().install()
+    # Training, from the first moment: a scheduler's stop signal during start-up must not kill a rank.
+    stop = StopRequest().install() if command == "train" else StopRequest()
     try:
         return _main(command, args, startup, stop)
     finally:
