@@ -81,11 +81,16 @@ def _cuda_aware_mpi() -> bool:
     """Open MPI (and MVAPICH) say whether they were built and run CUDA-aware; other libraries do not say."""
     import ctypes
 
-    try:
-        query = ctypes.CDLL(None).MPIX_Query_cuda_support  # the already-loaded libmpi, in this process
-    except (AttributeError, OSError):
-        return False
-    return bool(query())
+    from mpiddp.mpistart import _loaded_library_dir
+
+    library_dir = _loaded_library_dir("libmpi.so")
+    # The process's global symbols, then the libmpi mpi4py loaded (it may be loaded without RTLD_GLOBAL).
+    for name in [None] + ([str(path) for path in sorted(library_dir.glob("libmpi.so*"))] if library_dir else []):
+        try:
+            return bool(ctypes.CDLL(name).MPIX_Query_cuda_support())
+        except (AttributeError, OSError):
+            continue
+    return False
 
 
 class MpiTransport:
