@@ -9,8 +9,10 @@ thread, the only one MPI_THREAD_FUNNELED (mpiddp's level) lets call MPI. Nonbloc
 completed when the last bucket arrives, was left out: Open MPI progresses it only inside MPI calls, so between
 hooks nothing moves, and on CPU the cores that would move it are the ones computing. fp16/bf16 travel as int16
 words summed by a user-defined MPI operation (MPI has no half-precision sum) that adds them as torch does (in
-fp32, rounded once): half the bytes, and for two ranks bit for bit what gloo computes. PowerSGD keeps state per DDP bucket (each rank's error feedback, the warm-start Q
-matrices), in the bucket's memory layout; DDP's buckets change after the first step of every job (it rebuilds
+fp32, rounded once): half the bytes, and for two ranks bit for bit what gloo computes.
+
+PowerSGD keeps state per DDP bucket (each rank's error feedback, the warm-start Q matrices), in the bucket's
+memory layout; DDP's buckets change after the first step of every job (it rebuilds
 them in the order gradients became ready), so that state is saved and restored per parameter, and re-laid out
 whenever the buckets change. A resumed run then continues as the uninterrupted one would, up to float rounding:
 its first step runs on DDP's initial buckets, where tensors sit at other memory offsets, and BLAS rounds
@@ -53,7 +55,7 @@ class TransportChoice:
     chosen: str
     reason: str
     thread_level: str | None = None  # MPI's, when MPI carries the gradients
-    probe: dict[str, float] | None = None  # bytes, gloo_s, mpi_s (max over ranks of each path's median)
+    probe: dict[str, Any] | None = None  # bytes, backend, backend_s, mpi_s (slowest rank's median of each path)
 
     def record(self) -> dict[str, Any]:
         """For summary.json."""
