@@ -7,7 +7,8 @@ Through MPI, each bucket is one blocking MPI_Allreduce inside the hook, which re
 future. DDP calls the hook on autograd's thread: on CPU that is the thread that called backward(), MPI's main
 thread, the only one MPI_THREAD_FUNNELED (mpiddp's level) lets call MPI. Nonblocking MPI_Iallreduce per bucket,
 completed when the last bucket arrives, was left out: Open MPI progresses it only inside MPI calls, so between
-hooks nothing moves, and on CPU the cores that would move it are the ones computing. fp16/bf16 travel as int16
+hooks nothing moves (measured, 16 MiB, 2 ranks: started, then 50 ms of compute, MPI_Wait still takes 14.2 ms
+against 16.5 ms for the blocking call; started and waited at once, 24.0 ms). fp16/bf16 travel as int16
 words summed by a user-defined MPI operation (MPI has no half-precision sum) that adds them as torch does (in
 fp32, rounded once): half the bytes, and for two ranks bit for bit what gloo computes.
 
