@@ -3,7 +3,6 @@ own hooks, the choice and its refusals, flags, the user API. Under mpirun (marke
 gloo path's, accuracy, auto's probe in summary.json, exact resume, a killed, raising or stalled rank, and a
 torchrun-style script with `mpiddp.comm_hook()` under `mpiddp run`."""
 
-import copy
 import dataclasses
 import json
 import os
