@@ -3,15 +3,17 @@
 Public API for your own scripts (importing mpiddp never initialises MPI):
     dist = mpiddp.init()          # collective: bootstrap once, process group up, typed Dist back
     mpiddp.setup_logging(dist)    # rank-prefixed logging: rank 0 at INFO, the others at WARNING
+    ddp.register_comm_hook(*mpiddp.comm_hook())   # MPI carries DDP's gradient all-reduce
 """
 
 from mpiddp.api import init
 from mpiddp.collective import Dist, Rendezvous
 from mpiddp.errors import AgreedError, UserError
 from mpiddp.topology import Topology
+from mpiddp.transport import comm_hook
 
 __version__ = "0.1.0"
-__all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "init", "setup_logging"]
+__all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "comm_hook", "init", "setup_logging"]
 
 
 def setup_logging(dist: Dist, level: str = "info") -> None:

@@ -46,6 +46,51 @@ class Transport(Protocol):
     def idle_barrier(self, poll_s: float) -> None: ...
     def abort(self, code: int) -> NoReturn: ...
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float: ...
+    def allreduce_inplace(self, values: object, sum_as: HalfFloat | None = None) -> None: ...
+    def gradient_support(self) -> GradientSupport: ...
+
+
+HalfFloat = Literal["float16", "bfloat16"]
+THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")  # MPI_THREAD_*, in increasing order
+
+
+@dataclass(frozen=True)
+class GradientSupport:
+    """What this rank's MPI allows for carrying gradients: the thread level MPI was started with, whether the
+    calling thread is MPI's main thread, and whether the library says it is CUDA-aware."""
+
+    thread_level: str
+    on_main_thread: bool
+    cuda_aware: bool
+
+    def refusal(self, device_type: str) -> str | None:
+        """Why MPI cannot carry this job's gradients from the calling thread (None: it can)."""
+        if device_type == "cuda" and not self.cuda_aware:
+            return ("--grad-transport mpi on GPUs needs a CUDA-aware MPI, and this MPI library does not say it is "
+                    "one (MPIX_Query_cuda_support): use --grad-transport nccl (or auto)")
+        level = THREAD_LEVELS.index(self.thread_level)
+        if level < THREAD_LEVELS.index("serialized") and not self.on_main_thread:
+            # DDP runs the hook on autograd's thread: the caller's thread on CPU, a device thread on GPUs
+            return (f"--grad-transport mpi: DDP runs its hook outside MPI's main thread here, and MPI was started "
+                    f"with thread level {self.thread_level} (only the main thread may call MPI): use --grad-transport "
+                    f"{'nccl' if device_type == 'cuda' else 'gloo'} (or auto)")
+        return None
+
+
+def _cuda_aware_mpi() -> bool:
+    """Open MPI (and MVAPICH) say whether they were built and run CUDA-aware; other libraries do not say."""
+    import ctypes
+
+    from mpiddp.mpistart import _loaded_library_dir
+
+    library_dir = _loaded_library_dir("libmpi.so")
+    # The process's global symbols, then the libmpi mpi4py loaded (it may be loaded without RTLD_GLOBAL).
+    for name in [None] + ([str(path) for path in sorted(library_dir.glob("libmpi.so*"))] if library_dir else []):
+        try:
+            return bool(ctypes.CDLL(name).MPIX_Query_cuda_support())
+        except (AttributeError, OSError):
+            continue
+    return False
 
 
 class MpiTransport:
@@ -103,6 +148,39 @@ class MpiTransport:
             times.append((time.perf_counter() - started) / 2)
         return float(self.comm.bcast(np.median(times), root=0))  # type: ignore[attr-defined]
 
+    def allreduce_inplace(self, values: object, sum_as: HalfFloat | None = None) -> None:
+        """Sum `values` (a contiguous numpy array, or a CUDA tensor where MPI is CUDA-aware) over every rank, in
+        place. 16-bit floats travel as int16 words (MPI has no half-precision sum) and `sum_as` names how a
+        user-defined MPI operation adds them: as torch adds them (in fp32, rounded once), half the bytes of fp32."""
+        from mpi4py import MPI
+
+        op = self.ops["sum"] if sum_as is None else self._half_sum(sum_as)
+        self.comm.Allreduce(MPI.IN_PLACE, values, op=op)  # type: ignore[attr-defined]
+
+    def _half_sum(self, dtype_name: HalfFloat) -> object:
+        if dtype_name not in self.ops:
+            from mpi4py import MPI
+
+            import torch
+
+            dtype = getattr(torch, dtype_name)
+
+            def add(inbuf: object, inoutbuf: object, datatype: object) -> None:
+                incoming = np.frombuffer(inbuf, dtype=np.int16)  # type: ignore[call-overload]
+                if incoming.size:
+                    accumulated = torch.from_numpy(np.frombuffer(inoutbuf, dtype=np.int16))  # type: ignore[call-overload]
+                    accumulated.view(dtype).add_(torch.from_numpy(incoming).view(dtype))
+
+            self.ops[dtype_name] = MPI.Op.Create(add, commute=True)
+        return self.ops[dtype_name]
+
+    def gradient_support(self) -> GradientSupport:
+        from mpi4py import MPI
+
+        levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
+                  MPI.THREAD_MULTIPLE: "multiple"}
+        return GradientSupport(levels[MPI.Query_thread()], bool(MPI.Is_thread_main()), _cuda_aware_mpi())
+
 
 class SoloTransport:
     """A world of one, with no MPI initialised: for `python -m mpiddp` tests and in-process unit tests."""
@@ -132,6 +210,12 @@ class SoloTransport:
 
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
         return 0.0
+
+    def allreduce_inplace(self, values: object, sum_as: HalfFloat | None = None) -> None:
+        pass  # the sum over one rank is the values themselves
+
+    def gradient_support(self) -> GradientSupport:
+        return GradientSupport("multiple", True, True)  # no MPI: nothing to refuse
 
 
 class _AttemptScope:
@@ -297,6 +381,16 @@ class Dist:
         """Collective: median one-way MPI time (s) between rank 0 and `peer`."""
         self._scope.refuse_inside("pingpong")
         return self.transport.pingpong(peer, nbytes, repeats)
+
+    def allreduce_inplace(self, values: object, sum_as: HalfFloat | None = None) -> None:
+        """Collective: sum a buffer over every rank in place through MPI (gradients: see MpiTransport). The
+        caller checks `gradient_support()` first; this runs on whatever thread calls it."""
+        self._scope.refuse_inside("allreduce_inplace")
+        self.transport.allreduce_inplace(values, sum_as)
+
+    def gradient_support(self) -> GradientSupport:
+        """Local: MPI's thread level, whether this is MPI's main thread, whether MPI is CUDA-aware."""
+        return self.transport.gradient_support()
 
     def abort(self, code: int) -> NoReturn:
         """End every rank of the job now (MPI_Abort), whatever the others are doing. Main thread only."""

@@ -128,6 +128,11 @@ class Config:
         "none", "--grad-compression", group=TRAINING, choices=("none", "fp16", "bf16", "powersgd"),
         help="gradient all-reduce: none (fp32), fp16 or bf16 (half the bytes), powersgd (low-rank, with error "
         "feedback): for networks slower than the GPUs")
+    grad_transport: str = option(
+        "auto", "--grad-transport", group=TRAINING, choices=("auto", "gloo", "nccl", "mpi"),
+        help="what carries DDP's gradient all-reduce: mpi (MPI_Allreduce in DDP's hook: CPU tensors, or GPU "
+        "tensors with a CUDA-aware MPI), gloo or nccl (torch's process group, the --backend), auto (mpi on CPU "
+        "when a start-up probe measures it faster, else the process group)")
     powersgd_rank: int = option(1, "--powersgd-rank", group=TRAINING, parse=int, at_least=1,
                                 help="PowerSGD: rank of the gradient approximation (higher: closer, more bytes)")
     powersgd_warmup_steps: int = option(10, "--powersgd-warmup-steps", group=TRAINING, parse=int, at_least=2,
@@ -215,6 +220,11 @@ class Config:
             raise ValueError("--rendezvous-timeout and --collective-timeout must be positive seconds")
         if self.master_addr is not None and not self.master_addr.strip():
             raise ValueError("--master-addr is empty: give a host name or IP address, or leave it out")
+        if self.grad_transport == "mpi" and self.grad_compression == "powersgd":
+            raise ValueError("--grad-transport mpi cannot carry PowerSGD (it issues its own all-reduces through "
+                             "torch's process group): drop one of them (auto keeps PowerSGD on the process group)")
+        if self.device == "cpu" and self.grad_transport == "nccl":
+            raise ValueError("--grad-transport nccl needs GPUs: use --grad-transport gloo, mpi or auto with --device cpu")
         if not 0 < self.bucket_cap_mb <= 4096:
             raise ValueError(f"--bucket-cap-mb must be in (0, 4096], got {self.bucket_cap_mb:g}")
 

@@ -168,6 +168,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         rendezvous={"master_addr": dist.rendezvous.master_addr, "master_port": dist.rendezvous.master_port,
                     "interfaces": dist.rendezvous.interface_per_host},
         wandb_run_id=wandb_run_id,
+        grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
     )
     dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
     return summary

@@ -72,8 +72,12 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less per step
     )
+    transport = compression.choose_transport(cfg.grad_transport, cfg.grad_compression, dist,
+                                             compression.gradient_bytes(model, cfg.bucket_cap_mb))
+    log.info("%s", transport.describe())
     hook = compression.register(ddp, cfg.grad_compression, cfg.powersgd_rank, cfg.powersgd_warmup_steps,
-                                dist.backend)
+                                dist.backend, mpi=dist if transport.chosen == "mpi" else None)
+    hook.transport = transport
     if cfg.grad_compression != "none":
         log.info("gradient all-reduce: %s%s; buckets of %g MB", cfg.grad_compression,
                  f" (rank {cfg.powersgd_rank}, after {cfg.powersgd_warmup_steps} plain steps)"

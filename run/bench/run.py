@@ -158,6 +158,42 @@ def compression_comparisons(repeats: int, work: Path) -> list[dict]:
     return rows
 
 
+TRANSPORT_BATCH, TRANSPORT_STEPS = 32, 50
+TRANSPORTS = {"gloo": ("--grad-transport", "gloo"), "mpi": ("--grad-transport", "mpi"),
+              "mpi + bf16": ("--grad-transport", "mpi", "--grad-compression", "bf16")}
+
+
+def transport_comparisons(repeats: int, work: Path) -> list[dict]:
+    """Scaling 1 -> 2 ranks (one thread each, batch 32) with the gradients carried by gloo, by MPI, and by MPI
+    in bf16; every repeat runs the 1-rank job and each 2-rank job in turn, so each pair is interleaved.
+    Efficiency = 2-rank images/s over twice the 1-rank images/s; the mpi rows also give the per-repeat ratio
+    to the gloo job of the same repeat."""
+    plain = ("--num-threads", "1", "--batch-size", str(TRANSPORT_BATCH))
+    one: list[dict] = []
+    two: dict[str, list[dict]] = {name: [] for name in TRANSPORTS}
+    for _ in range(repeats):
+        one.append(synthetic(1, work, TRANSPORT_STEPS, *plain))
+        for name, flags in TRANSPORTS.items():
+            two[name].append(synthetic(2, work, TRANSPORT_STEPS, *plain, *flags))
+    rows = []
+    for name, runs in two.items():
+        row = compare(f"scaling 1 -> 2 ranks, batch {TRANSPORT_BATCH}, --grad-transport {name}", "images_per_second",
+                      "2 ranks", runs, "1 rank", one, 2.0)
+        row |= {"target": ">= 0.85 with mpi" if name != "gloo" else "efficiency",
+                "compute_per_step_s": {"2 ranks": statistics.median(r["compute_s"] for r in runs),
+                                       "1 rank": statistics.median(r["compute_s"] for r in one)},
+                "step_s": {"2 ranks": statistics.median(r["step_s"] for r in runs),
+                           "1 rank": statistics.median(r["step_s"] for r in one)}}
+        rows.append(row)
+        if name != "gloo":
+            rows.append(compare(f"throughput, --grad-transport {name} vs gloo (2 ranks, batch {TRANSPORT_BATCH})",
+                                "images_per_second", name, runs, "gloo", two["gloo"]) | {"target": ">= 1.15"})
+    allreduce_out = work / "allreduce-hook.json"
+    run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out), "cpu"])
+    rows.append({"benchmark": "all-reduce by size, 2 ranks", **json.loads(allreduce_out.read_text())})
+    return rows
+
+
 GPU_BATCH, GPU_STEPS = 128, 60
 
 
@@ -229,9 +265,11 @@ def markdown(results: dict) -> str:
         b_label = row["b"] if row["b_scale"] == 1 else f"{row['b']} x {row['b_scale']:g}"
         lines.append(f"| {row['benchmark']} | {row['metric']} | {row['a']} | {row['a_median']:.2f} | {b_label} | "
                      f"{row['b_median']:.2f} | **{row['median_ratio']:.3f}** | {row['target']} |")
-    lines += ["", "| bytes | gloo busbw GB/s | MPI busbw GB/s |", "|---|---|---|"]
+    lines += ["", "| bytes | gloo busbw GB/s | MPI busbw GB/s | MPI, mpiddp's hook | MPI, mpiddp's hook, bf16 |",
+              "|---|---|---|---|---|"]
     for row in results["allreduce"]["rows"]:
-        lines.append(f"| {row['bytes']:,} | {row['gloo_busbw_GBps']:.3f} | {row['mpi_busbw_GBps']:.3f} |")
+        lines.append(f"| {row['bytes']:,} | {row['gloo_busbw_GBps']:.3f} | {row['mpi_busbw_GBps']:.3f} | "
+                     f"{row.get('mpi_hook_busbw_GBps', float('nan')):.3f} | {row.get('mpi_hook_bf16_busbw_GBps', float('nan')):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -266,7 +304,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu"], default=None,
+    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport"], default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -275,6 +313,7 @@ def main() -> None:
         rows = {"own-script": lambda: [own_script_comparison(args.repeats)],
                 "compression": lambda: compression_comparisons(args.repeats, work),
                 "startup": lambda: startup_comparisons(args.repeats, work),
+                "transport": lambda: transport_comparisons(args.repeats, work),
                 "gpu": lambda: [gpu_benchmark(args.repeats, work)]}[args.only]()
         (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         print(json.dumps(rows, indent=2))
@@ -308,6 +347,7 @@ def main() -> None:
     comparisons += startup_comparisons(args.repeats, work)
     comparisons.append(own_script_comparison(args.repeats))
     comparisons += compression_comparisons(args.repeats, work)
+    comparisons += [row for row in transport_comparisons(args.repeats, work) if "metric" in row]
 
     allreduce_out = work / "allreduce.json"
     run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out), "cpu"])
