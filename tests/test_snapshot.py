@@ -194,7 +194,7 @@ def test_every_setting_is_run_local_refused_or_applied_on_resume():
 
     applied_to_optimizer = {"lr", "momentum", "weight_decay", "epochs", "warmup_epochs", "schedule", "lr_step_epochs",
                             "lr_gamma", "batch_size", "grad_accum"}
-    built_from_flags = {"image_size", "steps_per_epoch", "grad_compression", "powersgd_rank", "powersgd_warmup_steps",
+    built_from_flags = {"image_size", "steps_per_epoch", "grad_compression", "grad_transport", "powersgd_rank", "powersgd_warmup_steps",
                         "bucket_cap_mb", "static_graph", "channels_last", "compile", "deterministic"}
     fields = {f.name for f in dataclasses.fields(Config)}
     assert fields == RUN_LOCAL_SETTINGS | INCOMPATIBLE_SETTINGS | applied_to_optimizer | built_from_flags
