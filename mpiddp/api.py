@@ -123,7 +123,9 @@ def _bootstrap(settings: InitSettings) -> Session:
 class _ExitStatus:
     """The status the script's main thread passed to `sys.exit` (or argparse did), so the exit handler knows it:
     Python runs exit handlers after a SystemExit without saying why it exits, and sys.excepthook never sees one.
-    `raise SystemExit(N)` itself goes unseen and counts as the script's end (N still becomes the process status)."""
+    `raise SystemExit(N)` itself goes unseen and counts as the script's end (N still becomes the process status);
+    a sys.exit(N) whose SystemExit the script catches and survives still counts at its end (rare; a later
+    sys.exit replaces it)."""
 
     def __init__(self) -> None:
         self.status: int = 0
@@ -153,15 +155,13 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
     ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
     from mpiddp.bootstrap import teardown
 
-    if exit_status.status != 0:
+    if exit_status.status != 0 and dist.world_size > 1:
         script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"
         code, text = guard.decide(ScriptExit(script, exit_status.status))
         flush_logs()
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
-        if dist.world_size > 1:
-            dist.abort(code)
-        return
+        dist.abort(code)
     watch.finished()
     dist.wait_for_all()
     watch.stop()

@@ -168,7 +168,24 @@ def test_torchrun_variables_carry_the_restart_count_and_nccl_error_handling(monk
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's setting stays
 
 
-def test_the_exit_status_of_sys_exit_is_what_python_would_use():
-    from mpiddp.api import _as_exit_code
+def test_the_exit_handler_learns_the_status_the_script_gave_sys_exit(monkeypatch):
+    import threading
+
+    from mpiddp.api import _as_exit_code, _ExitStatus
 
     assert [_as_exit_code(s) for s in (None, 0, 3, True, "bye")] == [0, 0, 3, 1, 1]
+    monkeypatch.setattr(sys, "exit", sys.exit)  # restored afterwards
+    seen = _ExitStatus().install()
+    def leave_thread():
+        try:
+            sys.exit(5)  # ends only this thread: not the script's status
+        except SystemExit:
+            pass
+
+    thread = threading.Thread(target=leave_thread)
+    thread.start()
+    thread.join()
+    assert seen.status == 0
+    with pytest.raises(SystemExit) as caught:
+        sys.exit(3)
+    assert caught.value.code == 3 and seen.status == 3
