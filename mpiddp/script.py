@@ -362,8 +362,9 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
     if virtual_local_rank(dist.allgather(visible_gpus())):
         os.environ["LOCAL_RANK"] = "0"
-        log.info("every rank sees one GPU: LOCAL_RANK is 0 on every rank (torchrun's --virtual-local-rank); "
-                 "the host's local rank is in MPIDDP_LOCAL_RANK")
+        if any(len(ranks) > 1 for _, ranks in dist.topology.hosts):  # else LOCAL_RANK is 0 anyway
+            log.info("every rank sees one GPU: LOCAL_RANK is 0 on every rank (torchrun's --virtual-local-rank); "
+                     "the host's local rank is in MPIDDP_LOCAL_RANK")
     api.attach(api.Session(dist, rendezvous, store, num_threads))
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
     with default_start_method(cfg.start_method) as start_method:
