@@ -1,8 +1,10 @@
 """The public API for your own scripts: `dist = mpiddp.init()` gives a typed Dist with the process group up.
 
 Under `python -m mpiddp run script.py` it reuses the runner's bootstrap (one rendezvous, one store, the runner's
-failure handling). Under a plain `mpirun python script.py` it bootstraps itself and turns an unhandled exception
-on any rank into the end of the whole job.
+failure handling). Under a plain `mpirun python script.py` it bootstraps itself and ends the job the way `run`
+does: an unhandled exception or `sys.exit(N)` with N != 0 on any rank ends every rank at once; a rank whose
+script ends (or calls `sys.exit(0)`) waits, asleep, for the others, and a rank still running `finish_timeout_s`
+after another finished shows its stacks and ends the job.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mpiddp.collective import Dist, Rendezvous
 from mpiddp.config import BACKENDS, DEVICES, MASTER_ADDR_ENV
+from mpiddp.errors import ScriptExit
 from mpiddp.failfast import FailFast, flush_logs
 
 if TYPE_CHECKING:
     from mpiddp.bootstrap import _Store
+    from mpiddp.script import FinishWatch
 
 
 @dataclass
@@ -45,6 +50,7 @@ class InitSettings:
     iface: str | None = None
     rendezvous_timeout_s: float = 120.0
     num_threads: int | None = None
+    finish_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -53,6 +59,8 @@ class InitSettings:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if self.finish_timeout_s < 0:
+            raise ValueError(f"finish_timeout_s must be 0 (wait forever) or positive, got {self.finish_timeout_s}")
 
 
 _session: Session | None = None  # set by `mpiddp run` while the script runs
@@ -70,7 +78,8 @@ def detach() -> None:
     _session = _initialised = None
 
 
-def init(device: str = "auto", backend: str = "auto", collective_timeout_s: float = 600.0) -> Dist:
+def init(device: str = "auto", backend: str = "auto", collective_timeout_s: float = 600.0,
+         finish_timeout_s: float = 600.0) -> Dist:
     """Collective, on every rank: bootstrap the job once and start torch's default process group.
 
     device: "auto" (cuda:<local rank> when CUDA is available, else cpu), "cuda" or "cpu".
@@ -78,41 +87,99 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     Returns the Dist: rank, local_rank, world_size, is_main, topology (hosts), device, and cross-rank helpers
     (reduce, allgather, gather, barrier, agree, from_main). Calling it again returns the same Dist. Exported
     environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and friends.
+    finish_timeout_s (plain mpirun; `mpiddp run` has --finish-timeout): seconds a rank may keep running after
+    another rank's script ended before the job ends with its stacks (status 4); 0 waits forever.
     """
     global _initialised
     if _initialised is not None:
         return _initialised
     from mpiddp.bootstrap import start_process_group
 
-    settings = InitSettings(device, backend, collective_timeout_s, master_addr=os.environ.get(MASTER_ADDR_ENV))
+    settings = InitSettings(device, backend, collective_timeout_s, master_addr=os.environ.get(MASTER_ADDR_ENV),
+                            finish_timeout_s=finish_timeout_s)
     session = _session or _bootstrap(settings)
     _initialised = start_process_group(settings, session.dist, session.rendezvous, session.store, session.num_threads)
     return _initialised
 
 
 def _bootstrap(settings: InitSettings) -> Session:
-    """Plain `mpirun python script.py`: mpiddp's bootstrap, an exception hook that ends the whole job, and a
-    teardown when the script ends normally."""
-    from mpiddp.bootstrap import connect, open_rendezvous, set_threads, teardown
+    """Plain `mpirun python script.py`: mpiddp's bootstrap, an exception hook that ends the whole job, and an
+    exit handler that ends it the way `mpiddp run` does."""
+    from mpiddp.bootstrap import connect, open_rendezvous, set_threads
+    from mpiddp.script import FinishWatch
 
     guard = FailFast()
     _abort_on_unhandled_exception(guard)
     dist = connect(guard)
     num_threads = set_threads(settings, dist.topology)
     rendezvous, store = open_rendezvous(settings, dist, guard)
-    atexit.register(teardown, dist, store)
+    watch = FinishWatch.for_job(settings.finish_timeout_s, dist, rendezvous,
+                                setting="mpiddp.init(finish_timeout_s={})").start()
+    exit_status = _ExitStatus().install()
+    atexit.register(_at_exit, guard, dist, store, watch, exit_status)
     return Session(dist, rendezvous, store, num_threads)
+
+
+class _ExitStatus:
+    """The status the script's main thread passed to `sys.exit` (or argparse did), so the exit handler knows it:
+    Python runs exit handlers after a SystemExit without saying why it exits, and sys.excepthook never sees one.
+    `raise SystemExit(N)` itself goes unseen and counts as the script's end (N still becomes the process status);
+    a sys.exit(N) whose SystemExit the script catches and survives still counts at its end (rare; a later
+    sys.exit replaces it)."""
+
+    def __init__(self) -> None:
+        self.status: int = 0
+
+    def install(self) -> _ExitStatus:
+        original = sys.exit
+
+        def exit(status: object = None) -> None:
+            if threading.current_thread() is threading.main_thread():  # elsewhere it ends only that thread
+                self.status = _as_exit_code(status)
+            original(status)
+
+        sys.exit = exit
+        return self
+
+
+def _as_exit_code(status: object) -> int:
+    """The process status Python gives a SystemExit's code: None 0, an int itself, anything else (a message) 1."""
+    if status is None:
+        return 0
+    return int(status) if isinstance(status, int) else 1
+
+
+def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exit_status: _ExitStatus) -> None:
+    """The script ended on this rank. A non-zero sys.exit ends every rank now (the others may wait for this one
+    in a collective); otherwise this rank waits, asleep and never in a blocking collective, until every rank
+    ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
+    from mpiddp.bootstrap import teardown
+
+    if exit_status.status != 0 and dist.world_size > 1:
+        script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"
+        code, text = guard.decide(ScriptExit(script, exit_status.status))
+        flush_logs()
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        dist.abort(code)
+    watch.finished()
+    dist.wait_for_all()
+    watch.stop()
+    teardown(dist, store)
 
 
 def _abort_on_unhandled_exception(guard: FailFast) -> None:
     """Like `python -m mpi4py`: an exception that reaches the top on any rank ends every rank."""
+    # torch's init_process_group wraps the hook and points sys.stderr at a buffer while the wrapped hook runs,
+    # printing the buffer afterwards; this hook never returns, so it writes where stderr pointed before.
+    stream = sys.stderr
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         code, text = guard.decide(exc)
         if text:
             flush_logs()
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
+            stream.write(text + "\n")
+            stream.flush()
         if guard.dist is not None and guard.dist.world_size > 1:
             guard.dist.abort(code)
         os._exit(code)

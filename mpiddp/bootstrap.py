@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Protocol
@@ -124,13 +124,24 @@ def shared_gpus(placements: list[tuple[str, str | None]]) -> None:
         owner[(host, uuid)] = rank
 
 
-def fair_thread_count(cfg: NetworkSettings, topo: Topology) -> int:
-    """Each rank's share of the host's cores, so co-located ranks do not oversubscribe the CPU."""
+def fair_thread_count(cfg: NetworkSettings, topo: Topology, env: Mapping[str, str] | None = None) -> int:
+    """Threads per rank: --num-threads, else the user's OMP_NUM_THREADS, else the rank's share of the host's
+    cores, so co-located ranks do not oversubscribe the CPU."""
     if cfg.num_threads is not None:
         return cfg.num_threads
+    users = user_thread_count(os.environ if env is None else env)
+    if users is not None:
+        return users
     cores = os.cpu_count() or 1
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
     return max(1, min(allowed, cores // topo.local_world_size))
+
+
+def user_thread_count(env: Mapping[str, str]) -> int | None:
+    """OMP_NUM_THREADS as the user set it (OpenMP's nested form `4,2`: the outer level); None when unset or
+    not a positive number."""
+    first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
 
 
 def choose_address(cfg: NetworkSettings, topo: Topology, per_host: list[list[Interface]],
@@ -279,10 +290,12 @@ def export_environment(topo: Topology, address: str, port: int) -> None:
         MASTER_ADDR=address,
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
-        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_RESTART_COUNT=str(topo.restarts),  # the scheduler's requeues (Slurm), as torchrun's restarts
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_RUN_ID=f"mpiddp-{address}-{port}",
     )
+    # As torchrun: a failed or timed-out NCCL collective ends the process instead of hanging (unless set).
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
 
 def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | None = None) -> tuple[Rendezvous, _Store]:

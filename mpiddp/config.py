@@ -187,7 +187,7 @@ class Config:
     hang_timeout_s: float = option(600.0, "--hang-timeout", group=DISTRIBUTED, parse=float,
                                    help="seconds without progress on a rank before the watchdog dumps stacks and aborts (0: off)")
     num_threads: int | None = option(None, "--num-threads", group=DISTRIBUTED, parse=int, at_least=1,
-                                     help="torch CPU threads per rank (default: fair share)")
+                                     help="torch CPU threads per rank (default: OMP_NUM_THREADS if set, else a fair share)")
     # For tests of the abort path; documented in the README, kept out of --help.
     inject_fault: FaultInjection | None = option(None, "--inject-fault", group=DISTRIBUTED, parse=FaultInjection.parse,
                                                  help=argparse.SUPPRESS)

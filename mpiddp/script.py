@@ -14,12 +14,15 @@ import hashlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import runpy
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,9 +30,10 @@ from types import TracebackType
 
 from mpiddp import preflight
 from mpiddp.collective import Dist, Rendezvous
-from mpiddp.config import LOG_LEVELS, MASTER_ADDR_ENV, check_declared, option, parse_into, parser_for
+from mpiddp.config import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.failfast import EXIT_HANG, FailFast
+from mpiddp.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,11 @@ class RunConfig:
         help="seconds a rank may keep running after another rank's script finished before mpiddp shows where "
         "it is and ends the job (a rank that ends early leaves the others waiting in collectives); 0: wait forever")
     log_level: str = option("info", "--log-level", group=RUN, choices=LOG_LEVELS, help="rank 0's level; others log warnings")
+    start_method: str = option(
+        "forkserver", "--start-method", group=RUN, choices=START_METHODS,
+        help="multiprocessing's default start method for the script (DataLoader workers), unless the script sets "
+        "one: fork after MPI_Init is unsafe with InfiniBand; forkserver and spawn need the script's "
+        "`if __name__ == '__main__':` guard")
     master_addr: str | None = option(None, "--master-addr", group=DISTRIBUTED, env=MASTER_ADDR_ENV,
                                      help=f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV})")
     iface: str | None = option(None, "--iface", group=DISTRIBUTED,
@@ -53,7 +62,8 @@ class RunConfig:
     rendezvous_timeout_s: float = option(120.0, "--rendezvous-timeout", group=DISTRIBUTED, parse=float,
                                          help="seconds a rank waits to reach rank 0's store")
     num_threads: int | None = option(None, "--num-threads", group=DISTRIBUTED, parse=int, at_least=1,
-                                     help="torch/OpenMP threads per rank (default: a fair share; OMP_NUM_THREADS wins)")
+                                     help="torch/OpenMP threads per rank (default: OMP_NUM_THREADS if set, else a "
+                                     "fair share of the host's cores)")
 
     def __post_init__(self) -> None:
         check_declared(self)
@@ -142,6 +152,58 @@ def parse_run_args(own: list[str]) -> RunConfig:
     return parse_into(RunConfig, parser, own)
 
 
+def check_contiguous(topo: Topology) -> None:
+    """torchrun numbers the ranks of each host contiguously (RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK on
+    even hosts), and scripts rely on it (a host's ranks as one block, the node from RANK // LOCAL_WORLD_SIZE):
+    refuse another layout (mpirun --map-by node) rather than run a script on an assumption that is false."""
+    first = 0
+    for host, ranks in topo.hosts:
+        expected = tuple(range(first, first + len(ranks)))
+        if ranks != expected:
+            shown = ", ".join(map(str, ranks[:6])) + (" ..." if len(ranks) > 6 else "")
+            raise UserError(
+                f"{host} runs ranks {shown}, but torchrun scripts expect the ranks of each host to be contiguous "
+                f"({expected[0]}-{expected[-1]}): place ranks by slot (Open MPI: --map-by slot; MPICH: -ppn N or "
+                f"-hosts a:N,b:N; srun: --distribution=block)"
+            )
+        first += len(ranks)
+
+
+def visible_gpus() -> int:
+    """How many CUDA devices this rank sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def virtual_local_rank(gpus_per_rank: list[int]) -> bool:
+    """Whether the script sees LOCAL_RANK=0 on every rank: when every rank sees exactly one GPU (srun
+    --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES), as with torchrun's --virtual-local-rank, so that the usual
+    `torch.cuda.set_device(LOCAL_RANK)` picks the rank's own GPU instead of failing on a device it cannot see."""
+    return bool(gpus_per_rank) and all(count == 1 for count in gpus_per_rank)
+
+
+@contextmanager
+def default_start_method(method: str) -> Iterator[str | None]:
+    """Make `method` multiprocessing's default while the script runs, without fixing it: a script that calls
+    set_start_method itself still can (Python 3.14 makes forkserver the default the same way). Yields what was
+    set; None when the start method was already chosen (a sitecustomize, a library at import), which then stays.
+    Workers started by forkserver or spawn never inherit this rank's initialised MPI (fork is unsafe with
+    InfiniBand's registered memory)."""
+    from multiprocessing import context
+
+    default = context._default_context
+    if multiprocessing.get_start_method(allow_none=True) is not None or not hasattr(default, "_default_context"):
+        yield None
+        return
+    before = default._default_context
+    default._default_context = multiprocessing.get_context(method)  # the concrete context; nothing fixed yet
+    try:
+        yield method
+    finally:
+        default._default_context = before
+
+
 def _from_the_script(tb: TracebackType | None) -> TracebackType | None:
     """Skip the frames of mpiddp and runpy in front of the script's own, so the report starts in the user's code."""
     here = str(Path(__file__).resolve().parent)
@@ -190,21 +252,23 @@ class FinishWatch:
 
     KEY = "mpiddp/finished"
 
-    def __init__(self, timeout_s: float, dist: Dist, store: object | None) -> None:
+    def __init__(self, timeout_s: float, dist: Dist, store: object | None, setting: str = "--finish-timeout {}") -> None:
         self.timeout_s, self.dist, self.store = timeout_s, dist, store
+        self.setting = setting.format(f"{timeout_s:g}")  # how the user changes the timeout, for the messages
         self.done = threading.Event()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="mpiddp-finish-watch", daemon=True)
 
     @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist, rendezvous: Rendezvous) -> FinishWatch:
+    def for_job(cls, timeout_s: float, dist: Dist, rendezvous: Rendezvous,
+                setting: str = "--finish-timeout {}") -> FinishWatch:
         store = None
         if timeout_s > 0 and dist.world_size > 1:
             import torch.distributed as tdist
 
             store = tdist.TCPStore(rendezvous.master_addr, rendezvous.master_port, dist.world_size, False,
                                    timeout=timedelta(seconds=10))
-        return cls(timeout_s, dist, store)
+        return cls(timeout_s, dist, store, setting)
 
     def start(self) -> FinishWatch:
         if self.store is not None:
@@ -224,15 +288,20 @@ class FinishWatch:
         store = self.store
         assert store is not None
         first_seen: float | None = None
-        reported = False
+        reported: float | None = None
         interval = min(2.0, max(0.2, self.timeout_s / 10))
         while not self.stopped.wait(interval):
             try:
                 if self.done.is_set():
-                    if not reported:
+                    if reported is None:
                         store.set(f"{self.KEY}/{self.dist.rank}", "1")  # type: ignore[attr-defined]
                         store.add(self.KEY, 1)  # type: ignore[attr-defined]
-                        reported = True
+                        reported = time.monotonic()
+                    elif time.monotonic() - reported > 2 * self.timeout_s + 10:
+                        # The late ranks' own watches fire after timeout_s; this one only when they cannot (a
+                        # rank stuck holding the GIL), so a finished rank never waits forever.
+                        self._give_up(time.monotonic() - reported)
+                        return
                     continue
                 if store.add(self.KEY, 0) == 0:  # type: ignore[attr-defined]
                     continue
@@ -243,14 +312,24 @@ class FinishWatch:
                 self._fire(time.monotonic() - first_seen)
                 return
 
-    def _fire(self, waited: float) -> None:
+    def _finished_ranks(self) -> list[int]:
         store = self.store
-        finished = [r for r in range(self.dist.world_size)
-                    if store.check([f"{self.KEY}/{r}"])]  # type: ignore[attr-defined]
+        return [r for r in range(self.dist.world_size) if store.check([f"{self.KEY}/{r}"])]  # type: ignore[attr-defined]
+
+    def _give_up(self, waited: float) -> None:
+        finished = set(self._finished_ranks())
+        late = [r for r in range(self.dist.world_size) if r not in finished]
+        shown = ", ".join(map(str, late[:8])) + (" ..." if len(late) > 8 else "")
+        sys.stderr.write(f"mpiddp: {self.dist.label} finished {waited:.0f} s ago, and rank(s) {shown} have neither "
+                         f"finished nor ended the job ({self.setting}); ending the job\n")
+        self.dist.abort_from_thread(EXIT_HANG)
+
+    def _fire(self, waited: float) -> None:
+        finished = self._finished_ranks()
         shown = ", ".join(map(str, finished[:8])) + (" ..." if len(finished) > 8 else "")
         sys.stderr.write(
             f"mpiddp: {self.dist.label} is still running {waited:.0f} s after the script finished on rank(s) "
-            f"{shown} (--finish-timeout {self.timeout_s:g}). If it waits in a collective for them, it would never "
+            f"{shown} ({self.setting}). If it waits in a collective for them, it would never "
             f"return: every rank must make the same collective calls. Ending the job; Python stacks of "
             f"{self.dist.label}:\n"
         )
@@ -273,16 +352,28 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     digest = dist.agree(target.digest)
     settings = {**dataclasses.asdict(cfg), "target": target.name, "args": list(target.args)}
     log.info("every rank runs %s", preflight.check(settings, dist, {"script": digest}))
+    dist.agree(lambda: check_contiguous(dist.topology))
     num_threads = set_threads(cfg, dist.topology)
-    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    if cfg.num_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
     rendezvous, store = open_rendezvous(cfg, dist, guard)
+    os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
+    if virtual_local_rank(dist.allgather(visible_gpus())):
+        os.environ["LOCAL_RANK"] = "0"
+        if any(len(ranks) > 1 for _, ranks in dist.topology.hosts):  # else LOCAL_RANK is 0 anyway
+            log.info("every rank sees one GPU: LOCAL_RANK is 0 on every rank (torchrun's --virtual-local-rank); "
+                     "the host's local rank is in MPIDDP_LOCAL_RANK")
     api.attach(api.Session(dist, rendezvous, store, num_threads))
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
-    log.info("running %s %s on %d ranks on %d hosts; torchrun's variables set, rendezvous %s:%d",
-             target.name, json.dumps(list(target.args)), dist.world_size, dist.topology.num_hosts,
-             rendezvous.master_addr, rendezvous.master_port)
-    started = time.monotonic()
-    execute(target, target.source())
+    with default_start_method(cfg.start_method) as start_method:
+        log.info("running %s %s on %d ranks on %d hosts; torchrun's variables set, rendezvous %s:%d; "
+                 "multiprocessing start method: %s", target.name, json.dumps(list(target.args)), dist.world_size,
+                 dist.topology.num_hosts, rendezvous.master_addr, rendezvous.master_port,
+                 start_method or f"{multiprocessing.get_start_method(allow_none=True)} (chosen before mpiddp)")
+        started = time.monotonic()
+        execute(target, target.source())
     watch.finished()
     log.info("the script finished on rank 0 after %.1f s; waiting for every rank", time.monotonic() - started)
     dist.wait_for_all()

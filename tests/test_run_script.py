@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, mpich_env, run_command
+from conftest import REPO, job_env, mpich_env, run_command
 
 pytestmark = pytest.mark.mpi
 PROGRAMS = REPO / "tests" / "programs"
@@ -98,3 +98,36 @@ def test_bad_targets_are_one_line_from_rank_0(mpirun, tmp_path, args, message):
     job = run_command([mpirun, "-np", "2", sys.executable, "-m", "mpiddp", "run", *args], tmp_path, timeout=60)
     assert job.returncode == 2
     assert job.output.count(message) == 1 and "Traceback" not in job.output
+
+
+@pytest.mark.parametrize("mode, status, message", [
+    ("exit0", 4, "is still running 3 s after the script finished on rank(s) 1 (mpiddp.init(finish_timeout_s=3))"),
+    ("exit3", 3, "misbehave.py exited with status 3; ending the job"),
+    ("raise", 1, "failed; ending the job"),
+    ("ok", 0, None),
+])
+def test_init_under_a_plain_mpirun_ends_the_job_on_every_exit_path(mpirun, tmp_path, mode, status, message):
+    # rank 1 leaves (sys.exit, an exception) while rank 0 enters an all_reduce; sys.exit bypasses the exception
+    # hook, and the exit handler used to wait in a blocking MPI barrier that rank 0 never entered: a hang.
+    job = run_command([mpirun, "-np", "2", sys.executable, str(PROGRAMS / "misbehave.py"), mode, "api"],
+                      tmp_path, timeout=90)
+    assert job.returncode == status, job.output[-3000:]
+    if message is not None:
+        assert job.output.count(message) == 1, job.output[-3000:]
+    if mode == "raise":  # the report survives torch's exception hook, which buffers stderr around ours
+        assert 'misbehave.py", line' in job.output and "ValueError: bad value on rank 1" in job.output
+
+
+def test_loader_workers_start_from_a_forkserver_with_the_users_threads(mpirun, tmp_path):
+    env = job_env(OMP_NUM_THREADS="1", SLURM_RESTART_COUNT="2")
+    job = run_command([mpirun, "-np", "2", sys.executable, "-m", "mpiddp", "run",
+                       str(PROGRAMS / "loader_workers.py"), str(tmp_path)], tmp_path, timeout=120, env=env)
+    assert job.returncode == 0, job.output[-3000:]
+    records = ranks_saw(tmp_path, 2)
+    for rank, record in enumerate(records):
+        assert record["steps"] == 8 and record["start_method"] == "forkserver"
+        assert record["threads"] == 1  # the user's OMP_NUM_THREADS, not mpiddp's share of the cores
+        assert record["env"] == {"LOCAL_RANK": str(rank), "MPIDDP_LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+                                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_RESTART_COUNT": "2"}
+        parents = [int(path.read_text()) for path in tmp_path.glob(f"parent-{rank}-*")]
+        assert len(parents) == 4 and record["pid"] not in parents  # no worker was forked from the MPI rank
