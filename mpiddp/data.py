@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 from mpiddp.config import ON_DISK_DATASETS, Config
 from mpiddp.errors import UserError
 from mpiddp.collective import Dist
-from mpiddp.helpers import ignore_stop_signals, stop_signals_blocked
+from mpiddp.helper_signals import ignore_stop_signals, stop_signals_blocked
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,24 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+MASK64 = 2**64 - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser: neighbouring inputs give unrelated 64-bit outputs (cheap: one per sample)."""
+    value = (value + 0x9E3779B97F4A7C15) & MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
+    return value ^ (value >> 31)
+
+
 def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
     """The seed of one training sample's augmentation: a function of where it sits in the run, nothing else."""
-    return int(np.random.SeedSequence([seed % 2**64, epoch, rank, position]).generate_state(1, np.uint64)[0])
+    return _mix64(_epoch_seed(seed, epoch, rank) ^ position)
+
+
+def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    return _mix64(_mix64(_mix64(seed & MASK64) ^ epoch) ^ rank)
 
 
 class SkippingSampler(Sampler[tuple[int, int]]):
@@ -72,8 +87,9 @@ class SkippingSampler(Sampler[tuple[int, int]]):
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         base = self.base
+        epoch_seed = _epoch_seed(base.seed, base.epoch, base.rank)
         for position, index in itertools.islice(enumerate(base), self.skip, None):
-            yield index, sample_seed(base.seed, base.epoch, base.rank, position)
+            yield index, _mix64(epoch_seed ^ position)  # sample_seed(seed, epoch, rank, position)
 
     def __len__(self) -> int:
         return len(self.base) - self.skip
