@@ -5,20 +5,25 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import pickle
+import random
 import secrets
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
 
 from mpiddp.config import ON_DISK_DATASETS, Config
 from mpiddp.errors import UserError
 from mpiddp.collective import Dist
+from mpiddp.helper_signals import ignore_stop_signals, stop_signals_blocked
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,32 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-class SkippingSampler(Sampler[int]):
-    """DistributedSampler that can start an epoch part-way, where a stopped run left off."""
+MASK64 = 2**64 - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser: neighbouring inputs give unrelated 64-bit outputs (cheap: one per sample)."""
+    value = (value + 0x9E3779B97F4A7C15) & MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
+    return value ^ (value >> 31)
+
+
+def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
+    """The seed of one training sample's augmentation: a function of where it sits in the run, nothing else."""
+    return _mix64(_epoch_seed(seed, epoch, rank) ^ position)
+
+
+def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    return _mix64(_mix64(_mix64(seed & MASK64) ^ epoch) ^ rank)
+
+
+class SkippingSampler(Sampler[tuple[int, int]]):
+    """DistributedSampler that can start an epoch part-way, where a stopped run left off.
+
+    Yields (index, seed): the seed derives from (seed, epoch, rank, position in this rank's epoch), so a sample's
+    augmentation is the same whichever worker loads it and whether or not the run was stopped before it.
+    """
 
     def __init__(self, base: DistributedSampler) -> None:
         self.base = base
@@ -56,11 +85,84 @@ class SkippingSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.base.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.base), self.skip, None)
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        base = self.base
+        epoch_seed = _epoch_seed(base.seed, base.epoch, base.rank)
+        for position, index in itertools.islice(enumerate(base), self.skip, None):
+            yield index, _mix64(epoch_seed ^ position)  # sample_seed(seed, epoch, rank, position)
 
     def __len__(self) -> int:
         return len(self.base) - self.skip
+
+
+def _seed_generators(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+@contextmanager
+def _generators_kept() -> Iterator[None]:
+    """Put torch's, Python's and numpy's global generators back afterwards: in the rank itself they also drive
+    dropout and whatever the user draws, which a sample's augmentation must not move."""
+    torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+class PositionSeeded(Dataset):
+    """Training samples keyed (index, seed) by SkippingSampler; with `reseed`, each sample's random augmentation
+    draws from its own seed. Loader workers hold generator state that no snapshot saves, and which worker loads
+    a batch shifts when a stopped epoch resumes; seeding per sample makes both irrelevant."""
+
+    def __init__(self, dataset: Dataset, reseed: bool) -> None:
+        self.dataset, self.reseed = dataset, reseed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        if not self.reseed:
+            return self.dataset[index]
+        if get_worker_info() is not None:  # a worker's generators serve nothing else
+            _seed_generators(seed)
+            return self.dataset[index]
+        with _generators_kept():
+            _seed_generators(seed)
+            return self.dataset[index]
+
+
+class HelperSafeLoader(DataLoader):
+    """A DataLoader whose helper processes (the forkserver and the workers) ignore stop signals.
+
+    mpirun forwards SIGUSR1 to each rank's process group and srun signals every process of the step; the
+    default action would kill the helpers, and the next batch or worker start would fail instead of the rank
+    saving a snapshot. Helpers start with the signals blocked (inherited through fork and exec, so no window
+    before they set SIG_IGN); in the rank the block lasts only while they start, and a signal that arrives
+    meanwhile stays pending, then is handled.
+    """
+
+    def __iter__(self) -> Any:
+        with stop_signals_blocked():
+            return super().__iter__()
+
+
+def _worker_init(worker_id: int) -> None:
+    ignore_stop_signals()
+
+
+def prepare_forkserver() -> None:
+    """Make the forkserver itself ignore stop signals (it forks every worker, and a dead one fails every later
+    worker start with BrokenPipeError): it imports mpiddp.forkserver_preload before anything else."""
+    context = multiprocessing.get_context("forkserver")
+    preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", ["__main__"]))  # type: ignore[attr-defined]
+    if "mpiddp.forkserver_preload" not in preload:
+        context.set_forkserver_preload([*preload, "mpiddp.forkserver_preload"])
 
 
 class SyntheticBatches:
@@ -332,24 +434,33 @@ def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
         batches = SyntheticBatches(inputs, labels, cfg.steps_per_epoch)
         return Loaders(batches, None, None, cfg.steps_per_epoch * cfg.batch_size, 0, datasets.num_classes, cfg.batch_size)
     assert datasets.eval is not None
-    workers = cfg.num_workers if cfg.dataset in ON_DISK_DATASETS else 0  # in-memory tensors: workers would only add start-up time
-    loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": device.type == "cuda"}
+    on_disk = cfg.dataset in ON_DISK_DATASETS
+    workers = cfg.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time
+    loader_options: dict[str, Any] = {
+        "num_workers": workers, "pin_memory": device.type == "cuda",
+        # iter() draws the workers' base seed from this generator, not from the global one that drives dropout.
+        "generator": torch.Generator().manual_seed(cfg.seed + topo.rank),
+    }
     if workers > 0:
+        if cfg.worker_start_method == "forkserver":
+            prepare_forkserver()
         loader_options.update(
             persistent_workers=True,
             prefetch_factor=4,
             # Workers must never inherit an initialised MPI: fork is unsafe with InfiniBand and friends.
             multiprocessing_context=cfg.worker_start_method,
+            worker_init_fn=_worker_init,
         )
     train_sampler = SkippingSampler(DistributedSampler(
         datasets.train, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=cfg.seed  # type: ignore[arg-type]
     ))
     # A trailing batch of one would break BatchNorm; drop it when the shard holds at least one full batch.
-    train = DataLoader(
-        datasets.train, batch_size=cfg.batch_size, sampler=train_sampler,
+    # On-disk datasets augment at random: each sample from its own seed (in-memory ones do not augment).
+    train = HelperSafeLoader(
+        PositionSeeded(datasets.train, reseed=on_disk), batch_size=cfg.batch_size, sampler=train_sampler,
         drop_last=len(train_sampler) >= cfg.batch_size, **loader_options,
     )
-    evaluation = DataLoader(
+    evaluation = HelperSafeLoader(
         datasets.eval, batch_size=cfg.eval_batch_size,
         sampler=EvalShardSampler(len(datasets.eval), topo.rank, topo.world_size), **loader_options,  # type: ignore[arg-type]
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mpiddp.collective import Dist
@@ -43,12 +44,15 @@ def _without_effect(key: str, config: dict[str, Any]) -> str:
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
-    """This rank's random generators: restoring them makes a resumed run draw the same numbers."""
+    """This rank's global random generators (torch's CPU and CUDA ones, Python's, numpy's): restoring them makes
+    a resumed run draw the same numbers. Loader workers need none: each sample's augmentation has its own seed."""
     version, internal, gauss = random.getstate()
+    name, keys, position, has_gauss, cached_gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "python": [version, list(internal), gauss],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gauss],
     }
 
 
@@ -58,6 +62,9 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+    if state.get("numpy") is not None:  # snapshots written before it was saved lack it
+        name, keys, position, has_gauss, cached_gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
 
 
 @dataclass

@@ -16,12 +16,13 @@ import signal
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from mpiddp.helper_signals import STOP_SIGNALS
+
 if TYPE_CHECKING:
     from mpiddp.collective import Dist
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # Signals a scheduler or launcher sends, possibly several times: never a reason to abort a save.
 SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 INTERRUPTS_TO_ABORT = 3

@@ -4,6 +4,7 @@ It never decides *who* logs or saves: the hooks main.py hands it do."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -173,7 +174,7 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, am
 
 def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
     """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or fault.kind.startswith("slow-") or not fault.hits(rank, step):
+    if fault is None or fault.kind.startswith(("slow-", "signal")) or not fault.hits(rank, step):
         return
     log.warning("injecting fault %r at step %d", fault.kind, step)
     if fault.kind == "raise":
@@ -181,6 +182,14 @@ def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
     if fault.kind == "stall":
         threading.Event().wait()  # block forever, as a rank stuck in I/O or a deadlock would
     sys.exit(0 if fault.kind == "exit0" else 1)
+
+
+def stop_drill(fault: FaultInjection | None, rank: int, step: int, phase: str) -> None:
+    """A stop drill (--inject-fault signal / signal-eval): this rank sends SIGUSR1 to its whole process group,
+    its loader's helper processes included, as mpirun and srun deliver a stop."""
+    if fault is not None and fault.kind == ("signal-eval" if phase == "eval" else "signal") and fault.hits(rank, step):
+        log.warning("stop drill: SIGUSR1 to this rank's process group at step %d (%s)", step, phase)
+        os.killpg(os.getpgrp(), signal.SIGUSR1)
 
 
 def straggle(fault: FaultInjection | None, rank: int, step: int, phase: str) -> None:
@@ -238,6 +247,8 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         group = next(groups, None)
         if group is None:
             break
+        if state.step == 0:  # start-up: the first batch is loaded, the loader's helpers are running
+            stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
         clock.computing()
         straggle(cfg.inject_fault, dist.rank, state.step, "compute")
         loss_sum, images = train_step(state, group, device, cfg.amp, memory_format)
@@ -245,6 +256,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
         inject_fault(cfg.inject_fault, dist.rank, state.step)
+        stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
         batches_seen += len(group)
         totals.add(loss_sum, images)
         window.add(loss_sum, images)
@@ -278,8 +290,15 @@ def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dis
     saves the epoch (its training is complete) and raises Stopped; otherwise this rank's eval sums."""
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     sums = (0.0, 0.0, 0.0)
+    drilled: list[None] = []
+
+    def heartbeat(phase: str, step: int) -> None:
+        if not drilled:  # the drill signals once, at the first batch
+            drilled.append(stop_drill(cfg.inject_fault, dist.rank, step, "eval"))
+        hooks.heartbeat(phase, step)
+
     if loaders.eval is not None:
-        sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, hooks.heartbeat,
+        sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, heartbeat,
                         state.step, should_stop=lambda: bool(hooks.stop.signum))
     signum = hooks.stop.agreed(dist)
     if signum:

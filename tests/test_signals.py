@@ -161,3 +161,31 @@ def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
     output = finish(process, seen, timeout=60)
     # The rank died of its third SIGINT (the launcher may lose its last words: the message is tested in-process).
     assert process.returncode not in (0, 3), output[-3000:]
+
+
+# 80 training images: 40 per rank, 5 steps of 8 per epoch. Each drill sends SIGUSR1 to every process of each
+# rank's process group (the rank, its loader's forkserver and workers), as mpirun and srun deliver a stop.
+# With spawn the workers are the rank's children: one killed raises at once in the rank (torch's SIGCHLD
+# handler). A forkserver's workers are not, and the batches the rank still needs are usually prefetched; the
+# forkserver's own signal dispositions are checked in tests/test_loader_helpers.py.
+PHASES = {
+    "start-up": ("signal:all:0", "forkserver", "snapshot-epoch0000-batch000001.pt"),  # first batch loaded
+    "mid-epoch": ("signal:all:2", "spawn", "snapshot-epoch0000-batch000002.pt"),
+    "epoch-boundary": ("signal:all:5", "forkserver", None),  # after the epoch's last step, before its evaluation
+    "evaluation": ("signal-eval:all:5", "spawn", "snapshot-epoch0001.pt"),  # the eval loader's workers running
+}
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_stop_to_the_process_group_leaves_loader_helpers_alive(run_job, tmp_path, phase):
+    from datagen import write_cifar10
+
+    drill, start_method, snapshot = PHASES[phase]
+    data_dir = write_cifar10(tmp_path / "data", per_batch=16, test=20)
+    job = run_job(2, "--dataset", "cifar10", "--data-dir", str(data_dir), "--arch", "digits_cnn", "--epochs", "2",
+                  "--batch-size", "8", "--num-workers", "2", "--worker-start-method", start_method, "--no-progress",
+                  "--wandb", "disabled", "--inject-fault", drill, timeout=120)
+    assert job.returncode == 3, job.output[-3000:]
+    assert "DataLoader worker" not in job.output and "BrokenPipeError" not in job.output
+    saved = sorted(p.name for p in (job.run_dir / "checkpoints").glob("snapshot-*.pt"))
+    assert saved and (snapshot is None or saved[-1] == snapshot), saved

@@ -2,7 +2,9 @@
 
 import dataclasses
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,15 +36,16 @@ def test_round_trip_restores_weights_optimizer_schedule_counters_and_rng(tmp_pat
     dist = solo_dist()
     state = trained_state()
     taken = Snapshot.capture(state, dist, "digits_cnn", {"epochs": 3}, "wandb-1")
-    after_capture = torch.rand(3)
+    after_capture = torch.rand(3), np.random.rand(3).tolist(), random.random()
     checkpoint.save(tmp_path, taken, dist, keep_last=2)
     path, loaded = checkpoint.restore("auto", tmp_path, "digits_cnn", dist)
     assert path.name == "snapshot-epoch0001-batch000002.pt"
 
     fresh = build_state(Config(device="cpu", optimizer="adamw"), dist, 10, 1, batches_per_epoch=5)
-    torch.rand(100)  # move the generator on: restoring must bring it back
+    torch.rand(100), np.random.rand(100), random.random()  # move the generators on: restoring brings them back
     loaded.restore_into(fresh, dist, seed=0, batch_size=32)
-    assert torch.equal(torch.rand(3), after_capture)
+    assert torch.equal(torch.rand(3), after_capture[0])
+    assert (np.random.rand(3).tolist(), random.random()) == after_capture[1:]
     assert (fresh.epoch, fresh.step, fresh.batches_done) == (1, 3, 2)
     for name, tensor in state.unwrapped.state_dict().items():
         assert torch.equal(tensor, fresh.unwrapped.state_dict()[name]), name

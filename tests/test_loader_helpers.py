@@ -1,0 +1,78 @@
+"""The training loader in-process: augmentation seeded per sample position, helper processes that ignore stop
+signals, the global generators left alone."""
+
+import multiprocessing.forkserver
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from mpiddp.data import HelperSafeLoader, PositionSeeded, SkippingSampler, _worker_init, prepare_forkserver
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class RandomlyAugmented(Dataset):
+    """Sample i is i plus a draw from the global generators, as torchvision's random transforms make."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index)]), torch.rand(1)
+
+
+def loader(num_workers, skip=0, epoch=2, method=None):
+    sampler = SkippingSampler(DistributedSampler(range(24), num_replicas=2, rank=1, shuffle=True, seed=5))
+    sampler.set_epoch(epoch)
+    sampler.skip = skip
+    options = {"multiprocessing_context": method, "worker_init_fn": _worker_init} if num_workers else {}
+    return HelperSafeLoader(PositionSeeded(RandomlyAugmented(), reseed=True), batch_size=3, sampler=sampler,
+                            num_workers=num_workers, generator=torch.Generator().manual_seed(0), **options)
+
+
+def samples(batches):
+    return [(int(i), float(r)) for indices, draws in batches for i, r in zip(indices.flatten(), draws.flatten())]
+
+
+def test_augmentation_depends_on_position_only_not_on_workers_or_a_skip():
+    whole = samples(loader(0))
+    assert samples(loader(2, method="fork")) == whole  # other workers, same draws
+    assert samples(loader(2, skip=6, method="fork")) == whole[6:]  # resumed part-way: a batch lands on another worker
+    assert samples(loader(0, epoch=3)) != whole  # a new epoch draws anew
+
+
+def test_the_rank_s_generators_do_not_move():
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    samples(loader(0))  # augmentation in this process, and iter() drawing the workers' seed
+    assert torch.equal(torch.rand(3), expected)
+
+
+def ignored_signals(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            mask = int(line.split()[1], 16)
+            return {signum for signum in STOP_SIGNALS if mask & (1 << (signum - 1))}
+    raise AssertionError(f"no SigIgn for {pid}")
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_helper_processes_ignore_stop_signals(method):
+    if method == "forkserver":
+        prepare_forkserver()
+    batches = loader(1, method=method)
+    iterator = iter(batches)
+    next(iterator)
+    helpers = [worker.pid for worker in iterator._workers]
+    if method == "forkserver":
+        helpers.append(multiprocessing.forkserver._forkserver._forkserver_pid)
+    for pid in helpers:
+        assert ignored_signals(pid) == set(STOP_SIGNALS), pid
+    os.kill(helpers[0], signal.SIGUSR1)  # as mpirun's forwarding to the process group would
+    assert len(list(iterator)) == 3  # the worker lives on
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # the rank's block ended with the start
