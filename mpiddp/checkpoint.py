@@ -193,8 +193,26 @@ def find_for(resume: str, directory: Path, arch: str) -> tuple[Path, Snapshot] |
 
 
 def restore(resume: str, directory: Path, arch: str, dist: Dist) -> tuple[Path, Snapshot] | None:
-    """Collective: rank 0 finds and checks the snapshot, every rank receives it (no shared filesystem needed).
+    """Collective: rank 0 finds and checks the snapshot, every rank receives it (no shared filesystem needed):
+    the shared part by broadcast, and of the per-rank part (RNG, PowerSGD's error feedback, as large as the
+    gradients) only its own, so a rank's memory at resume does not grow with the number of ranks.
 
     Raises the same AgreedError on every rank when the snapshot is missing, unreadable or for another model.
     """
-    return dist.from_main(lambda: find_for(resume, directory, arch))
+    per_rank: list[tuple[Any, Any]] = []
+
+    def load_and_split() -> tuple[Path, Snapshot] | None:
+        found = find_for(resume, directory, arch)
+        if found is None:
+            return None
+        path, snapshot = found
+        shared, parts = snapshot.split_per_rank(dist.world_size)
+        per_rank.extend(parts)
+        return path, shared
+
+    found = dist.from_main(load_and_split)
+    if found is None:
+        return None
+    path, snapshot = found
+    snapshot.take_own_part(dist.rank, dist.scatter(per_rank if dist.is_main else None))
+    return path, snapshot

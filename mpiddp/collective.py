@@ -41,6 +41,7 @@ class Transport(Protocol):
     def allgather(self, value: T) -> list[T]: ...
     def gather(self, value: T) -> list[T] | None: ...
     def bcast(self, value: T) -> T: ...
+    def scatter(self, values: list[T] | None) -> T: ...
     def allreduce(self, values: np.ndarray, op: str) -> np.ndarray: ...
     def barrier(self) -> None: ...
     def idle_barrier(self, poll_s: float) -> None: ...
@@ -113,6 +114,9 @@ class MpiTransport:
 
     def bcast(self, value: T) -> T:
         return self.large.bcast(value, root=0)
+
+    def scatter(self, values: list[T] | None) -> T:
+        return self.large.scatter(values, root=0)
 
     def allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
         out = np.empty_like(values)
@@ -195,6 +199,10 @@ class SoloTransport:
 
     def bcast(self, value: T) -> T:
         return value
+
+    def scatter(self, values: list[T] | None) -> T:
+        assert values is not None and len(values) == 1
+        return values[0]
 
     def allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
         return values.copy()
@@ -340,6 +348,12 @@ class Dist:
         self._scope.refuse_inside("gather")
         gathered = self.transport.gather(value)
         return gathered if self.is_main else None
+
+    def scatter(self, values: list[T] | None) -> T:
+        """Collective: global rank 0 passes one value per rank (the others pass None); each rank gets its own."""
+        self._scope.refuse_inside("scatter")
+        assert not self.is_main or (values is not None and len(values) == self.world_size)
+        return self.transport.scatter(values if self.is_main else None)
 
     def barrier(self) -> None:
         self._scope.refuse_inside("barrier")

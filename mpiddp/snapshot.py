@@ -77,14 +77,14 @@ class Snapshot:
     scheduler: dict[str, Any]
     epoch: int  # completed epochs
     step: int  # completed optimizer steps
-    rng: list[dict[str, Any]]  # every rank's generators, in rank order
+    rng: list[dict[str, Any] | None]  # every rank's generators, in rank order
     world_size: int
     scaler: dict[str, Any] = field(default_factory=dict)
     batches_done: int = 0  # batches of epoch `epoch + 1` already trained (a stop part-way through)
     config: dict[str, Any] = field(default_factory=dict)
     wandb_run_id: str | None = None
     # Every rank's gradient-communication state (PowerSGD's error feedback and warm start), in rank order.
-    communication: list[dict[str, Any]] = field(default_factory=list)
+    communication: list[dict[str, Any] | None] = field(default_factory=list)
     format: int = FORMAT_VERSION
 
     @classmethod
@@ -108,6 +108,23 @@ class Snapshot:
             wandb_run_id=wandb_run_id,
             communication=communication if any(communication) else [],
         )
+
+    def split_per_rank(self, world_size: int) -> tuple[Snapshot, list[tuple[Any, Any]]]:
+        """(this snapshot without any rank's own state, and one (RNG, communication state) per rank of a job of
+        `world_size` ranks, None where the saved job had no such rank). The lists keep their length, so a
+        rank can still tell whether the saved job had it."""
+        parts = [(self.rng[rank] if rank < len(self.rng) else None,
+                  self.communication[rank] if rank < len(self.communication) else None) for rank in range(world_size)]
+        shared = dataclasses.replace(self, rng=[None] * len(self.rng), communication=[None] * len(self.communication))
+        return shared, parts
+
+    def take_own_part(self, rank: int, part: tuple[Any, Any]) -> None:
+        """Put this rank's own state, from `split_per_rank`, back where `restore_into` reads it."""
+        rng, communication = part
+        if rank < len(self.rng):
+            self.rng[rank] = rng
+        if rank < len(self.communication):
+            self.communication[rank] = communication
 
     def to_payload(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

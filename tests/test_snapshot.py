@@ -238,3 +238,23 @@ def test_a_changed_setting_without_effect_says_so(tmp_path):
     assert changes == ["--lr-gamma changed from 0.1 to 0.5",
                        "--momentum changed from 0.9 to 0.5 (no effect: it acts only with --optimizer sgd)",
                        "--schedule changed from 'cosine' to 'step'"]
+
+
+def test_resume_sends_each_rank_only_its_own_state():
+    """What rank 0 broadcasts at resume holds no rank's RNG or PowerSGD state; each rank gets its own by scatter."""
+    from mpiddp.snapshot import Snapshot
+
+    feedback = [{"error": {"w": torch.full((1000,), float(rank))}} for rank in range(3)]
+    rngs = [{"torch": torch.tensor([rank])} for rank in range(3)]
+    saved = Snapshot(arch="digits_cnn", model={}, optimizer={}, scheduler={}, epoch=1, step=10, rng=rngs,
+                     world_size=3, communication=feedback)
+    shared, parts = saved.split_per_rank(world_size=4)  # resumed on one rank more
+    assert shared.rng == [None] * 3 and shared.communication == [None] * 3
+    assert saved.rng is rngs and saved.communication is feedback  # the loaded snapshot itself is untouched
+    assert [part[1] for part in parts] == [*feedback, None] and parts[3] == (None, None)
+    mine = dataclasses.replace(shared, rng=list(shared.rng), communication=list(shared.communication))
+    mine.take_own_part(1, parts[1])
+    assert mine.rng == [None, rngs[1], None] and mine.communication == [None, feedback[1], None]
+    beyond = dataclasses.replace(shared, rng=list(shared.rng), communication=list(shared.communication))
+    beyond.take_own_part(3, parts[3])  # a rank the saved job did not have
+    assert beyond.rng == [None] * 3
