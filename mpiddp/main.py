@@ -22,7 +22,7 @@ from mpiddp.stopping import Stopped, StopRequest
 
 log = logging.getLogger("mpiddp")
 
-COMMANDS = ("train", "run", "check", "report")
+COMMANDS = ("train", "run", "check", "report", "launch")
 
 
 def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         from mpiddp import report
 
         return report.main(args)
+    if command == "launch":  # the supervisor: outside MPI, it starts the launcher itself
+        from mpiddp.launch.cli import main as launch
+
+        return launch(args)
     startup = StartupClock(process_start_time())
     startup.mark("interpreter_and_imports")
     with FailFast() as guard:
