@@ -42,6 +42,13 @@ class FailureRecord:
                    step=data.get("step"), time=float(data.get("time", 0.0)))
 
 
+def failure_path(failure_file: str, run_dir: Path | None) -> Path | None:
+    """Where a failure is recorded: the file the supervisor named, else RUN_DIR/failure.json, else nowhere."""
+    if failure_file:
+        return Path(failure_file)
+    return run_dir / FAILURE_FILE if run_dir is not None else None
+
+
 def write_first(path: Path, record: FailureRecord) -> bool:
     """Write `record` unless a record is already there; True when this one was written. Never raises OSError:
     a record that cannot be written must not hide the failure it describes."""

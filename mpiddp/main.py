@@ -137,7 +137,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
                     "resumed_from": str(restored[0]) if restored else None, "time": time.time()})
     startup.mark("logger")
-    watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist).start()
+    watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist, run_dir).start()
 
     def save(train_state: TrainState) -> None:
         watchdog.beat("save", train_state.step)
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("config: %s", cfg.to_dict())
         log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
         run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, dist)
+        guard.set_run_dir(run_dir)
         startup.mark("preflight")
         stop = StopRequest().install()
         try:

@@ -14,10 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from mpiddp.collective import Dist
 from mpiddp.failfast import EXIT_HANG
+from mpiddp.failure import FailureRecord, failure_path, write_first
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +30,11 @@ class Watchdog:
     """beat(phase, step) from the main thread; the thread fires when beats stop for `timeout_s`."""
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, label: str, store: Any,
-                 abort: Callable[[int], None]) -> None:
+                 abort: Callable[[int], None], host_of_rank: dict[int, str] | None = None,
+                 failure_file: Path | None = None) -> None:
         self.timeout_s = timeout_s
+        self.host_of_rank = host_of_rank or {}
+        self.failure_file = failure_file
         self.rank, self.world_size, self.label = rank, world_size, label
         self.store = store
         self.abort = abort
@@ -39,7 +44,7 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
 
     @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist) -> Watchdog:
+    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
         """A watchdog with its own connection to the rendezvous store (none when it is turned off)."""
         store = None
         if timeout_s > 0:
@@ -48,7 +53,10 @@ class Watchdog:
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
             store = tdist.TCPStore(dist.rendezvous.master_addr, dist.rendezvous.master_port, dist.world_size,
                                    False, timeout=timedelta(seconds=10))
-        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread)
+        topo = dist.topology
+        host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
+        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
+                   failure_path(topo.failure_file, run_dir))
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
@@ -82,7 +90,9 @@ class Watchdog:
                  f"(--hang-timeout {self.timeout_s:g}); it is in phase {self.phase!r} after step {self.step}"]
         try:
             if self.store.add("mpiddp/hang-reports", 1) == 1:  # the first rank to fire describes the job
-                lines.append(describe_progress(self._progress_of_all()))
+                progress = self._progress_of_all()
+                lines.append(describe_progress(progress))
+                self._record(progress)
         except Exception as exc:
             lines.append(f"(progress of the other ranks unavailable: {exc})")
         sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n")
@@ -92,11 +102,33 @@ class Watchdog:
         time.sleep(GRACE_S)  # let the other ranks' watchdogs print their stacks before the abort
         self.abort(EXIT_HANG)
 
+    def _record(self, progress: dict[int, dict[str, Any]]) -> None:
+        """The failure record for the supervisor: the ranks behind and their hosts (a file, no message to a peer)."""
+        if self.failure_file is None:
+            return
+        behind = ranks_behind(progress, self.world_size)
+        # every rank stuck at one step: no host stands out, so none is blamed (the supervisor retries on the same)
+        blamed = behind if len(behind) < self.world_size else []
+        hosts = list(dict.fromkeys(self.host_of_rank[r] for r in blamed if r in self.host_of_rank))
+        steps = [p["step"] for p in progress.values()]
+        write_first(self.failure_file, FailureRecord(
+            "hang", behind, hosts, f"no progress for {self.timeout_s:g} s (--hang-timeout) on rank(s) "
+            f"{', '.join(map(str, behind))}", step=min(steps) if steps else self.step))
+
     def _progress_of_all(self) -> dict[int, dict[str, Any]]:
         keys = [f"mpiddp/progress/{rank}" for rank in range(self.world_size)]
         present = [k for k in keys if self.store.check([k])]
         values = self.store.multi_get(present) if present else []
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in zip(present, values)}
+
+
+def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int) -> list[int]:
+    """The ranks at the lowest step; a rank that never reported is behind everyone."""
+    silent = [rank for rank in range(world_size) if rank not in progress]
+    if silent or not progress:
+        return silent
+    lowest = min(p["step"] for p in progress.values())
+    return sorted(rank for rank, p in progress.items() if p["step"] == lowest)
 
 
 def describe_progress(progress: dict[int, dict[str, Any]]) -> str:

@@ -1,0 +1,114 @@
+"""The failure record, in-process: the first failing rank writes RUN_DIR/failure.json; the supervisor reads it."""
+
+import json
+import threading
+
+import pytest
+
+from mpiddp.collective import Dist, SoloTransport
+from mpiddp.errors import AgreedError, UserError
+from mpiddp.failfast import EXIT_CRASH, EXIT_USER_ERROR, FailFast
+from mpiddp.failure import FAILURE_FILE, FailureRecord, read, write_first
+from mpiddp.topology import RankRecord, build_topology
+from mpiddp.watchdog import Watchdog, ranks_behind
+
+
+class RecordingTransport(SoloTransport):
+    def __init__(self, rank, size):
+        self.rank, self.size, self.aborted = rank, size, None
+
+    def abort(self, code):
+        self.aborted = code
+        raise SystemExit(code)
+
+
+def guard_for(rank, size=2, failure_file=""):
+    import dataclasses
+
+    guard = FailFast()
+    records = [RankRecord(r, f"host{r}", r, 0, 1) for r in range(size)]
+    topo = dataclasses.replace(build_topology(rank, records), failure_file=failure_file)
+    guard.dist = Dist(topo, RecordingTransport(rank, size))
+    return guard
+
+
+def fail(guard, exc):
+    with pytest.raises(SystemExit) as caught:
+        with guard:
+            raise exc
+    return caught.value.code
+
+
+def test_an_exception_on_rank_1_records_rank_1_and_its_host(tmp_path, capsys):
+    guard = guard_for(1)
+    guard.set_run_dir(tmp_path)
+    assert fail(guard, RuntimeError("boom")) == EXIT_CRASH
+    record = json.loads((tmp_path / FAILURE_FILE).read_text())
+    assert record["kind"] == "exception" and record["ranks"] == [1] and record["hosts"] == ["host1"]
+    assert record["message"] == "RuntimeError: boom" and record["time"] > 0
+    assert set(record) == {"kind", "ranks", "hosts", "message", "step", "time"}
+
+
+def test_a_user_error_records_user_error(tmp_path, capsys):
+    guard = guard_for(1)
+    guard.set_run_dir(tmp_path)
+    assert fail(guard, UserError("no such file")) == EXIT_USER_ERROR
+    assert read(tmp_path / FAILURE_FILE) == FailureRecord("user_error", [1], ["host1"], "no such file",
+                                                          time=read(tmp_path / FAILURE_FILE).time)
+
+
+def test_an_agreed_error_is_recorded_once_by_rank_0_and_blames_no_host(tmp_path, capsys):
+    for rank in (1, 0):
+        guard = guard_for(rank)
+        guard.set_run_dir(tmp_path / f"r{rank}")
+        (tmp_path / f"r{rank}").mkdir()
+        assert fail(guard, AgreedError("error: bad flag")) == EXIT_USER_ERROR
+    assert not (tmp_path / "r1" / FAILURE_FILE).exists()
+    record = read(tmp_path / "r0" / FAILURE_FILE)
+    assert (record.kind, record.ranks, record.hosts) == ("user_error", [], [])
+    help_guard = guard_for(0)
+    help_guard.set_run_dir(tmp_path)
+    assert fail(help_guard, AgreedError("usage: ...", 0, to_stdout=True)) == 0
+    assert not (tmp_path / FAILURE_FILE).exists()
+
+
+def test_the_supervisors_file_wins_and_no_run_dir_means_no_record(tmp_path, capsys):
+    named = tmp_path / "elsewhere.json"
+    guard = guard_for(0, failure_file=str(named))
+    guard.set_run_dir(tmp_path)
+    fail(guard, KeyboardInterrupt())
+    assert read(named).kind == "stopped" and not (tmp_path / FAILURE_FILE).exists()
+    fail(guard_for(0), RuntimeError("nowhere to write"))  # no run dir yet, not supervised: nothing, no error
+    assert [p.name for p in tmp_path.iterdir()] == ["elsewhere.json"]
+
+
+def test_the_first_record_wins_even_when_ranks_race(tmp_path):
+    path = tmp_path / FAILURE_FILE
+    results = []
+    threads = [threading.Thread(target=lambda r=r: results.append(write_first(path, FailureRecord("exception", [r], [f"h{r}"], "x"))))
+               for r in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [False] * 7 + [True]
+    winner = read(path)
+    assert winner.hosts == [f"h{winner.ranks[0]}"]
+    assert [p.name for p in tmp_path.iterdir()] == [FAILURE_FILE]  # no temporary file left
+    assert not write_first(tmp_path / "missing-dir" / FAILURE_FILE, winner)  # never raises
+    assert read(tmp_path / "absent.json") is None
+
+
+def test_the_hang_record_names_the_ranks_behind_and_their_hosts(tmp_path):
+    progress = {0: {"step": 5, "phase": "train", "idle_s": 9}, 1: {"step": 4, "phase": "train", "idle_s": 9},
+                2: {"step": 5, "phase": "train", "idle_s": 9}}
+    assert ranks_behind(progress, 3) == [1]
+    assert ranks_behind({0: progress[0]}, 3) == [1, 2]  # never reported: behind everyone
+    watchdog = Watchdog(10, 0, 3, "rank 0/3 on a", None, lambda code: None, {0: "a", 1: "b", 2: "c"},
+                        tmp_path / FAILURE_FILE)
+    watchdog._record(progress)
+    record = read(tmp_path / FAILURE_FILE)
+    assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [1], ["b"], 4)
+    everyone = Watchdog(10, 0, 2, "rank 0/2 on a", None, lambda code: None, {0: "a", 1: "b"}, tmp_path / "all.json")
+    everyone._record({0: progress[0], 1: progress[0]})
+    assert read(tmp_path / "all.json").hosts == []  # all stuck at one step: no host stands out
