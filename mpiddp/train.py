@@ -4,6 +4,7 @@ It never decides *who* logs or saves: the hooks main.py hands it do."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -170,11 +171,15 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, am
     return float(correct.item()), float(loss_sum.item()), float(count)
 
 
-def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
+def inject_fault(fault: FaultInjection | None, rank: int, step: int, resumed: bool = False) -> None:
     """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or fault.kind.startswith("slow-") or not fault.hits(rank, step):
+    if fault is None or fault.kind.startswith("slow-") or not fault.hits(rank, step) or (fault.kind == "kill" and resumed):
         return
     log.warning("injecting fault %r at step %d", fault.kind, step)
+    if fault.kind == "kill":
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would: no record, no report
     if fault.kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if fault.kind == "stall":
@@ -242,7 +247,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         clock.step_done(images)
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
-        inject_fault(cfg.inject_fault, dist.rank, state.step)
+        inject_fault(cfg.inject_fault, dist.rank, state.step, resumed=cfg.resume is not None or dist.topology.restarts > 0)
         batches_seen += len(group)
         totals.add(loss_sum, images)
         window.add(loss_sum, images)

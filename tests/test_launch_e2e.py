@@ -1,0 +1,102 @@
+"""The supervisor end to end: a killed rank's host is left out and the run resumes on a spare; user errors and
+graceful stops are never relaunched."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, job_env, run_command
+from fakehosts import FakeHosts, unavailable_reason
+
+pytestmark = pytest.mark.mpi
+FAST = ("--no-progress", "--wandb", "disabled")
+
+
+def launch_command(*args):
+    return [sys.executable, "-m", "mpiddp", "launch", *args]
+
+
+def attempts(run_dir):
+    return json.loads((run_dir / "attempts.json").read_text())
+
+
+@pytest.fixture
+def hosts(tmp_path, mpirun):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = FakeHosts(["nodea", "nodeb", "nodec"], tmp_path / "fakehosts")
+    (tmp_path / "fakehosts").mkdir()
+    try:
+        cluster.up()
+    except subprocess.CalledProcessError as exc:
+        cluster.down()
+        pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    # 22 steps per epoch on 2 ranks: rank 1 (on nodeb) dies by SIGKILL in epoch 2, after the first snapshot
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
+                             "--launcher-args", " ".join(hosts.transport_args()), "--",
+                             "--run-dir", str(run_dir), "--epochs", "3", *FAST, "--inject-fault", "kill:1:30")
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+    assert job.returncode == 0, job.output[-5000:]
+    summary = job.summary
+    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}
+    assert summary["resumed_from"].endswith("snapshot-epoch0001.pt") and summary["epochs"] == 3
+    record = attempts(run_dir)
+    assert record["restarts"] == 1 and record["excluded_hosts"] == ["nodeb"]
+    first, second = record["attempts"]
+    assert first["hosts"] == ["nodea", "nodeb"] and second["hosts"] == ["nodea", "nodec"]
+    assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], ["nodeb"])
+    assert first["status"] != 0 and "without nodeb" in first["decision"]
+    assert second["status"] == 0 and second["cause"] is None and "--resume" in second["command"]
+
+
+def test_a_bad_flag_is_one_attempt_and_exit_2(tmp_path):
+    run_dir = tmp_path / "run"
+    job = run_command(launch_command("-np", "2", "--", "--run-dir", str(run_dir), "--epochs", "0", *FAST),
+                      run_dir, timeout=120, env=job_env())
+    assert job.returncode == 2, job.output[-3000:]
+    record = attempts(run_dir)
+    assert len(record["attempts"]) == 1 and record["attempts"][0]["cause"] == "user_error"
+    assert "fix it and launch again" in record["attempts"][0]["decision"]
+    assert job.output.count("mpiddp: error: --epochs must be at least 1, got 0") == 1
+    # a bad flag of launch itself: no attempt at all
+    own = run_command(launch_command("-np", "2", "--max-restarts", "-1", "--", "--epochs", "1"), run_dir, timeout=60)
+    assert own.returncode == 2 and "--max-restarts must be >= 0" in own.output and "attempt" not in own.output
+
+
+def test_sigusr1_to_the_supervisor_saves_exits_3_and_is_not_relaunched(tmp_path):
+    run_dir = tmp_path / "run"
+    command = launch_command("-np", "2", "--", "--run-dir", str(run_dir), "--epochs", "200", *FAST)
+    process = subprocess.Popen(command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    seen = []
+    try:
+        for line in process.stdout:
+            seen.append(line)
+            if "saved " in line and "snapshot-epoch0001.pt" in line:
+                break
+        process.send_signal(signal.SIGUSR1)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = "".join(seen) + output
+    assert process.returncode == 3, output[-3000:]
+    assert "Continue with --resume" in output
+    record = attempts(run_dir)
+    assert len(record["attempts"]) == 1 and record["attempts"][0]["cause"] == "stopped"
+    assert "not relaunched" in record["attempts"][0]["decision"]
+    assert list((run_dir / "checkpoints").glob("snapshot-*.pt"))
