@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 FAILURE_FILE = "failure.json"
+ATTEMPTS_FILE = "attempts.json"  # written by the supervisor after each attempt; the job's summary includes it
 # exception: a rank raised; killed: a rank died by a signal (inferred by the supervisor from the launcher, since a
 # SIGKILLed rank writes nothing); hang: the watchdog fired; user_error: exit 2; stopped: a stop signal or an
 # interrupt; exit: a rank (or the user's script) exited early.
@@ -71,3 +72,21 @@ def read(path: Path) -> FailureRecord | None:
         return FailureRecord.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, AttributeError):
         return None
+
+
+def read_attempts(run_dir: Path, resumed_at_step: int) -> dict[str, Any] | None:
+    """The supervisor's attempts.json, for this job's summary (None when not supervised). This job is the
+    attempt after the last one listed; it knows where it resumed, so it fills in that failure's steps lost."""
+    try:
+        data = json.loads((run_dir / ATTEMPTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    attempts = data.get("attempts") if isinstance(data, dict) else None
+    if not attempts:
+        return None
+    last = attempts[-1]
+    if last.get("steps_lost") is None:
+        last["resumed_at_step"] = resumed_at_step
+        if isinstance(last.get("failed_at_step"), int):
+            last["steps_lost"] = max(0, last["failed_at_step"] - resumed_at_step)
+    return data

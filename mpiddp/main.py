@@ -14,6 +14,7 @@ from mpiddp.collective import Dist
 from mpiddp.config import Config, parse_args
 from mpiddp.errors import UserError
 from mpiddp.failfast import EXIT_OK, EXIT_STOPPED, FailFast
+from mpiddp.failure import read_attempts
 from mpiddp.log import setup_logging
 from mpiddp.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.rundir import prepare_run_dir, write_json_atomic
@@ -121,6 +122,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     startup.mark("data")
     state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
     restored = resume(cfg, dist, state, checkpoint_dir)
+    resumed_at_step = state.step
     startup.mark("model")
     if state.epoch >= cfg.epochs:
         log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
@@ -161,6 +163,10 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
                     "interfaces": dist.rendezvous.interface_per_host},
         wandb_run_id=wandb_run_id,
     )
+    # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
+    attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file else None
+    if attempts is not None:
+        summary["attempts"] = attempts
     dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
     return summary
 

@@ -13,7 +13,7 @@ from mpiddp.launch.diagnose import Failure, diagnose, killed_by_signal
 from mpiddp.launch.hosts import (Host, HostListError, discover, expand_nodelist, expand_tasks_per_node, from_pbs,
                                  parse_host_option, parse_hostfile, place)
 from mpiddp.launch.policy import decide
-from mpiddp.launch.supervisor import Plan, drop_option, inner_for
+from mpiddp.launch.supervisor import Plan, drop_option, inner_for, ranks_on
 
 
 def test_importing_launch_starts_no_mpi_and_no_torch_distributed():
@@ -151,6 +151,19 @@ def test_launcher_output_names_the_killed_rank_and_host():
     assert killed_by_signal(HYDRA_KILLED) == ((3,), ("gpu7",), 9)
     assert killed_by_signal("srun: error: node2: tasks 2-3: Killed\n") == ((2, 3), ("node2",), 9)
     assert killed_by_signal("all good\n") is None
+    assert killed_by_signal(OPENMPI_PEER_LOST) == ((), ("nodeb",), 9)
+
+
+OPENMPI_PEER_LOST = """--------------------------------------------------------------------------
+An MPI communication peer process has unexpectedly disconnected.  This
+usually indicates a failure in the peer process (e.g., a crash or
+otherwise exiting without calling MPI_FINALIZE first).
+
+  Local host: nodea
+  Local PID:  14005
+  Peer host:  nodeb
+--------------------------------------------------------------------------
+"""
 
 
 def test_diagnosis_prefers_a_killed_rank_over_a_consequent_exception_record():
@@ -185,3 +198,9 @@ def test_plan_from_the_command_line(tmp_path):
                          (["--", "--epochs", "1"], "give -np")):
         with pytest.raises((LaunchError, HostListError), match=message):
             make_plan(bad, {})
+
+
+def test_ranks_of_a_host_follow_from_the_placement():
+    assert ranks_on([Host("a", 2), Host("b", 3), Host("c", 1)], ("b",)) == (2, 3, 4)
+    assert ranks_on([Host("a", 1), Host("b", 1)], ("a", "b")) == (0, 1)
+    assert ranks_on([], ("a",)) == ()

@@ -46,13 +46,13 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     # 22 steps per epoch on 2 ranks: rank 1 (on nodeb) dies by SIGKILL in epoch 2, after the first snapshot
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
                              "--launcher-args", " ".join(hosts.transport_args()), "--",
-                             "--run-dir", str(run_dir), "--epochs", "3", *FAST, "--inject-fault", "kill:1:30")
+                             "--run-dir", str(run_dir), "--epochs", "3", *FAST, "--inject-fault", "kill:1:30", "--log-every", "1")
     env = job_env()
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
     job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
     assert job.returncode == 0, job.output[-5000:]
     summary = job.summary
-    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}
+    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}, job.output[-6000:]
     assert summary["resumed_from"].endswith("snapshot-epoch0001.pt") and summary["epochs"] == 3
     record = attempts(run_dir)
     assert record["restarts"] == 1 and record["excluded_hosts"] == ["nodeb"]
@@ -61,6 +61,11 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], ["nodeb"])
     assert first["status"] != 0 and "without nodeb" in first["decision"]
     assert second["status"] == 0 and second["cause"] is None and "--resume" in second["command"]
+    # killed inside step 30 (the last step in metrics.jsonl is 29), resumed from the epoch-1 snapshot at step 22
+    assert (first["failed_at_step"], first["resumed_at_step"], first["steps_lost"]) == (29, 22, 7)
+    in_summary = summary["attempts"]["attempts"]
+    assert [a["cause"] for a in in_summary] == ["killed"] and in_summary[0]["steps_lost"] == 7
+    assert summary["attempts"]["excluded_hosts"] == ["nodeb"]
 
 
 def test_a_bad_flag_is_one_attempt_and_exit_2(tmp_path):

@@ -112,3 +112,26 @@ def test_the_hang_record_names_the_ranks_behind_and_their_hosts(tmp_path):
     everyone = Watchdog(10, 0, 2, "rank 0/2 on a", None, lambda code: None, {0: "a", 1: "b"}, tmp_path / "all.json")
     everyone._record({0: progress[0], 1: progress[0]})
     assert read(tmp_path / "all.json").hosts == []  # all stuck at one step: no host stands out
+
+
+def test_the_summary_learns_the_steps_lost_of_the_failure_before_it(tmp_path):
+    from mpiddp.failure import read_attempts
+
+    assert read_attempts(tmp_path, 22) is None
+    (tmp_path / "attempts.json").write_text(json.dumps(
+        {"restarts": 1, "attempts": [{"cause": "killed", "failed_at_step": 29, "steps_lost": None}]}))
+    attempt = read_attempts(tmp_path, 22)["attempts"][0]
+    assert (attempt["resumed_at_step"], attempt["steps_lost"]) == (22, 7)
+
+
+def test_the_supervisor_finds_where_the_next_attempt_resumed(tmp_path):
+    from mpiddp.launch.supervisor import Attempt, Plan, Supervisor, last_logged_step, start_step
+
+    lines = [{"kind": "start", "step": 0, "time": 1.0}, {"kind": "step", "step": 29, "time": 2.0},
+             {"kind": "start", "step": 22, "time": 11.0}, {"kind": "step", "step": 40, "time": 12.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + "{torn")
+    assert last_logged_step(tmp_path) == 40 and start_step(tmp_path, 10.0) == 22 and start_step(tmp_path, 20.0) is None
+    supervisor = Supervisor(Plan("train", [], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi"), env={})
+    supervisor.attempts = [Attempt(0, [], [], 0.5, failed_at_step=29), Attempt(1, [], [], 10.0)]
+    supervisor._count_steps_lost()
+    assert (supervisor.attempts[0].resumed_at_step, supervisor.attempts[0].steps_lost) == (22, 7)

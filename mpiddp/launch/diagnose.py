@@ -18,6 +18,9 @@ EXIT_USER_ERROR, EXIT_STOPPED, EXIT_HANG, EXIT_INTERRUPTED = 2, 3, 4, 130  # as 
 
 # Open MPI 5: "prterun noticed that process rank 1 with PID 1234 on node nodeb exited on signal 9 (Killed)."
 OPENMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?)\.? exited on\s+signal (\d+)")
+# Open MPI, when a survivor's MPI noticed first (its abort may then be all prterun reports):
+# "An MPI communication peer process has unexpectedly disconnected. ... Local host: nodea ... Peer host: nodeb"
+OPENMPI_PEER_LOST = re.compile(r"peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)", re.DOTALL)
 # MPICH/Hydra: "=   RANK 1 PID 1234 RUNNING AT nodeb" then "=   KILLED BY SIGNAL: 9 (Killed)"
 HYDRA_SIGNAL = re.compile(r"RANK (\d+) PID \d+ RUNNING AT (\S+)\s*\n=?\s*KILLED BY SIGNAL: (\d+)")
 # srun: "srun: error: nodeb: task 1: Killed" or "tasks 2-3: Segmentation fault"
@@ -49,7 +52,8 @@ def killed_by_signal(output: str) -> tuple[tuple[int, ...], tuple[str, ...], int
         for rank in _task_ranks(match.group(2)):
             found.append((rank, match.group(1), SRUN_SIGNALS[match.group(3)]))
     if not found:
-        return None
+        lost = list(dict.fromkeys(match.group(1) for match in OPENMPI_PEER_LOST.finditer(output)))
+        return ((), tuple(lost), signal.SIGKILL) if lost else None
     ranks = tuple(sorted({rank for rank, _, _ in found}))
     hosts = tuple(dict.fromkeys(host for _, host, _ in found))
     return ranks, hosts, found[0][2]
@@ -68,10 +72,11 @@ def diagnose(status: int, record: FailureRecord | None, output: str) -> Failure:
     killed = killed_by_signal(output)
     if killed is not None and (record is None or record.kind in ("exception", "exit")):
         ranks, hosts, signum = killed
-        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+        name = signal.Signals(signum).name if signum in set(signal.Signals) else f"signal {signum}"
         step = record.step if record is not None else None
-        return Failure("killed", status, ranks, hosts,
-                       f"rank {', '.join(map(str, ranks))} on {', '.join(hosts)} killed by {name}", step, "launcher output")
+        who = f"rank {', '.join(map(str, ranks))} on " if ranks else "a rank on "
+        return Failure("killed", status, ranks, hosts, f"{who}{', '.join(hosts)} died ({name} or lost)", step,
+                       "launcher output")
     if record is not None:
         return Failure(record.kind, status, tuple(record.ranks), tuple(record.hosts), record.message, record.step,
                        "failure record")

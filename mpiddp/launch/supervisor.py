@@ -19,12 +19,12 @@ from types import FrameType
 from typing import Any
 
 from mpiddp import failure
+from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import build_command
 from mpiddp.launch.diagnose import Failure, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import decide
 
-ATTEMPTS_FILE = "attempts.json"
 FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # read by the job's topology only
 RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # the job exports it to scripts as TORCHELASTIC_RESTART_COUNT
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -64,6 +64,8 @@ class Attempt:
     failed_at_step: int | None = None
     excluded_hosts: list[str] = field(default_factory=list)  # after this attempt
     decision: str = ""
+    resumed_at_step: int | None = None  # where the next attempt resumed (training)
+    steps_lost: int | None = None  # failed_at_step - resumed_at_step (a lower bound when no rank named its step)
 
 
 def inner_for(plan: Plan, number: int) -> list[str]:
@@ -86,20 +88,42 @@ def drop_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-def last_logged_step(run_dir: Path) -> int | None:
-    """The last training step in metrics.jsonl: where a rank that wrote no record had got to, at least."""
+def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
+    """The world ranks on hosts `names`, when ranks fill each host's slots in list order (--map-by slot, srun's block)."""
+    ranks, first = [], 0
+    for host in hosts:
+        if host.name in names:
+            ranks.extend(range(first, first + host.slots))
+        first += host.slots
+    return tuple(ranks)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
-        return None
-    for line in reversed(lines):
+        return []
+    records = []
+    for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record.get("kind") != "start":
-            return record["step"]
-    return None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def last_logged_step(run_dir: Path) -> int | None:
+    """The last training step in metrics.jsonl: where a rank that wrote no record had got to, at least."""
+    steps = [r["step"] for r in _metrics(run_dir) if r.get("kind") != "start"]
+    return steps[-1] if steps else None
+
+
+def start_step(run_dir: Path, since: float) -> int | None:
+    """The step a training attempt that began at `since` started from (its `start` record in metrics.jsonl)."""
+    steps = [r["step"] for r in _metrics(run_dir) if r.get("kind") == "start" and r.get("time", 0) >= since]
+    return steps[-1] if steps else None
 
 
 class Supervisor:
@@ -120,6 +144,7 @@ class Supervisor:
         hosts_now, excluded = self._first_hosts(), list(self.plan.excluded)
         for number in range(self.plan.max_restarts + 1):
             attempt, output = self._attempt(number, hosts_now, excluded)
+            self._count_steps_lost()
             if attempt.status == 0 or self.stop_signal:
                 attempt.decision = "finished" if attempt.status == 0 else (
                     f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched")
@@ -131,6 +156,8 @@ class Supervisor:
             found = diagnose(attempt.status or 1, failure.read(self.failure_file), output)
             if found.step is None:
                 found = Failure(**{**asdict(found), "step": last_logged_step(self.plan.run_dir)})
+            if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
+                found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
             decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
@@ -181,6 +208,15 @@ class Supervisor:
         if self.child is not None and self.child.poll() is None:
             # SIGUSR1 makes every rank stop at the same step, save and exit 3 (srun and mpirun hand it on)
             os.kill(self.child.pid, signal.SIGUSR1)
+
+    def _count_steps_lost(self) -> None:
+        """Now that the latest attempt has run, the one before it learns where training resumed."""
+        if len(self.attempts) < 2 or self.plan.mode != "train":
+            return
+        before, latest = self.attempts[-2], self.attempts[-1]
+        before.resumed_at_step = start_step(self.plan.run_dir, latest.started_at)
+        if before.resumed_at_step is not None and before.failed_at_step is not None:
+            before.steps_lost = max(0, before.failed_at_step - before.resumed_at_step)
 
     def _save(self) -> None:
         write_attempts(self.plan.run_dir / ATTEMPTS_FILE, self.attempts)
