@@ -9,7 +9,9 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,8 +33,10 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, label: str, store: Any,
                  abort: Callable[[int], None], host_of_rank: dict[int, str] | None = None,
-                 failure_file: Path | None = None) -> None:
+                 failure_file: Path | None = None, run_dir: Path | None = None) -> None:
         self.timeout_s = timeout_s
+        self.interval = min(5.0, max(0.5, timeout_s / 10))
+        self.run_dir = run_dir  # where the hang file goes (None: stderr only)
         self.host_of_rank = host_of_rank or {}
         self.failure_file = failure_file
         self.rank, self.world_size, self.label = rank, world_size, label
@@ -56,7 +60,7 @@ class Watchdog:
         topo = dist.topology
         host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
         return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
-                   failure_path(topo.failure_file, run_dir))
+                   failure_path(topo.failure_file, run_dir), run_dir)
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
@@ -74,8 +78,7 @@ class Watchdog:
         self.store.set(f"mpiddp/progress/{self.rank}", json.dumps(record))
 
     def _watch(self) -> None:
-        interval = min(5.0, max(0.5, self.timeout_s / 10))
-        while not self.stopped.wait(interval):
+        while not self.stopped.wait(self.interval):
             try:
                 self._publish()
             except Exception:  # the store is gone: the job is ending anyway
@@ -88,21 +91,62 @@ class Watchdog:
         idle = time.monotonic() - self.last_beat
         lines = [f"mpiddp: hang watchdog: {self.label} made no progress for {idle:.0f} s "
                  f"(--hang-timeout {self.timeout_s:g}); it is in phase {self.phase!r} after step {self.step}"]
+        stacks = own_stacks()
+        first, progress = False, {}
+        hang_file = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt" if self.run_dir else None
         try:
-            if self.store.add("mpiddp/hang-reports", 1) == 1:  # the first rank to fire describes the job
+            # before claiming the report, so the rank that writes the hang file finds these stacks too
+            self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label}\n{stacks}")
+            first = self.store.add("mpiddp/hang-reports", 1) == 1
+            if first:  # the first rank to fire describes the job
                 progress = self._progress_of_all()
                 lines.append(describe_progress(progress))
-                self._record(progress)
+                self._record(progress, hang_file)
         except Exception as exc:
             lines.append(f"(progress of the other ranks unavailable: {exc})")
-        sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n")
+        sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n{stacks}")
         sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        time.sleep(GRACE_S)  # let the other ranks' watchdogs print their stacks before the abort
+        # the other ranks' watchdogs fire within about one interval: time for them to dump their stacks too
+        deadline = time.monotonic() + GRACE_S + self.interval
+        if first and hang_file is not None:
+            self._write_hang_file(hang_file, lines, progress, deadline)
+        time.sleep(max(0.0, deadline - time.monotonic()))
         self.abort(EXIT_HANG)
 
-    def _record(self, progress: dict[int, dict[str, Any]]) -> None:
+    def _write_hang_file(self, path: Path, lines: list[str], progress: dict[int, dict[str, Any]],
+                         deadline: float) -> None:
+        """One file with the ranks behind, their hosts, and every rank's stacks, gathered through the store."""
+        keys = {rank: f"mpiddp/stacks/{rank}" for rank in range(self.world_size)}
+        stacks: dict[int, str] = {}
+        try:
+            while True:  # polling the store with a deadline: a stopped or dead rank never answers
+                for rank, key in keys.items():
+                    if rank not in stacks and self.store.check([key]):
+                        stacks[rank] = self.store.get(key).decode(errors="replace")
+                if len(stacks) == self.world_size or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        except Exception as exc:  # the store went away: write what arrived
+            lines = [*lines, f"(gathering stacks stopped: {exc})"]
+        behind = ranks_behind(progress, self.world_size)
+        text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines,
+                "ranks behind: " + (", ".join(f"{r} on {self.host_of_rank.get(r, '?')}" for r in behind) or "unknown"), ""]
+        for rank in range(self.world_size):
+            where = f"rank {rank} on {self.host_of_rank.get(rank, '?')}"
+            if rank in stacks:
+                text += [f"==== Python stacks of {stacks[rank]}", ""]
+            else:
+                text += [f"==== {where}: no stacks (stopped, dead, or its watchdog did not fire in time)", ""]
+        try:
+            temporary = path.with_name(f".{path.name}.tmp")
+            temporary.write_text("\n".join(text))
+            os.replace(temporary, path)
+            sys.stderr.write(f"mpiddp: hang report with every rank's stacks: {path}\n")
+        except OSError as exc:
+            sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
+        sys.stderr.flush()
+
+    def _record(self, progress: dict[int, dict[str, Any]], hang_file: Path | None = None) -> None:
         """The failure record for the supervisor: the ranks behind and their hosts (a file, no message to a peer)."""
         if self.failure_file is None:
             return
@@ -113,13 +157,22 @@ class Watchdog:
         steps = [p["step"] for p in progress.values()]
         write_first(self.failure_file, FailureRecord(
             "hang", behind, hosts, f"no progress for {self.timeout_s:g} s (--hang-timeout) on rank(s) "
-            f"{', '.join(map(str, behind))}", step=min(steps) if steps else self.step))
+            f"{', '.join(map(str, behind))}{f'; stacks in {hang_file}' if hang_file else ''}",
+            step=min(steps) if steps else self.step))
 
     def _progress_of_all(self) -> dict[int, dict[str, Any]]:
         keys = [f"mpiddp/progress/{rank}" for rank in range(self.world_size)]
         present = [k for k in keys if self.store.check([k])]
         values = self.store.multi_get(present) if present else []
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in zip(present, values)}
+
+
+def own_stacks() -> str:
+    """Every thread's Python stack in this process, as faulthandler writes it (it needs a real file)."""
+    with tempfile.TemporaryFile("w+") as out:
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.seek(0)
+        return out.read()
 
 
 def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int) -> list[int]:

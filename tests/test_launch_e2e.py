@@ -105,3 +105,16 @@ def test_sigusr1_to_the_supervisor_saves_exits_3_and_is_not_relaunched(tmp_path)
     assert len(record["attempts"]) == 1 and record["attempts"][0]["cause"] == "stopped"
     assert "not relaunched" in record["attempts"][0]["decision"]
     assert list((run_dir / "checkpoints").glob("snapshot-*.pt"))
+
+
+def test_a_hang_is_explained_in_one_file(run_job):
+    job = run_job(3, "--epochs", "3", *FAST, "--inject-fault", "stall:1:4", "--hang-timeout", "8", timeout=120)
+    assert job.returncode == 4, job.output[-3000:]
+    (hang_file,) = job.run_dir.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on " in text
+    for rank in range(3):
+        assert f"==== Python stacks of rank {rank}/3 on " in text, text[-3000:]
+    assert "in inject_fault" in text  # the stalled rank's own stack shows where it is stuck
+    record = json.loads((job.run_dir / "failure.json").read_text())
+    assert record["kind"] == "hang" and record["ranks"] == [1] and hang_file.name in record["message"]

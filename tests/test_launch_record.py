@@ -135,3 +135,55 @@ def test_the_supervisor_finds_where_the_next_attempt_resumed(tmp_path):
     supervisor.attempts = [Attempt(0, [], [], 0.5, failed_at_step=29), Attempt(1, [], [], 10.0)]
     supervisor._count_steps_lost()
     assert (supervisor.attempts[0].resumed_at_step, supervisor.attempts[0].steps_lost) == (22, 7)
+
+
+class DictStore:
+    """The few TCPStore calls the watchdog makes, in memory."""
+
+    def __init__(self):
+        self.data, self.counters = {}, {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def add(self, key, amount):
+        self.counters[key] = self.counters.get(key, 0) + amount
+        return self.counters[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+    def multi_get(self, keys):
+        return [self.data[k] for k in keys]
+
+
+@pytest.mark.parametrize("rank_1_answers", [True, False])
+def test_a_hang_leaves_one_file_with_the_ranks_behind_and_every_ranks_stacks(tmp_path, monkeypatch, capsys,
+                                                                              rank_1_answers):
+    import mpiddp.watchdog as watchdog_module
+
+    monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
+    store = DictStore()
+    store.set("mpiddp/progress/0", json.dumps({"step": 5, "phase": "train", "idle_s": 9}))
+    store.set("mpiddp/progress/1", json.dumps({"step": 4, "phase": "train", "idle_s": 12}))
+    if rank_1_answers:  # its watchdog fired too (a stall); a SIGSTOPped rank gives nothing
+        store.set("mpiddp/stacks/1", "rank 1/2 on hostb\nThread 0x1 (most recent call first):\n  File \"x.py\", line 1 in stuck_here\n")
+    aborted = []
+    watchdog = Watchdog(0.1, 0, 2, "rank 0/2 on hosta", store, aborted.append, {0: "hosta", 1: "hostb"},
+                        tmp_path / FAILURE_FILE, tmp_path)
+    watchdog._fire()
+    assert aborted == [4]
+    (hang_file,) = tmp_path.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on hostb" in text
+    assert "==== Python stacks of rank 0/2 on hosta" in text and "in _fire" in text  # this rank's own stacks
+    if rank_1_answers:
+        assert "==== Python stacks of rank 1/2 on hostb" in text and "stuck_here" in text
+    else:
+        assert "==== rank 1 on hostb: no stacks" in text
+    record = read(tmp_path / FAILURE_FILE)
+    assert (record.kind, record.ranks, record.hosts) == ("hang", [1], ["hostb"]) and hang_file.name in record.message
+    assert f"hang report with every rank's stacks: {hang_file}" in capsys.readouterr().err
