@@ -184,6 +184,7 @@ def test_training_resumes_after_a_failure_and_a_script_keeps_its_arguments(tmp_p
     script = Plan("run", ["run", "s.py", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
     assert inner_for(script, 2) == ["run", "s.py", "--resume"]
     assert drop_option(["--resume", "x", "--a"], "--resume") == ["--a"]
+    assert drop_option(["--resume", "--epochs", "3", "--resume"], "--resume") == ["--epochs", "3"]
 
 
 def test_plan_from_the_command_line(tmp_path):

@@ -76,14 +76,14 @@ def inner_for(plan: Plan, number: int) -> list[str]:
 
 
 def drop_option(argv: list[str], name: str) -> list[str]:
-    """argv without `name VALUE` / `name=VALUE`."""
+    """argv without `name VALUE`, `name=VALUE` or a bare `name` (--resume's value is optional)."""
     out, skip = [], False
     for arg in argv:
-        if skip:
+        if skip and not arg.startswith("-"):
             skip = False
-        elif arg == name:
-            skip = True
-        elif not arg.startswith(name + "="):
+            continue
+        skip = arg == name
+        if not skip and not arg.startswith(name + "="):
             out.append(arg)
     return out
 
