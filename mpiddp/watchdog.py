@@ -74,7 +74,8 @@ class Watchdog:
         self.stopped.set()
 
     def _publish(self) -> None:
-        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1)}
+        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1),
+                  "at": time.time()}  # a record that stops being refreshed: the rank's process is stopped or gone
         self.store.set(f"mpiddp/progress/{self.rank}", json.dumps(record))
 
     def _watch(self) -> None:
@@ -92,7 +93,7 @@ class Watchdog:
         lines = [f"mpiddp: hang watchdog: {self.label} made no progress for {idle:.0f} s "
                  f"(--hang-timeout {self.timeout_s:g}); it is in phase {self.phase!r} after step {self.step}"]
         stacks = own_stacks()
-        first, progress = False, {}
+        first, progress, behind = False, {}, []
         hang_file = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt" if self.run_dir else None
         try:
             # before claiming the report, so the rank that writes the hang file finds these stacks too
@@ -100,8 +101,9 @@ class Watchdog:
             first = self.store.add("mpiddp/hang-reports", 1) == 1
             if first:  # the first rank to fire describes the job
                 progress = self._progress_of_all()
+                behind = ranks_behind(progress, self.world_size, time.time(), 3 * self.interval)
                 lines.append(describe_progress(progress))
-                self._record(progress, hang_file)
+                self._record(progress, behind, hang_file)
         except Exception as exc:
             lines.append(f"(progress of the other ranks unavailable: {exc})")
         sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n{stacks}")
@@ -109,12 +111,11 @@ class Watchdog:
         # the other ranks' watchdogs fire within about one interval: time for them to dump their stacks too
         deadline = time.monotonic() + GRACE_S + self.interval
         if first and hang_file is not None:
-            self._write_hang_file(hang_file, lines, progress, deadline)
+            self._write_hang_file(hang_file, lines, behind, deadline)
         time.sleep(max(0.0, deadline - time.monotonic()))
         self.abort(EXIT_HANG)
 
-    def _write_hang_file(self, path: Path, lines: list[str], progress: dict[int, dict[str, Any]],
-                         deadline: float) -> None:
+    def _write_hang_file(self, path: Path, lines: list[str], behind: list[int], deadline: float) -> None:
         """One file with the ranks behind, their hosts, and every rank's stacks, gathered through the store."""
         keys = {rank: f"mpiddp/stacks/{rank}" for rank in range(self.world_size)}
         stacks: dict[int, str] = {}
@@ -128,7 +129,6 @@ class Watchdog:
                 time.sleep(0.2)
         except Exception as exc:  # the store went away: write what arrived
             lines = [*lines, f"(gathering stacks stopped: {exc})"]
-        behind = ranks_behind(progress, self.world_size)
         text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines,
                 "ranks behind: " + (", ".join(f"{r} on {self.host_of_rank.get(r, '?')}" for r in behind) or "unknown"), ""]
         for rank in range(self.world_size):
@@ -146,11 +146,10 @@ class Watchdog:
             sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
         sys.stderr.flush()
 
-    def _record(self, progress: dict[int, dict[str, Any]], hang_file: Path | None = None) -> None:
+    def _record(self, progress: dict[int, dict[str, Any]], behind: list[int], hang_file: Path | None = None) -> None:
         """The failure record for the supervisor: the ranks behind and their hosts (a file, no message to a peer)."""
         if self.failure_file is None:
             return
-        behind = ranks_behind(progress, self.world_size)
         # every rank stuck at one step: no host stands out, so none is blamed (the supervisor retries on the same)
         blamed = behind if len(behind) < self.world_size else []
         hosts = list(dict.fromkeys(self.host_of_rank[r] for r in blamed if r in self.host_of_rank))
@@ -175,9 +174,12 @@ def own_stacks() -> str:
         return out.read()
 
 
-def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int) -> list[int]:
-    """The ranks at the lowest step; a rank that never reported is behind everyone."""
-    silent = [rank for rank in range(world_size) if rank not in progress]
+def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int, now: float | None = None,
+                 stale_s: float = 0.0) -> list[int]:
+    """The ranks at the lowest step; a rank that never reported, or (given `now`) whose watchdog stopped
+    reporting `stale_s` ago (a stopped or dead process), is behind everyone."""
+    silent = [rank for rank in range(world_size)
+              if rank not in progress or (now is not None and now - progress[rank].get("at", now) > stale_s)]
     if silent or not progress:
         return silent
     lowest = min(p["step"] for p in progress.values())

@@ -2,6 +2,7 @@
 graceful stops are never relaunched."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -118,3 +119,51 @@ def test_a_hang_is_explained_in_one_file(run_job):
     assert "in inject_fault" in text  # the stalled rank's own stack shows where it is stuck
     record = json.loads((job.run_dir / "failure.json").read_text())
     assert record["kind"] == "hang" and record["ranks"] == [1] and hang_file.name in record["message"]
+
+
+def rank_process_on(hosts, name, rank):
+    """The pid of world rank `rank` inside fake host `name` (found by its environment)."""
+    from pathlib import Path
+
+    pids = subprocess.run(["ip", "netns", "pids", hosts.prefix + name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"mpiddp" in cmdline:
+            return int(pid)
+    pytest.fail(f"no process of rank {rank} on {name}")
+
+
+def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_spare(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
+                             "--launcher-args", " ".join(hosts.transport_args()), "--",
+                             "--run-dir", str(run_dir), "--epochs", "30", *FAST, "--hang-timeout", "8")
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in process.stdout:
+            seen.append(line)
+            if "saved " in line and "snapshot-epoch0002.pt" in line:
+                break
+        os.kill(rank_process_on(hosts, "nodeb", 1), signal.SIGSTOP)  # alive but silent, as a wedged GPU or NFS
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = "".join(seen) + output
+    assert process.returncode == 0, output[-5000:]
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("hang", [1], ["nodeb"]), output[-5000:]
+    assert second["hosts"] == ["nodea", "nodec"] and second["status"] == 0
+    (hang_file,) = run_dir.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on nodeb" in text and "==== Python stacks of rank 0/2 on nodea" in text
+    assert "==== rank 1 on nodeb: no stacks" in text  # a stopped process cannot dump its own
+    assert json.loads((run_dir / "summary.json").read_text())["hosts"] == {"nodea": [0], "nodec": [1]}

@@ -104,13 +104,16 @@ def test_the_hang_record_names_the_ranks_behind_and_their_hosts(tmp_path):
                 2: {"step": 5, "phase": "train", "idle_s": 9}}
     assert ranks_behind(progress, 3) == [1]
     assert ranks_behind({0: progress[0]}, 3) == [1, 2]  # never reported: behind everyone
+    fresh, stale = {**progress[0], "at": 100.0}, {**progress[0], "at": 90.0}
+    assert ranks_behind({0: fresh, 1: stale, 2: fresh}, 3, now=101.0, stale_s=3.0) == [1]  # its watchdog went quiet
+    assert ranks_behind({0: fresh, 1: fresh}, 2, now=101.0, stale_s=3.0) == [0, 1]
     watchdog = Watchdog(10, 0, 3, "rank 0/3 on a", None, lambda code: None, {0: "a", 1: "b", 2: "c"},
                         tmp_path / FAILURE_FILE)
-    watchdog._record(progress)
+    watchdog._record(progress, ranks_behind(progress, 3))
     record = read(tmp_path / FAILURE_FILE)
     assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [1], ["b"], 4)
     everyone = Watchdog(10, 0, 2, "rank 0/2 on a", None, lambda code: None, {0: "a", 1: "b"}, tmp_path / "all.json")
-    everyone._record({0: progress[0], 1: progress[0]})
+    everyone._record({0: progress[0], 1: progress[0]}, [0, 1])
     assert read(tmp_path / "all.json").hosts == []  # all stuck at one step: no host stands out
 
 
