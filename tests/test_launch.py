@@ -187,6 +187,13 @@ def test_training_resumes_after_a_failure_and_a_script_keeps_its_arguments(tmp_p
     assert drop_option(["--resume", "--epochs", "3", "--resume"], "--resume") == ["--epochs", "3"]
 
 
+def test_help_needs_no_job(capsys):
+    from mpiddp.launch.cli import main
+
+    assert main(["--help"]) == 0
+    assert "relaunch" in capsys.readouterr().out
+
+
 def test_plan_from_the_command_line(tmp_path):
     plan = make_plan(["-H", "a:1,b:1,c:1", "-np", "2", "--exclude", "a", "--launcher", "mpirun",
                       "--", "--epochs", "1", "--runs-root", str(tmp_path)], {})

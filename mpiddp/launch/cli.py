@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
 
 def split_job(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
+        if "-h" in argv or "--help" in argv:
+            parser().parse_args(argv)  # prints the help and exits 0
         raise LaunchError(f"give the job after `--`: {USAGE}")
     at = argv.index("--")
     return argv[:at], argv[at + 1:]
