@@ -167,3 +167,21 @@ def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_s
     assert "ranks behind: 1 on nodeb" in text and "==== Python stacks of rank 0/2 on nodea" in text
     assert "==== rank 1 on nodeb: no stacks" in text  # a stopped process cannot dump its own
     assert json.loads((run_dir / "summary.json").read_text())["hosts"] == {"nodea": [0], "nodec": [1]}
+
+
+def test_a_script_killed_once_is_relaunched_with_the_restart_count(tmp_path):
+    script = tmp_path / "resumes_itself.py"
+    script.write_text(
+        "import os, signal\n"
+        "restart, rank = os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['RANK']\n"
+        "if restart == '0' and rank == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would\n"
+        "print(f'rank {rank} finished in restart {restart}', flush=True)\n"
+    )
+    run_dir = tmp_path / "launch"
+    job = run_command(launch_command("-np", "2", "--run-dir", str(run_dir), "--", "run", str(script)), run_dir,
+                      timeout=180, env=job_env())
+    assert job.returncode == 0, job.output[-3000:]
+    assert "rank 1 finished in restart 1" in job.output and "rank 1 finished in restart 0" not in job.output
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_ranks"]) == ("killed", [1]) and second["status"] == 0
