@@ -22,7 +22,8 @@ from mpiddp.netif import (Interface, Reach, choose_network, interfaces_toward, l
                           reach, resolve_ipv4)
 from mpiddp.stopping import Stopped
 from mpiddp.mpistart import init_mpi
-from mpiddp.topology import Topology, build_topology, check_launcher, gather_records, launcher_restarts
+from mpiddp.topology import (Topology, build_topology, check_launcher, gather_records, launcher_restarts,
+                             supervisor_failure_file)
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ def connect(guard: FailFast | None = None) -> Dist:
     records, mpi_library = gather_records(comm)
     topology = agree_on(transport, lambda: build_topology(transport.rank, records, mpi_library))
     # Rank 0's view of the launcher's restart count is the job's (every rank must decide alike).
-    restarts = transport.bcast(launcher_restarts(os.environ))
-    dist = Dist(dataclasses.replace(topology, restarts=restarts, mpi_settings=mpi_settings), transport)
+    restarts, failure_file = transport.bcast((launcher_restarts(os.environ), supervisor_failure_file(os.environ)))
+    dist = Dist(dataclasses.replace(topology, restarts=restarts, mpi_settings=mpi_settings, failure_file=failure_file),
+                transport)
     if guard is not None:
         guard.dist = dist
     return dist
@@ -290,7 +292,7 @@ def export_environment(topo: Topology, address: str, port: int) -> None:
         MASTER_ADDR=address,
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
-        TORCHELASTIC_RESTART_COUNT=str(topo.restarts),  # the scheduler's requeues (Slurm), as torchrun's restarts
+        TORCHELASTIC_RESTART_COUNT=str(topo.restarts),  # requeues and relaunches: a script that resumes itself reads this
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_RUN_ID=f"mpiddp-{address}-{port}",
     )

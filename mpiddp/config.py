@@ -30,7 +30,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 START_METHODS = ("forkserver", "spawn", "fork")
 PROGRESS = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "slow-data", "slow-compute", "signal", "signal-eval")
+FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "signal", "signal-eval")
 MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"
 T = TypeVar("T")
 ALL_RANKS = -1
@@ -42,7 +42,8 @@ class ConfigError(UserError):
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """A deliberate failure for testing: `KIND:RANK:STEP`; KIND raise, exit0, exit1 or stall, or a straggler from
+    """A deliberate failure for testing: `KIND:RANK:STEP`; KIND raise, exit0, exit1 or stall, kill (SIGKILL of the
+    rank's own process, only in a run that is not resumed, so a relaunch gets past it), or a straggler from
     STEP on: slow-data or slow-compute, or a stop drill: signal (SIGUSR1 to the rank's process group after step
     STEP; STEP 0: once the first batch is loaded) or signal-eval (the same in the evaluation at step STEP);
     RANK a number or `all`."""

@@ -7,10 +7,12 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mpiddp.errors import AgreedError, ScriptError, ScriptExit, UserError
+from mpiddp.failure import FailureRecord, failure_path, write_first
 from mpiddp.topology import LauncherMismatch
 
 if TYPE_CHECKING:
@@ -36,6 +38,11 @@ class FailFast:
         self.dist: Dist | None = None  # set by the bootstrap as soon as MPI is up
         # Once the rendezvous store exists: True for the first failing rank only, so one full report is printed.
         self.claim_report: Callable[[], bool] | None = None
+        self.run_dir: Path | None = None  # where the failure record goes once known (set_run_dir)
+
+    def set_run_dir(self, run_dir: Path) -> None:
+        """From now on a failure leaves RUN_DIR/failure.json (unless the supervisor named another file)."""
+        self.run_dir = run_dir
 
     def __enter__(self) -> FailFast:
         return self
@@ -46,6 +53,7 @@ class FailFast:
         if exc is None:
             return False
         code, text = self.decide(exc)
+        self.write_record(exc, code)
         if text:
             _report(text, to_stdout=isinstance(exc, AgreedError) and exc.to_stdout)
         if not isinstance(exc, (AgreedError, LauncherMismatch)) and self.dist is not None and self.dist.world_size > 1:
@@ -81,6 +89,33 @@ class FailFast:
             formatted = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
             return EXIT_CRASH, f"mpiddp: {where} failed; ending the job.\n{formatted}"
         return EXIT_CRASH, f"mpiddp: {where} also failed: {type(exc).__name__}: {exc}"
+
+    def record(self, exc: BaseException, code: int) -> FailureRecord | None:
+        """The failure record this rank would leave, or None (help, or an agreed error off rank 0). Pure."""
+        rank = 0 if self.dist is None else self.dist.rank
+        host = self.dist.topology.hostname if self.dist is not None else socket.gethostname()
+        message = (str(exc).strip() or type(exc).__name__).splitlines()[0][:500]
+        if isinstance(exc, (AgreedError, LauncherMismatch)):
+            if code == EXIT_OK or rank != 0:  # every rank raised it together: rank 0 speaks, and no host is at fault
+                return None
+            return FailureRecord("user_error" if code == EXIT_USER_ERROR else "exit", [], [], message)
+        if isinstance(exc, UserError):
+            kind = "user_error"
+        elif isinstance(exc, (ScriptExit, SystemExit)):
+            kind = "exit"
+        elif isinstance(exc, KeyboardInterrupt):
+            kind = "stopped"
+        else:
+            kind = "exception"
+            message = f"{type(exc).__name__}: {message}"
+        return FailureRecord(kind, [rank], [host], message)
+
+    def write_record(self, exc: BaseException, code: int) -> None:
+        """Leave the failure record for the supervisor, first rank wins; a file only, never a message to a peer."""
+        path = failure_path(self.dist.topology.failure_file if self.dist is not None else "", self.run_dir)
+        record = self.record(exc, code) if path is not None else None
+        if path is not None and record is not None:
+            write_first(path, record)
 
     def _first_to_report(self) -> bool:
         if self.claim_report is None:

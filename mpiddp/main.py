@@ -14,6 +14,7 @@ from mpiddp.collective import Dist
 from mpiddp.config import Config, parse_args
 from mpiddp.errors import UserError
 from mpiddp.failfast import EXIT_OK, EXIT_STOPPED, FailFast
+from mpiddp.failure import read_attempts
 from mpiddp.log import setup_logging
 from mpiddp.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.rundir import prepare_run_dir, write_json_atomic
@@ -22,7 +23,7 @@ from mpiddp.stopping import Stopped, StopRequest
 
 log = logging.getLogger("mpiddp")
 
-COMMANDS = ("train", "run", "check", "report")
+COMMANDS = ("train", "run", "check", "report", "launch")
 
 
 def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
@@ -129,6 +130,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     startup.mark("data")
     state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
     restored = resume(cfg, dist, state, checkpoint_dir)
+    resumed_at_step = state.step
     startup.mark("model")
     if state.epoch >= cfg.epochs:
         log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
@@ -145,7 +147,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
                     "resumed_from": str(restored[0]) if restored else None, "time": time.time()})
     startup.mark("logger")
-    watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist).start()
+    watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist, run_dir).start()
 
     def save(train_state: TrainState) -> None:
         watchdog.beat("save", train_state.step)
@@ -170,6 +172,10 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         wandb_run_id=wandb_run_id,
         grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
     )
+    # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
+    attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file else None
+    if attempts is not None:
+        summary["attempts"] = attempts
     dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
     return summary
 
@@ -189,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         from mpiddp import report
 
         return report.main(args)
+    if command == "launch":  # the supervisor: outside MPI, it starts the launcher itself
+        from mpiddp.launch.cli import main as launch
+
+        return launch(args)
     startup = StartupClock(process_start_time())
     startup.mark("interpreter_and_imports")
     if command == "run":  # the user's own script: its signals are its own, as under torchrun
@@ -217,6 +227,7 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
         log.info("config: %s", cfg.to_dict())
         log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
         run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, dist)
+        guard.set_run_dir(run_dir)
         startup.mark("preflight")
         try:
             with distributed(cfg, dist, guard) as placed:

@@ -51,6 +51,7 @@ class Topology:
     mpi_library: str = "unknown"
     mpi_settings: str = ""  # what mpiddp set for MPI before starting it (mpistart), '' when nothing
     restarts: int = 0  # the scheduler requeued this job this many times (then training resumes by itself)
+    failure_file: str = ""  # where the supervisor (`launch`) reads why the job failed; '' for RUN_DIR/failure.json
 
     @property
     def is_main(self) -> bool:
@@ -183,9 +184,15 @@ def mismatch_message(info: LauncherInfo, mpi_library: str, mpi4py_file: str, pyt
 
 
 def launcher_restarts(env: Mapping[str, str]) -> int:
-    """How many times the scheduler has restarted this job (Slurm's requeue keeps the job id and counts here)."""
-    value = env.get("SLURM_RESTART_COUNT", "0")
-    return int(value) if value.isdigit() else 0
+    """How many times the scheduler has restarted this job (Slurm's requeue keeps the job id and counts here),
+    or the supervisor (`python -m mpiddp launch` counts its relaunches in MPIDDP_RESTART_COUNT)."""
+    values = (env.get("SLURM_RESTART_COUNT", "0"), env.get("MPIDDP_RESTART_COUNT", "0"))
+    return max(int(value) if value.isdigit() else 0 for value in values)
+
+
+def supervisor_failure_file(env: Mapping[str, str]) -> str:
+    """The failure record's path the supervisor asked for (MPIDDP_FAILURE_FILE), '' when not supervised."""
+    return env.get("MPIDDP_FAILURE_FILE", "")
 
 
 def mpi_library_version() -> str:

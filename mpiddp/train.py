@@ -172,11 +172,16 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, am
     return float(correct.item()), float(loss_sum.item()), float(count)
 
 
-def inject_fault(fault: FaultInjection | None, rank: int, step: int) -> None:
+def inject_fault(fault: FaultInjection | None, rank: int, step: int, resumed: bool = False) -> None:
     """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or fault.kind.startswith(("slow-", "signal")) or not fault.hits(rank, step):
+    if fault is None or fault.kind.startswith(("slow-", "signal")) or not fault.hits(rank, step) or \
+            (fault.kind == "kill" and resumed):
         return
     log.warning("injecting fault %r at step %d", fault.kind, step)
+    if fault.kind == "kill":
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would: no record, no report
     if fault.kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if fault.kind == "stall":
@@ -255,7 +260,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         clock.step_done(images)
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
-        inject_fault(cfg.inject_fault, dist.rank, state.step)
+        inject_fault(cfg.inject_fault, dist.rank, state.step, resumed=cfg.resume is not None or dist.topology.restarts > 0)
         stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
         batches_seen += len(group)
         totals.add(loss_sum, images)

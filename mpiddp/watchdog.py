@@ -9,15 +9,19 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from mpiddp.collective import Dist
 from mpiddp.failfast import EXIT_HANG
+from mpiddp.failure import FailureRecord, failure_path, write_first
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +32,13 @@ class Watchdog:
     """beat(phase, step) from the main thread; the thread fires when beats stop for `timeout_s`."""
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, label: str, store: Any,
-                 abort: Callable[[int], None]) -> None:
+                 abort: Callable[[int], None], host_of_rank: dict[int, str] | None = None,
+                 failure_file: Path | None = None, run_dir: Path | None = None) -> None:
         self.timeout_s = timeout_s
+        self.interval = min(5.0, max(0.5, timeout_s / 10))
+        self.run_dir = run_dir  # where the hang file goes (None: stderr only)
+        self.host_of_rank = host_of_rank or {}
+        self.failure_file = failure_file
         self.rank, self.world_size, self.label = rank, world_size, label
         self.store = store
         self.abort = abort
@@ -39,7 +48,7 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
 
     @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist) -> Watchdog:
+    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
         """A watchdog with its own connection to the rendezvous store (none when it is turned off)."""
         store = None
         if timeout_s > 0:
@@ -48,7 +57,10 @@ class Watchdog:
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
             store = tdist.TCPStore(dist.rendezvous.master_addr, dist.rendezvous.master_port, dist.world_size,
                                    False, timeout=timedelta(seconds=10))
-        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread)
+        topo = dist.topology
+        host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
+        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
+                   failure_path(topo.failure_file, run_dir), run_dir)
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
@@ -62,12 +74,12 @@ class Watchdog:
         self.stopped.set()
 
     def _publish(self) -> None:
-        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1)}
+        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1),
+                  "at": time.time()}  # a record that stops being refreshed: the rank's process is stopped or gone
         self.store.set(f"mpiddp/progress/{self.rank}", json.dumps(record))
 
     def _watch(self) -> None:
-        interval = min(5.0, max(0.5, self.timeout_s / 10))
-        while not self.stopped.wait(interval):
+        while not self.stopped.wait(self.interval):
             try:
                 self._publish()
             except Exception:  # the store is gone: the job is ending anyway
@@ -80,23 +92,98 @@ class Watchdog:
         idle = time.monotonic() - self.last_beat
         lines = [f"mpiddp: hang watchdog: {self.label} made no progress for {idle:.0f} s "
                  f"(--hang-timeout {self.timeout_s:g}); it is in phase {self.phase!r} after step {self.step}"]
+        stacks = own_stacks()
+        first, progress, behind = False, {}, []
+        hang_file = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt" if self.run_dir else None
         try:
-            if self.store.add("mpiddp/hang-reports", 1) == 1:  # the first rank to fire describes the job
-                lines.append(describe_progress(self._progress_of_all()))
+            # before claiming the report, so the rank that writes the hang file finds these stacks too
+            self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label}\n{stacks}")
+            first = self.store.add("mpiddp/hang-reports", 1) == 1
+            if first:  # the first rank to fire describes the job
+                progress = self._progress_of_all()
+                behind = ranks_behind(progress, self.world_size, time.time(), 3 * self.interval)
+                lines.append(describe_progress(progress))
+                self._record(progress, behind, hang_file)
         except Exception as exc:
             lines.append(f"(progress of the other ranks unavailable: {exc})")
-        sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n")
+        sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n{stacks}")
         sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        time.sleep(GRACE_S)  # let the other ranks' watchdogs print their stacks before the abort
+        # the other ranks' watchdogs fire within about one interval: time for them to dump their stacks too
+        deadline = time.monotonic() + GRACE_S + self.interval
+        if first and hang_file is not None:
+            self._write_hang_file(hang_file, lines, behind, deadline)
+        time.sleep(max(0.0, deadline - time.monotonic()))
         self.abort(EXIT_HANG)
+
+    def _write_hang_file(self, path: Path, lines: list[str], behind: list[int], deadline: float) -> None:
+        """One file with the ranks behind, their hosts, and every rank's stacks, gathered through the store."""
+        keys = {rank: f"mpiddp/stacks/{rank}" for rank in range(self.world_size)}
+        stacks: dict[int, str] = {}
+        try:
+            while True:  # polling the store with a deadline: a stopped or dead rank never answers
+                for rank, key in keys.items():
+                    if rank not in stacks and self.store.check([key]):
+                        stacks[rank] = self.store.get(key).decode(errors="replace")
+                if len(stacks) == self.world_size or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        except Exception as exc:  # the store went away: write what arrived
+            lines = [*lines, f"(gathering stacks stopped: {exc})"]
+        text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines,
+                "ranks behind: " + (", ".join(f"{r} on {self.host_of_rank.get(r, '?')}" for r in behind) or "unknown"), ""]
+        for rank in range(self.world_size):
+            where = f"rank {rank} on {self.host_of_rank.get(rank, '?')}"
+            if rank in stacks:
+                text += [f"==== Python stacks of {stacks[rank]}", ""]
+            else:
+                text += [f"==== {where}: no stacks (stopped, dead, or its watchdog did not fire in time)", ""]
+        try:
+            temporary = path.with_name(f".{path.name}.tmp")
+            temporary.write_text("\n".join(text))
+            os.replace(temporary, path)
+            sys.stderr.write(f"mpiddp: hang report with every rank's stacks: {path}\n")
+        except OSError as exc:
+            sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
+        sys.stderr.flush()
+
+    def _record(self, progress: dict[int, dict[str, Any]], behind: list[int], hang_file: Path | None = None) -> None:
+        """The failure record for the supervisor: the ranks behind and their hosts (a file, no message to a peer)."""
+        if self.failure_file is None:
+            return
+        # every rank stuck at one step: no host stands out, so none is blamed (the supervisor retries on the same)
+        blamed = behind if len(behind) < self.world_size else []
+        hosts = list(dict.fromkeys(self.host_of_rank[r] for r in blamed if r in self.host_of_rank))
+        steps = [p["step"] for p in progress.values()]
+        write_first(self.failure_file, FailureRecord(
+            "hang", behind, hosts, f"no progress for {self.timeout_s:g} s (--hang-timeout) on rank(s) "
+            f"{', '.join(map(str, behind))}{f'; stacks in {hang_file}' if hang_file else ''}",
+            step=min(steps) if steps else self.step))
 
     def _progress_of_all(self) -> dict[int, dict[str, Any]]:
         keys = [f"mpiddp/progress/{rank}" for rank in range(self.world_size)]
         present = [k for k in keys if self.store.check([k])]
         values = self.store.multi_get(present) if present else []
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in zip(present, values)}
+
+
+def own_stacks() -> str:
+    """Every thread's Python stack in this process, as faulthandler writes it (it needs a real file)."""
+    with tempfile.TemporaryFile("w+") as out:
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.seek(0)
+        return out.read()
+
+
+def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int, now: float | None = None,
+                 stale_s: float = 0.0) -> list[int]:
+    """The ranks at the lowest step; a rank that never reported, or (given `now`) whose watchdog stopped
+    reporting `stale_s` ago (a stopped or dead process), is behind everyone."""
+    silent = [rank for rank in range(world_size)
+              if rank not in progress or (now is not None and now - progress[rank].get("at", now) > stale_s)]
+    if silent or not progress:
+        return silent
+    lowest = min(p["step"] for p in progress.values())
+    return sorted(rank for rank, p in progress.items() if p["step"] == lowest)
 
 
 def describe_progress(progress: dict[int, dict[str, Any]]) -> str:

@@ -1,0 +1,85 @@
+"""Why an attempt failed: the job's failure record first, else what the launcher printed, else the exit status.
+
+A rank killed by SIGKILL (the OOM killer, a node that lost power) writes no record, and the ranks that lose their
+peer then fail too, some of them fast enough to write a record of their own. So a rank the launcher reports dead
+by a signal outranks an `exception` record: the launcher's text is the fallback for the one case the record
+cannot cover, and the tie-breaker when the record names a consequence rather than the cause.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+from mpiddp.failure import FailureRecord
+
+EXIT_USER_ERROR, EXIT_STOPPED, EXIT_HANG, EXIT_INTERRUPTED = 2, 3, 4, 130  # as mpiddp.failfast (a job module)
+
+# Open MPI 5: "prterun noticed that process rank 1 with PID 1234 on node nodeb exited on signal 9 (Killed)."
+OPENMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?)\.? exited on\s+signal (\d+)")
+# Open MPI, when a survivor's MPI noticed first (its abort may then be all prterun reports):
+# "An MPI communication peer process has unexpectedly disconnected. ... Local host: nodea ... Peer host: nodeb"
+OPENMPI_PEER_LOST = re.compile(r"peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)", re.DOTALL)
+# MPICH/Hydra: "=   RANK 1 PID 1234 RUNNING AT nodeb" then "=   KILLED BY SIGNAL: 9 (Killed)"
+HYDRA_SIGNAL = re.compile(r"RANK (\d+) PID \d+ RUNNING AT (\S+)\s*\n=?\s*KILLED BY SIGNAL: (\d+)")
+# srun: "srun: error: nodeb: task 1: Killed" or "tasks 2-3: Segmentation fault"
+SRUN_SIGNAL = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Segmentation fault|Aborted|Bus error|Terminated)")
+SRUN_SIGNALS = {"Killed": 9, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7, "Terminated": 15}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt, as the policy sees it."""
+
+    kind: str  # a failure-record kind (mpiddp.failure.KINDS)
+    status: int
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    message: str = ""
+    step: int | None = None
+    source: str = "exit status"  # failure record, launcher output, or exit status
+
+
+def killed_by_signal(output: str) -> tuple[tuple[int, ...], tuple[str, ...], int] | None:
+    """(ranks, hosts, signal) of ranks the launcher reports dead by a signal, or None."""
+    found: list[tuple[int, str, int]] = []
+    for match in OPENMPI_SIGNAL.finditer(output):
+        found.append((int(match.group(1)), match.group(2), int(match.group(3))))
+    for match in HYDRA_SIGNAL.finditer(output):
+        found.append((int(match.group(1)), match.group(2), int(match.group(3))))
+    for match in SRUN_SIGNAL.finditer(output):
+        for rank in _task_ranks(match.group(2)):
+            found.append((rank, match.group(1), SRUN_SIGNALS[match.group(3)]))
+    if not found:
+        lost = list(dict.fromkeys(match.group(1) for match in OPENMPI_PEER_LOST.finditer(output)))
+        return ((), tuple(lost), signal.SIGKILL) if lost else None
+    ranks = tuple(sorted({rank for rank, _, _ in found}))
+    hosts = tuple(dict.fromkeys(host for _, host, _ in found))
+    return ranks, hosts, found[0][2]
+
+
+def _task_ranks(text: str) -> list[int]:
+    ranks = []
+    for item in text.split(","):
+        low, _, high = item.partition("-")
+        ranks.extend(range(int(low), int(high or low) + 1))
+    return ranks
+
+
+def diagnose(status: int, record: FailureRecord | None, output: str) -> Failure:
+    """Combine the exit status, the job's record and the launcher's output into one Failure."""
+    killed = killed_by_signal(output)
+    if killed is not None and (record is None or record.kind in ("exception", "exit")):
+        ranks, hosts, signum = killed
+        name = signal.Signals(signum).name if signum in set(signal.Signals) else f"signal {signum}"
+        step = record.step if record is not None else None
+        who = f"rank {', '.join(map(str, ranks))} on " if ranks else "a rank on "
+        return Failure("killed", status, ranks, hosts, f"{who}{', '.join(hosts)} died ({name} or lost)", step,
+                       "launcher output")
+    if record is not None:
+        return Failure(record.kind, status, tuple(record.ranks), tuple(record.hosts), record.message, record.step,
+                       "failure record")
+    kind = {EXIT_USER_ERROR: "user_error", EXIT_STOPPED: "stopped", EXIT_INTERRUPTED: "stopped",
+            EXIT_HANG: "hang"}.get(status, "exit")
+    return Failure(kind, status, message=f"the launcher exited with status {status} and no failure record")

@@ -1,0 +1,238 @@
+"""The supervisor: run the launcher, watch it, and after a failure relaunch without the bad host until done.
+
+It runs outside MPI (never imports mpi4py or torch.distributed) and talks to the job through three things only:
+the exit status, the failure record RUN_DIR/failure.json, and (as a fallback) the launcher's own output.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from mpiddp import failure
+from mpiddp.failure import ATTEMPTS_FILE
+from mpiddp.launch.command import build_command
+from mpiddp.launch.diagnose import Failure, diagnose
+from mpiddp.launch.hosts import Host, place
+from mpiddp.launch.policy import decide
+
+FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # read by the job's topology only
+RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # the job exports it to scripts as TORCHELASTIC_RESTART_COUNT
+FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+OUTPUT_TAIL_LINES = 400  # enough of the launcher's stderr to find which rank died
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the user asked for, resolved: every attempt is built from it."""
+
+    mode: str  # "train" or "run"
+    inner: list[str]  # what follows `python -m mpiddp`, with the run dir made explicit for training
+    run_dir: Path
+    num_ranks: int
+    hosts: list[Host]  # every host known, spares included (empty: the launcher places the ranks)
+    excluded: list[str]
+    max_restarts: int
+    launcher: str
+    program: str
+    flavour: str
+    extra: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Attempt:
+    number: int
+    hosts: list[str]
+    command: list[str]
+    started_at: float
+    ended_at: float = 0.0
+    status: int | None = None
+    cause: str | None = None  # a failure-record kind; None for success
+    cause_source: str = ""
+    message: str = ""
+    failed_ranks: list[int] = field(default_factory=list)
+    failed_hosts: list[str] = field(default_factory=list)
+    failed_at_step: int | None = None
+    excluded_hosts: list[str] = field(default_factory=list)  # after this attempt
+    decision: str = ""
+    resumed_at_step: int | None = None  # where the next attempt resumed (training)
+    steps_lost: int | None = None  # failed_at_step - resumed_at_step (a lower bound when no rank named its step)
+
+
+def inner_for(plan: Plan, number: int) -> list[str]:
+    """The job's arguments for attempt `number`: training resumes from the newest snapshot after a failure."""
+    if plan.mode != "train" or number == 0:
+        return list(plan.inner)
+    return [*drop_option(plan.inner, "--resume"), "--resume", "auto"]
+
+
+def drop_option(argv: list[str], name: str) -> list[str]:
+    """argv without `name VALUE`, `name=VALUE` or a bare `name` (--resume's value is optional)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip and not arg.startswith("-"):
+            skip = False
+            continue
+        skip = arg == name
+        if not skip and not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
+    """The world ranks on hosts `names`, when ranks fill each host's slots in list order (--map-by slot, srun's block)."""
+    ranks, first = [], 0
+    for host in hosts:
+        if host.name in names:
+            ranks.extend(range(first, first + host.slots))
+        first += host.slots
+    return tuple(ranks)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def last_logged_step(run_dir: Path) -> int | None:
+    """The last training step in metrics.jsonl: where a rank that wrote no record had got to, at least."""
+    steps = [r["step"] for r in _metrics(run_dir) if r.get("kind") != "start"]
+    return steps[-1] if steps else None
+
+
+def start_step(run_dir: Path, since: float) -> int | None:
+    """The step a training attempt that began at `since` started from (its `start` record in metrics.jsonl)."""
+    steps = [r["step"] for r in _metrics(run_dir) if r.get("kind") == "start" and r.get("time", 0) >= since]
+    return steps[-1] if steps else None
+
+
+class Supervisor:
+    def __init__(self, plan: Plan, env: dict[str, str] | None = None) -> None:
+        self.plan = plan
+        self.env = dict(os.environ if env is None else env)
+        self.attempts: list[Attempt] = []
+        self.child: subprocess.Popen[str] | None = None
+        self.stop_signal = 0
+
+    @property
+    def failure_file(self) -> Path:
+        return self.plan.run_dir / failure.FAILURE_FILE
+
+    def run(self) -> int:
+        for signum in FORWARDED:
+            signal.signal(signum, self._forward)
+        hosts_now, excluded = self._first_hosts(), list(self.plan.excluded)
+        for number in range(self.plan.max_restarts + 1):
+            attempt, output = self._attempt(number, hosts_now, excluded)
+            self._count_steps_lost()
+            if attempt.status == 0 or self.stop_signal:
+                attempt.decision = "finished" if attempt.status == 0 else (
+                    f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched")
+                attempt.cause = None if attempt.status == 0 else "stopped"
+                attempt.excluded_hosts = list(excluded)
+                self._save()
+                say(f"attempt {number}: exit status {attempt.status}; {attempt.decision}")
+                return attempt.status or 0
+            found = diagnose(attempt.status or 1, failure.read(self.failure_file), output)
+            if found.step is None:
+                found = Failure(**{**asdict(found), "step": last_logged_step(self.plan.run_dir)})
+            if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
+                found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
+            decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks)
+            attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
+            attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
+            attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
+            self._save()
+            say(f"attempt {number} failed (exit status {attempt.status}): {found.kind} per the {found.source}"
+                f"{': ' + found.message.splitlines()[0] if found.message else ''}; {decision.reason}")
+            if not decision.retry:
+                return attempt.status or 1
+            hosts_now, excluded = decision.hosts, decision.excluded
+        raise AssertionError("the policy stops once --max-restarts is spent")
+
+    def _first_hosts(self) -> list[Host]:
+        remaining = [h for h in self.plan.hosts if h.name not in self.plan.excluded]
+        return place(remaining, self.plan.num_ranks)[0] if self.plan.hosts else []
+
+    def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
+        env = {**self.env, FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
+        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, self.plan.num_ranks,
+                                inner_for(self.plan, number), [FAILURE_FILE_ENV, RESTART_COUNT_ENV],
+                                excluded, self.plan.extra)
+        try:
+            self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
+        except FileNotFoundError:
+            pass
+        attempt = Attempt(number, [h.name for h in hosts], command, time.time())
+        self.attempts.append(attempt)
+        say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
+        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        # Its own session: a Ctrl-C in the terminal reaches the supervisor only, which hands it on as SIGUSR1
+        # (Open MPI's mpirun would kill the ranks at once on SIGINT/SIGTERM, with no snapshot).
+        self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      errors="replace", start_new_session=True)
+        if self.stop_signal:  # a signal that came before the launcher existed
+            self._forward(self.stop_signal, None)
+        assert self.child.stderr is not None
+        for line in self.child.stderr:
+            sys.stderr.write(line)
+            tail.append(line)
+        status = self.child.wait()
+        self.child = None
+        attempt.status = 128 - status if status < 0 else status
+        attempt.ended_at = time.time()
+        return attempt, "".join(tail)
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_signal = self.stop_signal or signum
+        if self.child is not None and self.child.poll() is None:
+            # SIGUSR1 makes every rank stop at the same step, save and exit 3 (srun and mpirun hand it on)
+            os.kill(self.child.pid, signal.SIGUSR1)
+
+    def _count_steps_lost(self) -> None:
+        """Now that the latest attempt has run, the one before it learns where training resumed."""
+        if len(self.attempts) < 2 or self.plan.mode != "train":
+            return
+        before, latest = self.attempts[-2], self.attempts[-1]
+        before.resumed_at_step = start_step(self.plan.run_dir, latest.started_at)
+        if before.resumed_at_step is not None and before.failed_at_step is not None:
+            before.steps_lost = max(0, before.failed_at_step - before.resumed_at_step)
+
+    def _save(self) -> None:
+        write_attempts(self.plan.run_dir / ATTEMPTS_FILE, self.attempts)
+
+
+def write_attempts(path: Path, attempts: list[Attempt]) -> None:
+    data: dict[str, Any] = {
+        "restarts": max(0, len(attempts) - 1),
+        "excluded_hosts": attempts[-1].excluded_hosts if attempts else [],
+        "attempts": [asdict(a) for a in attempts],
+    }
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def say(text: str) -> None:
+    sys.stderr.write(f"mpiddp launch: {text}\n")
+    sys.stderr.flush()

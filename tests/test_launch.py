@@ -1,0 +1,214 @@
+"""The launch layer, in-process: host lists from every source, launcher command lines, the restart policy."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from mpiddp.failure import FailureRecord
+from mpiddp.launch.cli import LaunchError, make_plan
+from mpiddp.launch.command import build_command, choose_launcher, mpi_flavour
+from mpiddp.launch.diagnose import Failure, diagnose, killed_by_signal
+from mpiddp.launch.hosts import (Host, HostListError, discover, expand_nodelist, expand_tasks_per_node, from_pbs,
+                                 parse_host_option, parse_hostfile, place)
+from mpiddp.launch.policy import decide
+from mpiddp.launch.supervisor import Plan, drop_option, inner_for, ranks_on
+
+
+def test_importing_launch_starts_no_mpi_and_no_torch_distributed():
+    code = ("import sys, mpiddp.launch, mpiddp.launch.cli, mpiddp.launch.supervisor;"
+            "print([m for m in ('mpi4py', 'torch.distributed') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_hostfile_in_open_mpi_and_mpich_form():
+    text = "# comment\nnodea slots=8 max_slots=8\nnodeb:4\n\nnodec  # one slot\nnodea slots=2\n"
+    assert parse_hostfile(text) == [Host("nodea", 10), Host("nodeb", 4), Host("nodec", 1)]
+    with pytest.raises(HostListError, match="line 1"):
+        parse_hostfile("nodea slots=many\n")
+    with pytest.raises(HostListError, match="no host"):
+        parse_hostfile("# nothing\n")
+
+
+def test_host_option():
+    assert parse_host_option("a:8,b:8,c") == [Host("a", 8), Host("b", 8), Host("c", 1)]
+    with pytest.raises(HostListError):
+        parse_host_option("a:x")
+
+
+def test_slurm_node_lists_and_tasks_per_node():
+    assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
+    assert expand_nodelist("rack[1-2]-n[8-9]") == ["rack1-n8", "rack1-n9", "rack2-n8", "rack2-n9"]
+    assert expand_nodelist("solo") == ["solo"]
+    assert expand_tasks_per_node("8(x2),4") == [8, 8, 4]
+    env = {"SLURM_JOB_NODELIST": "node[01-03,07],gpu5", "SLURM_TASKS_PER_NODE": "8(x3),4(x2)", "SLURM_JOB_ID": "7"}
+    hosts, source = discover(None, None, env)
+    assert hosts == [Host("node01", 8), Host("node02", 8), Host("node03", 8), Host("node07", 4), Host("gpu5", 4)]
+    assert source == "Slurm allocation 7"
+    with pytest.raises(HostListError, match="5 nodes"):
+        discover(None, None, {**env, "SLURM_TASKS_PER_NODE": "8(x2)"})
+
+
+def test_pbs_nodefile_one_line_per_slot(tmp_path):
+    assert from_pbs("n1\nn1\nn2\nn1\n") == [Host("n1", 3), Host("n2", 1)]
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("n1\nn2\nn2\n")
+    assert discover(None, None, {"PBS_NODEFILE": str(nodefile)})[0] == [Host("n1", 1), Host("n2", 2)]
+
+
+def test_the_explicit_list_wins_and_both_is_an_error(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("x:2\n")
+    slurm = {"SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "1"}
+    assert discover(str(hostfile), None, slurm)[0] == [Host("x", 2)]
+    assert discover(None, "y:3", slurm)[0] == [Host("y", 3)]
+    assert discover(None, None, {}) == ([], "this host")
+    with pytest.raises(HostListError, match="not both"):
+        discover(str(hostfile), "y:3", {})
+    with pytest.raises(HostListError, match="cannot read"):
+        discover(str(tmp_path / "missing"), None, {})
+
+
+def test_placement_and_spares():
+    hosts = [Host("a", 1), Host("b", 1), Host("c", 1)]
+    assert place(hosts, 2) == ([Host("a", 1), Host("b", 1)], [Host("c", 1)])
+    assert place([Host("a", 8), Host("b", 8)], 12) == ([Host("a", 8), Host("b", 4)], [])
+    with pytest.raises(HostListError, match="needs 4 slots"):
+        place(hosts, 4)
+
+
+def test_which_mpi_and_which_launcher():
+    assert mpi_flavour("mpirun (Open MPI) 5.0.11\n") == "openmpi"
+    assert mpi_flavour("HYDRA build details:\n    Version: 4.2\n") == "mpich"
+    assert choose_launcher("auto", {}, "openmpi") == "mpirun"
+    assert choose_launcher("auto", {}, "mpich") == "mpiexec"
+    assert choose_launcher("srun", {}, "openmpi") == "srun"
+
+
+def test_command_lines():
+    hosts = [Host("a", 1), Host("c", 1)]
+    inner = ["--epochs", "2"]
+    openmpi = build_command("mpirun", "mpirun", "openmpi", hosts, 2, inner, ["V"], ["b"], ["--mca", "x", "y"], "py")
+    assert openmpi == ["mpirun", "-np", "2", "-H", "a:1,c:1", "--bind-to", "none", "--map-by", "slot", "-x", "V",
+                       "--mca", "x", "y", "py", "-m", "mpiddp", "--epochs", "2"]
+    mpich = build_command("mpiexec", "mpiexec", "mpich", hosts, 2, inner, ["V", "W"], ["b"], [], "py")
+    assert mpich == ["mpiexec", "-n", "2", "-hosts", "a:1,c:1", "-bind-to", "none", "-genvlist", "V,W",
+                     "py", "-m", "mpiddp", "--epochs", "2"]
+    srun = build_command("srun", "srun", "openmpi", hosts, 2, inner, ["V"], ["b"], [], "py")
+    assert srun == ["srun", "--mpi=pmix", "--ntasks=2", "--nodes=2", "--nodelist=a,c", "--kill-on-bad-exit=1",
+                    "--cpu-bind=none", "--exclude=b", "py", "-m", "mpiddp", "--epochs", "2"]
+    assert "--mpi=pmi2" in build_command("srun", "srun", "mpich", hosts, 2, inner, [], [], [], "py")
+    assert "-H" not in build_command("mpirun", "mpirun", "openmpi", [], 2, inner, [], [], [], "py")
+
+
+THREE = [Host("a", 1), Host("b", 1), Host("c", 1)]
+
+
+def test_policy_excludes_the_failed_host_and_uses_a_spare():
+    decision = decide(Failure("killed", 137, (1,), ("b",)), THREE, [], 0, 3, 2)
+    assert decision.retry and decision.hosts == [Host("a", 1), Host("c", 1)] and decision.excluded == ["b"]
+    assert "without b" in decision.reason
+
+
+def test_policy_never_retries_user_errors_or_stops():
+    for kind, status in (("user_error", 2), ("stopped", 3), ("stopped", 130)):
+        decision = decide(Failure(kind, status, (0,), ("a",)), THREE, [], 0, 3, 2)
+        assert not decision.retry and decision.hosts == []
+
+
+def test_policy_stops_when_restarts_are_spent_or_hosts_run_out():
+    spent = decide(Failure("exception", 1, (0,), ("a",)), THREE, [], 3, 3, 2)
+    assert not spent.retry and "--max-restarts 3 spent" in spent.reason and spent.excluded == ["a"]
+    short = decide(Failure("hang", 4, (1,), ("b",)), THREE, ["c"], 1, 3, 2)
+    assert not short.retry and "needs 2 slots" in short.reason and short.excluded == ["c", "b"]
+
+
+def test_policy_with_no_host_to_blame_retries_on_the_same_hosts():
+    decision = decide(Failure("exit", 1), THREE, [], 0, 3, 2)
+    assert decision.retry and decision.hosts == [Host("a", 1), Host("b", 1)] and decision.excluded == []
+    local = decide(Failure("exception", 1, (0,), ("here",)), [], [], 0, 1, 2)
+    assert local.retry and local.hosts == []
+    assert not decide(Failure("exit", 0), THREE, [], 0, 3, 2).retry
+
+
+OPENMPI_KILLED = """--------------------------------------------------------------------------
+prterun noticed that process rank 1 with PID 4242 on node nodeb exited on
+signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+HYDRA_KILLED = """===================================================================================
+=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+=   RANK 3 PID 77 RUNNING AT gpu7
+=   KILLED BY SIGNAL: 9 (Killed)
+===================================================================================
+"""
+
+
+def test_launcher_output_names_the_killed_rank_and_host():
+    assert killed_by_signal(OPENMPI_KILLED) == ((1,), ("nodeb",), 9)
+    assert killed_by_signal(HYDRA_KILLED) == ((3,), ("gpu7",), 9)
+    assert killed_by_signal("srun: error: node2: tasks 2-3: Killed\n") == ((2, 3), ("node2",), 9)
+    assert killed_by_signal("all good\n") is None
+    assert killed_by_signal(OPENMPI_PEER_LOST) == ((), ("nodeb",), 9)
+
+
+OPENMPI_PEER_LOST = """--------------------------------------------------------------------------
+An MPI communication peer process has unexpectedly disconnected.  This
+usually indicates a failure in the peer process (e.g., a crash or
+otherwise exiting without calling MPI_FINALIZE first).
+
+  Local host: nodea
+  Local PID:  14005
+  Peer host:  nodeb
+--------------------------------------------------------------------------
+"""
+
+
+def test_diagnosis_prefers_a_killed_rank_over_a_consequent_exception_record():
+    consequence = FailureRecord("exception", [0], ["nodea"], "gloo: connection closed by peer", step=7)
+    failure = diagnose(137, consequence, OPENMPI_KILLED)
+    assert (failure.kind, failure.ranks, failure.hosts, failure.step) == ("killed", (1,), ("nodeb",), 7)
+    hang = FailureRecord("hang", [1], ["nodeb"], "rank 1 made no progress", step=5)
+    assert diagnose(4, hang, OPENMPI_KILLED).kind == "hang"  # the watchdog knew first
+    assert diagnose(2, None, "").kind == "user_error"
+    assert diagnose(3, None, "").kind == "stopped"
+    assert diagnose(1, None, "").kind == "exit"
+
+
+def test_training_resumes_after_a_failure_and_a_script_keeps_its_arguments(tmp_path):
+    plan = Plan("train", ["--epochs", "2", "--resume=some.pt"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
+    assert inner_for(plan, 0) == ["--epochs", "2", "--resume=some.pt"]
+    assert inner_for(plan, 1) == ["--epochs", "2", "--resume", "auto"]
+    script = Plan("run", ["run", "s.py", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
+    assert inner_for(script, 2) == ["run", "s.py", "--resume"]
+    assert drop_option(["--resume", "x", "--a"], "--resume") == ["--a"]
+    assert drop_option(["--resume", "--epochs", "3", "--resume"], "--resume") == ["--epochs", "3"]
+
+
+def test_help_needs_no_job(capsys):
+    from mpiddp.main import main
+
+    assert main(["launch", "--help"]) == 0  # dispatched before any MPI or torch import
+    assert "relaunch" in capsys.readouterr().out
+
+
+def test_plan_from_the_command_line(tmp_path):
+    plan = make_plan(["-H", "a:1,b:1,c:1", "-np", "2", "--exclude", "a", "--launcher", "mpirun",
+                      "--", "--epochs", "1", "--runs-root", str(tmp_path)], {})
+    assert plan.mode == "train" and plan.num_ranks == 2 and plan.excluded == ["a"]
+    assert plan.run_dir.parent == tmp_path and plan.inner[-2:] == ["--run-dir", str(plan.run_dir)]
+    given = make_plan(["-np", "2", "--run-dir", str(tmp_path / "r"), "--", "run", "x.py"], {})
+    assert given.mode == "run" and given.run_dir == tmp_path / "r" and given.inner == ["run", "x.py"]
+    for bad, message in ((["-np", "2", "--epochs"], "after `--`"), (["-np", "2", "--", "check"], "not `check`"),
+                         (["-H", "a:1", "-np", "2", "--", "--epochs", "1"], "needs 2 slots"),
+                         (["--", "--epochs", "1"], "give -np")):
+        with pytest.raises((LaunchError, HostListError), match=message):
+            make_plan(bad, {})
+
+
+def test_ranks_of_a_host_follow_from_the_placement():
+    assert ranks_on([Host("a", 2), Host("b", 3), Host("c", 1)], ("b",)) == (2, 3, 4)
+    assert ranks_on([Host("a", 1), Host("b", 1)], ("a", "b")) == (0, 1)
+    assert ranks_on([], ("a",)) == ()

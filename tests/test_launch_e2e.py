@@ -1,0 +1,187 @@
+"""The supervisor end to end: a killed rank's host is left out and the run resumes on a spare; user errors and
+graceful stops are never relaunched."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, job_env, run_command
+from fakehosts import FakeHosts, unavailable_reason
+
+pytestmark = pytest.mark.mpi
+FAST = ("--no-progress", "--wandb", "disabled")
+
+
+def launch_command(*args):
+    return [sys.executable, "-m", "mpiddp", "launch", *args]
+
+
+def attempts(run_dir):
+    return json.loads((run_dir / "attempts.json").read_text())
+
+
+@pytest.fixture
+def hosts(tmp_path, mpirun):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = FakeHosts(["nodea", "nodeb", "nodec"], tmp_path / "fakehosts")
+    (tmp_path / "fakehosts").mkdir()
+    try:
+        cluster.up()
+    except subprocess.CalledProcessError as exc:
+        cluster.down()
+        pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    # 22 steps per epoch on 2 ranks: rank 1 (on nodeb) dies by SIGKILL in epoch 2, after the first snapshot
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
+                             "--launcher-args", " ".join(hosts.transport_args()), "--",
+                             "--run-dir", str(run_dir), "--epochs", "3", *FAST, "--inject-fault", "kill:1:30", "--log-every", "1")
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+    assert job.returncode == 0, job.output[-5000:]
+    summary = job.summary
+    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}, job.output[-6000:]
+    assert summary["resumed_from"].endswith("snapshot-epoch0001.pt") and summary["epochs"] == 3
+    record = attempts(run_dir)
+    assert record["restarts"] == 1 and record["excluded_hosts"] == ["nodeb"]
+    first, second = record["attempts"]
+    assert first["hosts"] == ["nodea", "nodeb"] and second["hosts"] == ["nodea", "nodec"]
+    assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], ["nodeb"])
+    assert first["status"] != 0 and "without nodeb" in first["decision"]
+    assert second["status"] == 0 and second["cause"] is None and "--resume" in second["command"]
+    # killed inside step 30 (the last step in metrics.jsonl is 29), resumed from the epoch-1 snapshot at step 22
+    assert (first["failed_at_step"], first["resumed_at_step"], first["steps_lost"]) == (29, 22, 7)
+    in_summary = summary["attempts"]["attempts"]
+    assert [a["cause"] for a in in_summary] == ["killed"] and in_summary[0]["steps_lost"] == 7
+    assert summary["attempts"]["excluded_hosts"] == ["nodeb"]
+
+
+def test_a_bad_flag_is_one_attempt_and_exit_2(tmp_path):
+    run_dir = tmp_path / "run"
+    job = run_command(launch_command("-np", "2", "--", "--run-dir", str(run_dir), "--epochs", "0", *FAST),
+                      run_dir, timeout=120, env=job_env())
+    assert job.returncode == 2, job.output[-3000:]
+    record = attempts(run_dir)
+    assert len(record["attempts"]) == 1 and record["attempts"][0]["cause"] == "user_error"
+    assert "fix it and launch again" in record["attempts"][0]["decision"]
+    assert job.output.count("mpiddp: error: --epochs must be at least 1, got 0") == 1
+    # a bad flag of launch itself: no attempt at all
+    own = run_command(launch_command("-np", "2", "--max-restarts", "-1", "--", "--epochs", "1"), run_dir, timeout=60)
+    assert own.returncode == 2 and "--max-restarts must be >= 0" in own.output and "attempt" not in own.output
+
+
+def test_sigusr1_to_the_supervisor_saves_exits_3_and_is_not_relaunched(tmp_path):
+    run_dir = tmp_path / "run"
+    command = launch_command("-np", "2", "--", "--run-dir", str(run_dir), "--epochs", "200", *FAST)
+    process = subprocess.Popen(command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    seen = []
+    try:
+        for line in process.stdout:
+            seen.append(line)
+            if "saved " in line and "snapshot-epoch0001.pt" in line:
+                break
+        process.send_signal(signal.SIGUSR1)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = "".join(seen) + output
+    assert process.returncode == 3, output[-3000:]
+    assert "Continue with --resume" in output
+    record = attempts(run_dir)
+    assert len(record["attempts"]) == 1 and record["attempts"][0]["cause"] == "stopped"
+    assert "not relaunched" in record["attempts"][0]["decision"]
+    assert list((run_dir / "checkpoints").glob("snapshot-*.pt"))
+
+
+def test_a_hang_is_explained_in_one_file(run_job):
+    job = run_job(3, "--epochs", "3", *FAST, "--inject-fault", "stall:1:4", "--hang-timeout", "8", timeout=120)
+    assert job.returncode == 4, job.output[-3000:]
+    (hang_file,) = job.run_dir.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on " in text
+    for rank in range(3):
+        assert f"==== Python stacks of rank {rank}/3 on " in text, text[-3000:]
+    assert "in inject_fault" in text  # the stalled rank's own stack shows where it is stuck
+    record = json.loads((job.run_dir / "failure.json").read_text())
+    assert record["kind"] == "hang" and record["ranks"] == [1] and hang_file.name in record["message"]
+
+
+def rank_process_on(hosts, name, rank):
+    """The pid of world rank `rank` inside fake host `name` (found by its environment)."""
+    from pathlib import Path
+
+    pids = subprocess.run(["ip", "netns", "pids", hosts.prefix + name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"mpiddp" in cmdline:
+            return int(pid)
+    pytest.fail(f"no process of rank {rank} on {name}")
+
+
+def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_spare(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
+                             "--launcher-args", " ".join(hosts.transport_args()), "--",
+                             "--run-dir", str(run_dir), "--epochs", "30", *FAST, "--hang-timeout", "8")
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in process.stdout:
+            seen.append(line)
+            if "saved " in line and "snapshot-epoch0002.pt" in line:
+                break
+        os.kill(rank_process_on(hosts, "nodeb", 1), signal.SIGSTOP)  # alive but silent, as a wedged GPU or NFS
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = "".join(seen) + output
+    assert process.returncode == 0, output[-5000:]
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("hang", [1], ["nodeb"]), output[-5000:]
+    assert second["hosts"] == ["nodea", "nodec"] and second["status"] == 0
+    (hang_file,) = run_dir.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on nodeb" in text and "==== Python stacks of rank 0/2 on nodea" in text
+    assert "==== rank 1 on nodeb: no stacks" in text  # a stopped process cannot dump its own
+    assert json.loads((run_dir / "summary.json").read_text())["hosts"] == {"nodea": [0], "nodec": [1]}
+
+
+def test_a_script_killed_once_is_relaunched_with_the_restart_count(tmp_path):
+    script = tmp_path / "resumes_itself.py"
+    script.write_text(
+        "import os, signal\n"
+        "restart, rank = os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['RANK']\n"
+        "if restart == '0' and rank == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would\n"
+        "print(f'rank {rank} finished in restart {restart}', flush=True)\n"
+    )
+    run_dir = tmp_path / "launch"
+    job = run_command(launch_command("-np", "2", "--run-dir", str(run_dir), "--", "run", str(script)), run_dir,
+                      timeout=180, env=job_env())
+    assert job.returncode == 0, job.output[-3000:]
+    assert "rank 1 finished in restart 1" in job.output and "rank 1 finished in restart 0" not in job.output
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_ranks"]) == ("killed", [1]) and second["status"] == 0

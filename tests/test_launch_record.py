@@ -1,0 +1,192 @@
+"""The failure record, in-process: the first failing rank writes RUN_DIR/failure.json; the supervisor reads it."""
+
+import json
+import threading
+
+import pytest
+
+from mpiddp.collective import Dist, SoloTransport
+from mpiddp.errors import AgreedError, UserError
+from mpiddp.failfast import EXIT_CRASH, EXIT_USER_ERROR, FailFast
+from mpiddp.failure import FAILURE_FILE, FailureRecord, read, write_first
+from mpiddp.topology import RankRecord, build_topology
+from mpiddp.watchdog import Watchdog, ranks_behind
+
+
+class RecordingTransport(SoloTransport):
+    def __init__(self, rank, size):
+        self.rank, self.size, self.aborted = rank, size, None
+
+    def abort(self, code):
+        self.aborted = code
+        raise SystemExit(code)
+
+
+def guard_for(rank, size=2, failure_file=""):
+    import dataclasses
+
+    guard = FailFast()
+    records = [RankRecord(r, f"host{r}", r, 0, 1) for r in range(size)]
+    topo = dataclasses.replace(build_topology(rank, records), failure_file=failure_file)
+    guard.dist = Dist(topo, RecordingTransport(rank, size))
+    return guard
+
+
+def fail(guard, exc):
+    with pytest.raises(SystemExit) as caught:
+        with guard:
+            raise exc
+    return caught.value.code
+
+
+def test_an_exception_on_rank_1_records_rank_1_and_its_host(tmp_path, capsys):
+    guard = guard_for(1)
+    guard.set_run_dir(tmp_path)
+    assert fail(guard, RuntimeError("boom")) == EXIT_CRASH
+    record = json.loads((tmp_path / FAILURE_FILE).read_text())
+    assert record["kind"] == "exception" and record["ranks"] == [1] and record["hosts"] == ["host1"]
+    assert record["message"] == "RuntimeError: boom" and record["time"] > 0
+    assert set(record) == {"kind", "ranks", "hosts", "message", "step", "time"}
+
+
+def test_a_user_error_records_user_error(tmp_path, capsys):
+    guard = guard_for(1)
+    guard.set_run_dir(tmp_path)
+    assert fail(guard, UserError("no such file")) == EXIT_USER_ERROR
+    assert read(tmp_path / FAILURE_FILE) == FailureRecord("user_error", [1], ["host1"], "no such file",
+                                                          time=read(tmp_path / FAILURE_FILE).time)
+
+
+def test_an_agreed_error_is_recorded_once_by_rank_0_and_blames_no_host(tmp_path, capsys):
+    for rank in (1, 0):
+        guard = guard_for(rank)
+        guard.set_run_dir(tmp_path / f"r{rank}")
+        (tmp_path / f"r{rank}").mkdir()
+        assert fail(guard, AgreedError("error: bad flag")) == EXIT_USER_ERROR
+    assert not (tmp_path / "r1" / FAILURE_FILE).exists()
+    record = read(tmp_path / "r0" / FAILURE_FILE)
+    assert (record.kind, record.ranks, record.hosts) == ("user_error", [], [])
+    help_guard = guard_for(0)
+    help_guard.set_run_dir(tmp_path)
+    assert fail(help_guard, AgreedError("usage: ...", 0, to_stdout=True)) == 0
+    assert not (tmp_path / FAILURE_FILE).exists()
+
+
+def test_the_supervisors_file_wins_and_no_run_dir_means_no_record(tmp_path, capsys):
+    named = tmp_path / "elsewhere.json"
+    guard = guard_for(0, failure_file=str(named))
+    guard.set_run_dir(tmp_path)
+    fail(guard, KeyboardInterrupt())
+    assert read(named).kind == "stopped" and not (tmp_path / FAILURE_FILE).exists()
+    fail(guard_for(0), RuntimeError("nowhere to write"))  # no run dir yet, not supervised: nothing, no error
+    assert [p.name for p in tmp_path.iterdir()] == ["elsewhere.json"]
+
+
+def test_the_first_record_wins_even_when_ranks_race(tmp_path):
+    path = tmp_path / FAILURE_FILE
+    results = []
+    threads = [threading.Thread(target=lambda r=r: results.append(write_first(path, FailureRecord("exception", [r], [f"h{r}"], "x"))))
+               for r in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [False] * 7 + [True]
+    winner = read(path)
+    assert winner.hosts == [f"h{winner.ranks[0]}"]
+    assert [p.name for p in tmp_path.iterdir()] == [FAILURE_FILE]  # no temporary file left
+    assert not write_first(tmp_path / "missing-dir" / FAILURE_FILE, winner)  # never raises
+    assert read(tmp_path / "absent.json") is None
+
+
+def test_the_hang_record_names_the_ranks_behind_and_their_hosts(tmp_path):
+    progress = {0: {"step": 5, "phase": "train", "idle_s": 9}, 1: {"step": 4, "phase": "train", "idle_s": 9},
+                2: {"step": 5, "phase": "train", "idle_s": 9}}
+    assert ranks_behind(progress, 3) == [1]
+    assert ranks_behind({0: progress[0]}, 3) == [1, 2]  # never reported: behind everyone
+    fresh, stale = {**progress[0], "at": 100.0}, {**progress[0], "at": 90.0}
+    assert ranks_behind({0: fresh, 1: stale, 2: fresh}, 3, now=101.0, stale_s=3.0) == [1]  # its watchdog went quiet
+    assert ranks_behind({0: fresh, 1: fresh}, 2, now=101.0, stale_s=3.0) == [0, 1]
+    watchdog = Watchdog(10, 0, 3, "rank 0/3 on a", None, lambda code: None, {0: "a", 1: "b", 2: "c"},
+                        tmp_path / FAILURE_FILE)
+    watchdog._record(progress, ranks_behind(progress, 3))
+    record = read(tmp_path / FAILURE_FILE)
+    assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [1], ["b"], 4)
+    everyone = Watchdog(10, 0, 2, "rank 0/2 on a", None, lambda code: None, {0: "a", 1: "b"}, tmp_path / "all.json")
+    everyone._record({0: progress[0], 1: progress[0]}, [0, 1])
+    assert read(tmp_path / "all.json").hosts == []  # all stuck at one step: no host stands out
+
+
+def test_the_summary_learns_the_steps_lost_of_the_failure_before_it(tmp_path):
+    from mpiddp.failure import read_attempts
+
+    assert read_attempts(tmp_path, 22) is None
+    (tmp_path / "attempts.json").write_text(json.dumps(
+        {"restarts": 1, "attempts": [{"cause": "killed", "failed_at_step": 29, "steps_lost": None}]}))
+    attempt = read_attempts(tmp_path, 22)["attempts"][0]
+    assert (attempt["resumed_at_step"], attempt["steps_lost"]) == (22, 7)
+
+
+def test_the_supervisor_finds_where_the_next_attempt_resumed(tmp_path):
+    from mpiddp.launch.supervisor import Attempt, Plan, Supervisor, last_logged_step, start_step
+
+    lines = [{"kind": "start", "step": 0, "time": 1.0}, {"kind": "step", "step": 29, "time": 2.0},
+             {"kind": "start", "step": 22, "time": 11.0}, {"kind": "step", "step": 40, "time": 12.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + "{torn")
+    assert last_logged_step(tmp_path) == 40 and start_step(tmp_path, 10.0) == 22 and start_step(tmp_path, 20.0) is None
+    supervisor = Supervisor(Plan("train", [], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi"), env={})
+    supervisor.attempts = [Attempt(0, [], [], 0.5, failed_at_step=29), Attempt(1, [], [], 10.0)]
+    supervisor._count_steps_lost()
+    assert (supervisor.attempts[0].resumed_at_step, supervisor.attempts[0].steps_lost) == (22, 7)
+
+
+class DictStore:
+    """The few TCPStore calls the watchdog makes, in memory."""
+
+    def __init__(self):
+        self.data, self.counters = {}, {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def add(self, key, amount):
+        self.counters[key] = self.counters.get(key, 0) + amount
+        return self.counters[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+    def multi_get(self, keys):
+        return [self.data[k] for k in keys]
+
+
+@pytest.mark.parametrize("rank_1_answers", [True, False])
+def test_a_hang_leaves_one_file_with_the_ranks_behind_and_every_ranks_stacks(tmp_path, monkeypatch, capsys,
+                                                                              rank_1_answers):
+    import mpiddp.watchdog as watchdog_module
+
+    monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
+    store = DictStore()
+    store.set("mpiddp/progress/0", json.dumps({"step": 5, "phase": "train", "idle_s": 9}))
+    store.set("mpiddp/progress/1", json.dumps({"step": 4, "phase": "train", "idle_s": 12}))
+    if rank_1_answers:  # its watchdog fired too (a stall); a SIGSTOPped rank gives nothing
+        store.set("mpiddp/stacks/1", "rank 1/2 on hostb\nThread 0x1 (most recent call first):\n  File \"x.py\", line 1 in stuck_here\n")
+    aborted = []
+    watchdog = Watchdog(0.1, 0, 2, "rank 0/2 on hosta", store, aborted.append, {0: "hosta", 1: "hostb"},
+                        tmp_path / FAILURE_FILE, tmp_path)
+    watchdog._fire()
+    assert aborted == [4]
+    (hang_file,) = tmp_path.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on hostb" in text
+    assert "==== Python stacks of rank 0/2 on hosta" in text and "in _fire" in text  # this rank's own stacks
+    if rank_1_answers:
+        assert "==== Python stacks of rank 1/2 on hostb" in text and "stuck_here" in text
+    else:
+        assert "==== rank 1 on hostb: no stacks" in text
+    record = read(tmp_path / FAILURE_FILE)
+    assert (record.kind, record.ranks, record.hosts) == ("hang", [1], ["hostb"]) and hang_file.name in record.message
+    assert f"hang report with every rank's stacks: {hang_file}" in capsys.readouterr().err
