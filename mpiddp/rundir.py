@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from mpiddp.collective import Dist
 from mpiddp.errors import UserError
+from mpiddp.runname import new_timestamped_dir
 
 
 def _current_umask() -> int:
@@ -23,24 +23,10 @@ def _current_umask() -> int:
 UMASK = _current_umask()  # read once, at import, before any thread exists (os.umask sets while it reads)
 
 
-def _new_timestamped(runs_root: Path) -> Path:
-    """A new directory named after the time; mkdir without exist_ok, so two jobs in one second never share one."""
-    runs_root.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for suffix in range(1000):
-        path = runs_root / (stamp if suffix == 0 else f"{stamp}-{suffix}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise UserError(f"{runs_root} has 1000 run directories named {stamp}*: give --run-dir")
-
-
 def _create(run_dir: str | None, runs_root: str) -> str:
     path = Path(run_dir if run_dir is not None else runs_root)
     try:
-        path = _new_timestamped(Path(runs_root)) if run_dir is None else Path(run_dir)
+        path = new_timestamped_dir(Path(runs_root)) if run_dir is None else Path(run_dir)
         path.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
         probe.close()

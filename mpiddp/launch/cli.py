@@ -6,13 +6,14 @@ import argparse
 import os
 import shlex
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from mpiddp.launch.command import LAUNCHERS, choose_launcher, find_program, mpi_flavour, version_text
 from mpiddp.launch.hosts import HostListError, discover, place
+from mpiddp.errors import UserError
 from mpiddp.launch.supervisor import Plan, Supervisor, say
+from mpiddp.runname import new_timestamped_dir
 
 EXIT_USER_ERROR = 2
 USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--exclude HOST,...] "
@@ -61,17 +62,10 @@ def option_value(argv: list[str], name: str) -> str | None:
 
 
 def new_run_dir(runs_root: Path) -> Path:
-    """A new directory named after the time (mkdir without exist_ok, so two launches never share one)."""
-    runs_root.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for suffix in range(1000):
-        path = runs_root / (stamp if suffix == 0 else f"{stamp}-{suffix}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise LaunchError(f"{runs_root} has 1000 run directories named {stamp}*: give --run-dir")
+    try:
+        return new_timestamped_dir(runs_root)
+    except UserError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
