@@ -133,8 +133,8 @@ class Config:
         "feedback): for networks slower than the GPUs")
     grad_transport: str = option(
         "auto", "--grad-transport", group=TRAINING, choices=("auto", "gloo", "nccl", "mpi"),
-        help="what carries DDP's gradient all-reduce: mpi (MPI_Allreduce in DDP's hook: CPU tensors, or GPU "
-        "tensors with a CUDA-aware MPI), gloo or nccl (torch's process group, the --backend), auto (mpi on CPU "
+        help="what carries DDP's gradient all-reduce: mpi (MPI_Allreduce in DDP's hook: CPU tensors; the trainer "
+        "starts MPI funneled, so on GPUs it is refused), gloo or nccl (torch's process group, the --backend), auto (mpi on CPU "
         "when a start-up probe measures it faster, else the process group)")
     powersgd_rank: int = option(1, "--powersgd-rank", group=TRAINING, parse=int, at_least=1,
                                 help="PowerSGD: rank of the gradient approximation (higher: closer, more bytes)")

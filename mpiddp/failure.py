@@ -50,6 +50,15 @@ def failure_path(failure_file: str, run_dir: Path | None) -> Path | None:
     return run_dir / FAILURE_FILE if run_dir is not None else None
 
 
+def clear_stale(run_dir: Path) -> None:
+    """Rank 0, as a job starts in RUN_DIR: an earlier job's record (a crash before a requeue or a rerun with
+    --resume) no longer describes this job, and would keep this job's own failure from being written."""
+    try:
+        (run_dir / FAILURE_FILE).unlink()
+    except FileNotFoundError:
+        pass
+
+
 def write_first(path: Path, record: FailureRecord) -> bool:
     """Write `record` unless a record is already there; True when this one was written. Never raises OSError:
     a record that cannot be written must not hide the failure it describes."""

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpiddp import preflight
+from mpiddp import failure, preflight
 from mpiddp.bootstrap import connect, distributed
 from mpiddp.collective import Dist
 from mpiddp.config import Config, parse_args
@@ -227,6 +227,8 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
         log.info("config: %s", cfg.to_dict())
         log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
         run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, dist)
+        if not topo.failure_file:  # the supervisor manages the file it named; here the record is ours to reset
+            dist.from_main(lambda: failure.clear_stale(run_dir))
         guard.set_run_dir(run_dir)
         startup.mark("preflight")
         try:

@@ -1,9 +1,11 @@
 """Starting MPI: the thread level, and Open MPI's libfabric BTL left out when nobody chose the BTLs.
 
 Open MPI's libfabric BTL (btl/ofi) sleeps one second whenever it is closed, which happens inside MPI_Init on
-every machine where it is built but not used. mpiddp's own MPI traffic is small control messages (start-up,
-agreement, metrics, shutdown; gradients go through NCCL or gloo), which never need that BTL, so unless the
-user or the site chose the BTLs, mpiddp excludes it before MPI starts and every rank starts a second sooner.
+every machine where it is built but not used. mpiddp's own MPI traffic (start-up, agreement, metrics,
+shutdown, and gradients with --grad-transport mpi on one host or over TCP) goes through shared memory and TCP,
+and fast networks are reached through Open MPI's matching transports (UCX, the libfabric MTL), which this
+leaves alone; so unless the user or the site chose the BTLs, mpiddp excludes btl/ofi before MPI starts and
+every rank starts a second sooner.
 """
 
 from __future__ import annotations

@@ -190,3 +190,15 @@ def test_a_hang_leaves_one_file_with_the_ranks_behind_and_every_ranks_stacks(tmp
     record = read(tmp_path / FAILURE_FILE)
     assert (record.kind, record.ranks, record.hosts) == ("hang", [1], ["hostb"]) and hang_file.name in record.message
     assert f"hang report with every rank's stacks: {hang_file}" in capsys.readouterr().err
+
+
+def test_a_new_job_clears_an_earlier_jobs_record(tmp_path):
+    from mpiddp.failure import FAILURE_FILE, FailureRecord, clear_stale, read, write_first
+
+    old = FailureRecord("exception", [1], ["nodeb"], "an earlier job's crash")
+    assert write_first(tmp_path / FAILURE_FILE, old)
+    clear_stale(tmp_path)
+    clear_stale(tmp_path)  # nothing there: fine
+    new = FailureRecord("hang", [0], ["nodea"], "this job's hang")
+    assert write_first(tmp_path / FAILURE_FILE, new)  # without the clear, the earlier record would win
+    assert read(tmp_path / FAILURE_FILE).message == "this job's hang"
