@@ -83,6 +83,19 @@ def plain_ddp(work: Path, steps: int = STEPS, warmup: int = WARMUP) -> dict:
             "launch_to_first_step_s": result["first_step_done_at"] - launched, "wall_s": ended - launched}
 
 
+def overhead_comparisons(repeats: int, work: Path) -> list[dict]:
+    """mpiddp's loop against the hand-written DDP loop under torchrun: on the same gradient path (gloo), what the
+    loop itself costs; and with the default --grad-transport auto, what a user gets."""
+    a, b = interleave(repeats, lambda: synthetic(2, work, STEPS, "--grad-transport", "gloo"), lambda: plain_ddp(work))
+    auto, plain = interleave(repeats, lambda: synthetic(2, work), lambda: plain_ddp(work))
+    return [
+        compare("overhead vs plain DDP loop, both gloo", "images_per_second", "mpiddp (mpirun)", a,
+                "plain DDP (torchrun)", b) | {"target": ">= 0.99"},
+        compare("default (--grad-transport auto) vs plain DDP loop", "images_per_second", "mpiddp (mpirun)", auto,
+                "plain DDP (torchrun)", plain) | {"target": ">= 1"},
+    ]
+
+
 def startup_comparisons(repeats: int, work: Path) -> list[dict]:
     """A one-step job (resnet18, synthetic, 2 ranks): mpiddp under mpirun vs the hand-written DDP script under
     torchrun; launch to the first finished step, and the whole job from launch to exit."""
@@ -304,7 +317,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport"], default=None,
+    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport", "overhead"], default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -314,6 +327,7 @@ def main() -> None:
                 "compression": lambda: compression_comparisons(args.repeats, work),
                 "startup": lambda: startup_comparisons(args.repeats, work),
                 "transport": lambda: transport_comparisons(args.repeats, work),
+                "overhead": lambda: overhead_comparisons(args.repeats, work),
                 "gpu": lambda: [gpu_benchmark(args.repeats, work)]}[args.only]()
         (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         print(json.dumps(rows, indent=2))
