@@ -111,6 +111,40 @@ class SlurmCluster:
             except ProcessLookupError:
                 pass
         self.pids.clear()
+        # A job still ending (KillWait) outlives its daemons: its slurmstepd would report to the next test Slurm,
+        # which numbers jobs from 1 again, and end that cluster's job 1. Nothing of a job may survive its cluster.
+        for pid in _job_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while _job_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)  # waiting for killed processes to be reaped
+
+
+def _job_processes() -> list[int]:
+    """Every slurmstepd on this machine and all its descendants (only test clusters run here: tests need root)."""
+    children: dict[int, list[int]] = {}
+    stepds = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+        if name == "slurmstepd":
+            stepds.append(int(entry.name))
+    found, pending = [], list(stepds)
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        pending.extend(children.get(pid, []))
+    return found
 
     def run(self, *command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60)
