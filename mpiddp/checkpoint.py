@@ -62,6 +62,17 @@ def read_lineage(directory: Path) -> list[str]:
             if head_key is None or (snapshot_key(p.name) or head_key) <= head_key]
 
 
+def lineage_up_to(directory: Path, parent: Path | None) -> list[str]:
+    """The lineage a snapshot continuing `parent` extends: the current one cut after the parent, else the parent
+    alone if it is a file in `directory`, else nothing (no parent, or one in another directory)."""
+    if parent is None or parent.resolve().parent != directory.resolve():
+        return []
+    current = read_lineage(directory)
+    if parent.name in current:
+        return current[: current.index(parent.name) + 1]
+    return [parent.name] if parent.is_file() else []
+
+
 def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     """Rank 0's first part of `save`: the file alone (`latest` still names the previous one). A UserError leaves
     the previous snapshot intact."""
@@ -80,17 +91,20 @@ def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     return path
 
 
-def publish(directory: Path, path: Path, keep_last: int) -> list[str]:
+def publish(directory: Path, path: Path, keep_last: int, parent: Path | None = None) -> list[str]:
     """Rank 0's second part of `save`, once every rank has heard the file is complete: the lineage file, then
     `latest`, then rotation. Returns the names rotated away.
 
-    The new snapshot continues the lineage's snapshots that are older in training progress: after a rollback
-    (`--resume` of an older snapshot) the newer ones are an abandoned future, left on disk and out of the lineage.
+    `parent` is the snapshot the new one continues: the one this job resumed from, or the last one it saved;
+    None for a fresh run. The new lineage is the current one up to the parent, or just the parent when the
+    current lineage does not hold it (an explicit --resume of an abandoned snapshot), or nothing when the parent
+    is not in `directory` (a fresh run, or a snapshot resumed from elsewhere): never guessed from names, so a
+    rollback's abandoned future stays on disk and out of the lineage.
     Rotation keeps the newest `keep_last` of the lineage and never deletes the new file or what `latest` names.
     """
-    name, key = path.name, snapshot_key(path.name)
-    assert key is not None, name
-    lineage = [old for old in read_lineage(directory) if (snapshot_key(old) or key) < key] + [name]
+    name = path.name
+    assert snapshot_key(name) is not None, name
+    lineage = [old for old in lineage_up_to(directory, parent) if old != name] + [name]
     try:
         write_atomic(directory / LINEAGE, lambda out: out.write("".join(f"{n}\n" for n in lineage).encode()))
         write_atomic(directory / LATEST, lambda out: out.write(f"{name}\n".encode()))
@@ -111,13 +125,14 @@ def publish(directory: Path, path: Path, keep_last: int) -> list[str]:
     return doomed
 
 
-def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int) -> Path:
-    """Collective: rank 0 writes the snapshot; every rank hears it succeeded (a barrier, so a rank that died
-    meanwhile stops the job before anything moves); then rank 0 moves `latest` and rotates, and every rank
-    returns the path. A failure raises the same AgreedError everywhere while the previous snapshot stays loadable."""
+def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int, parent: Path | None = None) -> Path:
+    """Collective: rank 0 writes the snapshot, which continues `parent` (see `publish`); every rank hears it
+    succeeded (a barrier, so a rank that died meanwhile stops the job before anything moves); then rank 0 moves
+    `latest` and rotates, and every rank returns the path. A failure raises the same AgreedError everywhere while
+    the previous snapshot stays loadable."""
     path = dist.from_main(lambda: write_snapshot(directory, snapshot))
     dist.barrier()  # `latest` names only a snapshot that every rank knows was saved
-    dist.from_main(lambda: publish(directory, path, keep_last))
+    dist.from_main(lambda: publish(directory, path, keep_last, parent))
     log.info("saved %s", path)
     return path
 

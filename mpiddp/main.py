@@ -149,10 +149,14 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     startup.mark("logger")
     watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist, run_dir).start()
 
+    # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).
+    parent = restored[0] if restored is not None else None
+
     def save(train_state: TrainState) -> None:
+        nonlocal parent
         watchdog.beat("save", train_state.step)
         snapshot = Snapshot.capture(train_state, dist, cfg.model_name, cfg.to_dict(), wandb_run_id)
-        checkpoint.save(checkpoint_dir, snapshot, dist, cfg.keep_last)
+        parent = checkpoint.save(checkpoint_dir, snapshot, dist, cfg.keep_last, parent)
         watchdog.beat("train", train_state.step)
 
     try:

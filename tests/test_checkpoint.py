@@ -30,9 +30,20 @@ def names(directory):
     return [p.name for p in checkpoint.list_snapshots(directory)]
 
 
+def job(directory, solo, snapshots, keep_last, parent=None):
+    """One job's saves as main.run makes them: the first continues `parent` (what the job resumed from, None for a
+    fresh run), each later one the snapshot saved before it. Returns the last path."""
+    for taken in snapshots:
+        parent = checkpoint.save(directory, taken, solo, keep_last, parent)
+    return parent
+
+
+def name(epoch, batches_done=0):
+    return checkpoint.snapshot_name(epoch, batches_done)
+
+
 def test_save_rotates_and_points_latest(tmp_path, solo):
-    for epoch in range(1, 6):
-        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=2)
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 6)], keep_last=2)
     assert [p.name for p in checkpoint.list_snapshots(tmp_path)] == ["snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]
     assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0005.pt"
     path, loaded = checkpoint.resolve("auto", tmp_path)
@@ -40,18 +51,16 @@ def test_save_rotates_and_points_latest(tmp_path, solo):
 
 
 def test_a_stopped_snapshot_rotates_in_training_order(tmp_path, solo):
-    for epoch, batches in ((1, 0), (1, 7), (2, 0), (3, 0)):
-        checkpoint.save(tmp_path, snapshot(epoch, batches_done=batches), solo, keep_last=2)
+    job(tmp_path, solo, [snapshot(e, batches_done=b) for e, b in ((1, 0), (1, 7), (2, 0), (3, 0))], keep_last=2)
     assert names(tmp_path) == ["snapshot-epoch0002.pt", "snapshot-epoch0003.pt"]
     assert checkpoint.read_lineage(tmp_path) == names(tmp_path)
 
 
 def test_a_save_after_a_rollback_keeps_itself_and_rotates_only_its_lineage(tmp_path, solo):
-    for epoch in range(1, 6):
-        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 6)], keep_last=5)
     # A job resumed from epoch 2 (--resume PATH) saves its epoch 3 with --keep-last 2: by name, the new epoch 3 was
     # the oldest but two and went, leaving `latest` naming a missing file.
-    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, keep_last=2)
+    third = checkpoint.save(tmp_path, snapshot(3, mark=33), solo, 2, tmp_path / name(2))
     assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0003.pt"
     assert names(tmp_path) == ["snapshot-epoch0002.pt", "snapshot-epoch0003.pt",  # the lineage's newest 2
                                "snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]  # the abandoned future, untouched
@@ -59,16 +68,15 @@ def test_a_save_after_a_rollback_keeps_itself_and_rotates_only_its_lineage(tmp_p
     path, found = checkpoint.resolve("auto", tmp_path)
     assert path.name == "snapshot-epoch0003.pt" and found.model["w"][0] == 33
     # The new lineage goes on over the abandoned names; rotation follows it.
-    checkpoint.save(tmp_path, snapshot(4, mark=44), solo, keep_last=2)
+    checkpoint.save(tmp_path, snapshot(4, mark=44), solo, 2, third)
     assert names(tmp_path) == ["snapshot-epoch0003.pt", "snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]
     assert checkpoint.resolve("auto", tmp_path)[1].model["w"][0] == 44
 
 
 def test_a_lowered_keep_last_never_deletes_the_new_snapshot(tmp_path, solo):
-    for epoch in range(1, 6):
-        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
-    checkpoint.save(tmp_path, snapshot(2, mark=22), solo, keep_last=5)  # a rollback to epoch 1
-    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, keep_last=1)  # then --keep-last 1
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 6)], keep_last=5)
+    second = checkpoint.save(tmp_path, snapshot(2, mark=22), solo, 5, tmp_path / name(1))  # a rollback to epoch 1
+    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, 1, second)  # then, in a later job, --keep-last 1
     assert (tmp_path / "snapshot-epoch0003.pt").is_file() and not (tmp_path / "snapshot-epoch0002.pt").exists()
     assert checkpoint.read_lineage(tmp_path) == ["snapshot-epoch0003.pt"]
     assert checkpoint.resolve("auto", tmp_path)[1].model["w"][0] == 33
@@ -76,9 +84,8 @@ def test_a_lowered_keep_last_never_deletes_the_new_snapshot(tmp_path, solo):
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_auto_after_a_rollback_never_picks_the_abandoned_future(tmp_path, solo, damage):
-    for epoch in range(1, 6):
-        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
-    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, keep_last=5)  # resumed from epoch 2
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 6)], keep_last=5)
+    checkpoint.save(tmp_path, snapshot(3, mark=33), solo, 5, tmp_path / name(2))  # resumed from epoch 2
     head = tmp_path / "snapshot-epoch0003.pt"
     if damage == "missing":
         head.unlink()
@@ -89,11 +96,69 @@ def test_auto_after_a_rollback_never_picks_the_abandoned_future(tmp_path, solo, 
 
 
 def test_a_directory_without_a_lineage_file_rotates_up_to_latest(tmp_path, solo):
-    for epoch in range(1, 4):
-        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=5)
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 4)], keep_last=5)
     (tmp_path / "lineage").unlink()  # as an older mpiddp left it
-    checkpoint.save(tmp_path, snapshot(4), solo, keep_last=2)
+    checkpoint.save(tmp_path, snapshot(4), solo, 2, tmp_path / name(3))
     assert names(tmp_path) == ["snapshot-epoch0003.pt", "snapshot-epoch0004.pt"]
+
+
+def test_an_explicit_resume_of_an_abandoned_snapshot_continues_it_not_the_rollback(tmp_path, solo):
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 6)], keep_last=5)
+    job(tmp_path, solo, [snapshot(3, mark=33)], keep_last=5, parent=tmp_path / name(2))  # a rollback to epoch 2
+    # Then --resume snapshot-epoch0005.pt: by name, the new epoch 6 continued the rollback's epoch 3, whose
+    # lineage rotation then deleted epochs 1 and 2 and kept the abandoned 3.
+    sixth = job(tmp_path, solo, [snapshot(6)], keep_last=2, parent=tmp_path / name(5))
+    assert checkpoint.read_lineage(tmp_path) == [name(5), name(6)]
+    assert names(tmp_path) == [name(e) for e in range(1, 7)]  # nothing of the rollback's lineage is rotated
+    job(tmp_path, solo, [snapshot(7)], keep_last=2, parent=sixth)
+    assert checkpoint.read_lineage(tmp_path) == [name(6), name(7)]
+    assert names(tmp_path) == [name(e) for e in (1, 2, 3, 4, 6, 7)]  # epoch 5, its real parent, rotated away
+    assert checkpoint.load(tmp_path / name(3)).model["w"][0] == 33  # the abandoned rollback, untouched
+    assert checkpoint.resolve("auto", tmp_path)[1].epoch == 7
+
+
+def test_a_snapshot_resumed_from_another_directory_starts_a_new_lineage(tmp_path, solo):
+    elsewhere, here = tmp_path / "elsewhere", tmp_path / "here"
+    job(elsewhere, solo, [snapshot(epoch) for epoch in range(1, 4)], keep_last=5)
+    job(here, solo, [snapshot(epoch, mark=10 + epoch) for epoch in range(1, 6)], keep_last=5)  # an earlier run's
+    # --resume elsewhere/snapshot-epoch0003.pt --checkpoint-dir here: by name, the new epoch 4 continued here's
+    # epochs 1-3 (another run's), and rotation deleted them.
+    job(here, solo, [snapshot(4), snapshot(5), snapshot(6)], keep_last=2, parent=elsewhere / name(3))
+    assert checkpoint.read_lineage(here) == [name(5), name(6)]
+    assert names(here) == [name(e) for e in (1, 2, 3, 5, 6)]  # here's epoch 3 is not the parent, only its name
+    assert [checkpoint.load(here / name(e)).model["w"][0] for e in (1, 2, 3)] == [11, 12, 13]
+    assert names(elsewhere) == [name(e) for e in range(1, 4)]
+    assert checkpoint.resolve("auto", here)[1].model["w"][0] == 6
+
+
+def test_a_fresh_runs_lineage_is_its_own_saves_only(tmp_path, solo):
+    # An earlier attempt left a truncated stop snapshot and nothing loadable, so --resume auto starts from scratch.
+    job(tmp_path, solo, [snapshot(0, batches_done=5)], keep_last=3)
+    stale = tmp_path / name(0, 5)
+    stale.write_bytes(stale.read_bytes()[:100])
+    assert checkpoint.resolve("auto", tmp_path) is None
+    # By name, the fresh run's first snapshot continued the broken stop snapshot it never resumed from.
+    job(tmp_path, solo, [snapshot(1)], keep_last=3)
+    assert checkpoint.read_lineage(tmp_path) == [name(1)]
+    job(tmp_path, solo, [snapshot(2), snapshot(3), snapshot(4)], keep_last=3, parent=tmp_path / name(1))
+    assert checkpoint.read_lineage(tmp_path) == [name(2), name(3), name(4)]
+    assert names(tmp_path) == [name(0, 5), name(2), name(3), name(4)]
+    assert checkpoint.resolve("auto", tmp_path)[1].epoch == 4
+
+
+def test_a_rollback_then_several_saves_rotate_only_the_rollbacks_lineage(tmp_path, solo):
+    # A job stopped 4 batches into epoch 3 and its resume went on to epoch 4.
+    job(tmp_path, solo, [snapshot(e, batches_done=b) for e, b in ((1, 0), (2, 0), (2, 4), (3, 0), (4, 0))], 5)
+    # --resume snapshot-epoch0002.pt with --keep-last 2, stopped 7 batches in: by name, the abandoned stop at
+    # batch 4 was its past, and the real parent, epoch 2, was rotated away.
+    stop = job(tmp_path, solo, [snapshot(2, batches_done=7)], keep_last=2, parent=tmp_path / name(2))
+    assert checkpoint.read_lineage(tmp_path) == [name(2), name(2, 7)]
+    assert names(tmp_path) == [name(2), name(2, 4), name(2, 7), name(3), name(4)]
+    last = job(tmp_path, solo, [snapshot(e, mark=10 * e) for e in (3, 4, 5)], keep_last=2, parent=stop)
+    assert checkpoint.read_lineage(tmp_path) == [name(4), name(5)]
+    assert names(tmp_path) == [name(2, 4), name(4), name(5)]  # the abandoned stop snapshot, never rotated
+    path, found = checkpoint.resolve("auto", tmp_path)
+    assert path == last and found.model["w"][0] == 50
 
 
 def test_latest_moves_only_after_every_rank_heard_the_save(tmp_path, solo, monkeypatch):
@@ -125,8 +190,7 @@ def test_interrupted_save_keeps_previous_snapshot(tmp_path, solo, monkeypatch):
 
 
 def test_auto_skips_a_truncated_newest_snapshot(tmp_path, solo):
-    for epoch in (1, 2):
-        checkpoint.save(tmp_path, snapshot(epoch), solo, keep_last=3)
+    job(tmp_path, solo, [snapshot(1), snapshot(2)], keep_last=3)
     newest = tmp_path / "snapshot-epoch0002.pt"
     newest.write_bytes(newest.read_bytes()[:100])
     assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
