@@ -31,9 +31,10 @@ SRUN_SIGNALS = {"Killed": 9, "Segmentation fault": 11, "Aborted": 6, "Bus error"
 # srun's clean-up of the step after the first task failed: the tasks it reports dead after this, it killed itself
 SRUN_CLEANUP = re.compile(r"Terminating StepId|CANCELLED")
 # An exception about a lost peer, not a fault of the rank that raised it (gloo, NCCL, MPI, plain sockets)
-LOST_PEER = re.compile(r"connection reset|connection closed by peer|connection refused|broken pipe"
-                       r"|peer process has unexpectedly disconnected|socket closed|remote process exited"
-                       r"|ncclRemoteError|NCCL communicator was aborted|MPI_ERR_PROC_FAILED", re.IGNORECASE)
+LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"
+                       r"|peer process has unexpectedly disconnected|remote process exited|got 0 bytes"
+                       r"|DistNetworkError|ncclRemoteError|NCCL communicator was aborted"
+                       r"|MPI_ERR_PROC_FAILED|MPI_ERR_REVOKED", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
