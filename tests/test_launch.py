@@ -1,7 +1,9 @@
 """The launch layer, in-process: host lists from every source, launcher command lines, the restart policy."""
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,7 +15,8 @@ from mpiddp.launch.diagnose import Failure, diagnose, killed_by_signal
 from mpiddp.launch.hosts import (Host, HostListError, discover, expand_nodelist, expand_tasks_per_node, from_pbs,
                                  parse_host_option, parse_hostfile, place)
 from mpiddp.launch.policy import decide
-from mpiddp.launch.supervisor import Plan, drop_option, inner_for, ranks_on
+from mpiddp.launch import supervisor
+from mpiddp.launch.supervisor import Attempt, Plan, Supervisor, drop_option, inner_for, ranks_on, write_attempts
 
 
 def test_importing_launch_starts_no_mpi_and_no_torch_distributed():
@@ -178,11 +181,11 @@ def test_diagnosis_prefers_a_killed_rank_over_a_consequent_exception_record():
 
 
 def test_training_resumes_after_a_failure_and_a_script_keeps_its_arguments(tmp_path):
-    plan = Plan("train", ["--epochs", "2", "--resume=some.pt"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
-    assert inner_for(plan, 0) == ["--epochs", "2", "--resume=some.pt"]
-    assert inner_for(plan, 1) == ["--epochs", "2", "--resume", "auto"]
+    plan = Plan("train", ["--epochs", "2", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
+    assert inner_for(plan, 0, None) == ["--epochs", "2", "--resume"]
+    assert inner_for(plan, 1, None) == ["--epochs", "2", "--resume", "auto"]
     script = Plan("run", ["run", "s.py", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
-    assert inner_for(script, 2) == ["run", "s.py", "--resume"]
+    assert inner_for(script, 2, None) == ["run", "s.py", "--resume"]
     assert drop_option(["--resume", "x", "--a"], "--resume") == ["--a"]
     assert drop_option(["--resume", "--epochs", "3", "--resume"], "--resume") == ["--epochs", "3"]
 
@@ -212,3 +215,117 @@ def test_ranks_of_a_host_follow_from_the_placement():
     assert ranks_on([Host("a", 2), Host("b", 3), Host("c", 1)], ("b",)) == (2, 3, 4)
     assert ranks_on([Host("a", 1), Host("b", 1)], ("a", "b")) == (0, 1)
     assert ranks_on([], ("a",)) == ()
+
+
+def test_exception_record_outranks_the_launcher_killing_the_other_ranks():
+    raised = FailureRecord("exception", [0], ["nodea"], "ValueError: bad batch", step=3)
+    failure = diagnose(1, raised, "srun: error: nodeb: task 1: Terminated\n")
+    assert (failure.kind, failure.ranks, failure.hosts, failure.source) == ("exception", (0,), ("nodea",),
+                                                                             "failure record")
+    assert diagnose(1, raised, HYDRA_KILLED).kind == "exception"  # Hydra's clean-up of the other ranks
+    lost = FailureRecord("exception", [0], ["nodea"], "RuntimeError: [gloo] Connection reset by peer", step=3)
+    assert diagnose(137, lost, HYDRA_KILLED).hosts == ("gpu7",)
+    srun = ("srun: error: nodea: task 0: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=5.0\n"
+            "slurmstepd: error: *** STEP 5.0 ON nodeb CANCELLED AT 2026-11-23T10:00:00 ***\n"
+            "srun: error: nodeb: task 1: Terminated\n")
+    assert killed_by_signal(srun) == ((0,), ("nodea",), 9)
+
+
+def test_an_explicit_resume_path_holds_until_a_snapshot_is_saved(tmp_path):
+    checkpoints = tmp_path / "ck"
+    checkpoints.mkdir()
+    (checkpoints / "latest").write_text("snap-9.pt\n")  # the newer snapshot the rollback abandons
+    inner = ["--epochs", "2", "--checkpoint-dir", str(checkpoints), "--resume", "snap-5.pt"]
+    plan = Plan("train", inner, tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
+    at_start = supervisor.latest_pointer(plan)
+    assert at_start == "snap-9.pt\n"
+    assert inner_for(plan, 1, at_start) == inner  # attempt 0 died before its first save
+    (checkpoints / "latest").write_text("snap-6.pt\n")
+    assert inner_for(plan, 2, at_start) == [*inner[:4], "--resume", "auto"]
+    default = Plan("train", ["--resume=snap-5.pt"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
+    assert inner_for(default, 1, None) == ["--resume=snap-5.pt"]  # no RUN_DIR/checkpoints/latest yet
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("snap-6.pt\n")
+    assert inner_for(default, 1, None) == ["--resume", "auto"]
+
+
+def test_policy_maps_the_failed_ranks_through_the_placement():
+    hosts = [Host("10.0.0.1", 2), Host("10.0.0.2", 2), Host("10.0.0.3", 2)]
+    record = Failure("exception", 1, (2,), ("nodeb.cluster.example.org",))
+    decision = decide(record, hosts, [], 0, 3, 4, hosts[:2])
+    assert decision.excluded == ["10.0.0.2"] and decision.hosts == [hosts[0], hosts[2]]
+    by_ip = decide(Failure("killed", 137, (), ("10.0.0.2",)), hosts, [], 0, 3, 4, hosts[:2])
+    assert by_ip.excluded == ["10.0.0.2"]  # an address is not shortened to "10"
+
+
+def test_policy_compares_host_names_by_short_name():
+    decision = decide(Failure("hang", 4, (), ("b.cluster.example.org",)), THREE, [], 0, 3, 2)
+    assert decision.excluded == ["b"] and decision.hosts == [Host("a", 1), Host("c", 1)]
+    fqdn = [Host("a.x", 1), Host("b.x", 1), Host("c.x", 1)]
+    assert decide(Failure("hang", 4, (), ("b",)), fqdn, [], 0, 3, 2).excluded == ["b.x"]
+    assert ranks_on(fqdn, ("b",)) == (1,)
+
+
+def _plan(tmp_path, mode="train"):
+    inner = ["--epochs", "1"] if mode == "train" else ["run", "s.py"]
+    return Plan(mode, inner, tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
+
+
+def test_a_script_is_stopped_with_sigterm_and_training_with_sigusr1(tmp_path):
+    assert Supervisor(_plan(tmp_path), {}).child_stop == signal.SIGUSR1
+    assert Supervisor(_plan(tmp_path, "run"), {}).child_stop == signal.SIGTERM
+
+
+def test_the_third_ctrl_c_kills_the_launcher_group(tmp_path, capfd):
+    sup = Supervisor(_plan(tmp_path), {})
+    code = ("import signal, sys, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN);"
+            "print('ready', flush=True); time.sleep(120)")
+    sup.child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+    try:
+        assert sup.child.stdout.readline() == "ready\n"
+        sup._forward(signal.SIGINT, None)
+        sup._forward(signal.SIGINT, None)
+        assert sup.child.poll() is None  # two Ctrl-C: a stop, still saving
+        assert "Ctrl-C twice more kills the job" in capfd.readouterr().err
+        sup._forward(signal.SIGINT, None)
+        assert sup.child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if sup.child.poll() is None:
+            sup.child.kill()
+        sup.child.wait()
+
+
+def test_a_stop_between_attempts_starts_nothing_and_sighup_is_ignored(tmp_path, monkeypatch):
+    sup = Supervisor(_plan(tmp_path), {})
+    started = []
+
+    def fake_attempt(number, hosts, excluded):
+        attempt = Attempt(number, [], ["mpirun"], time.time(), status=1)
+        sup.attempts.append(attempt)
+        started.append(number)
+        return attempt, ""
+
+    def stop_then_decide(*args, **kwargs):
+        sup.stop_signal = signal.SIGTERM  # arrives after the attempt ended, before the next began
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(sup, "_attempt", fake_attempt)
+    monkeypatch.setattr(supervisor, "decide", stop_then_decide)
+    saved = {signum: signal.getsignal(signum) for signum in (*supervisor.FORWARDED, signal.SIGHUP)}
+    try:
+        assert sup.run() == 3
+        assert signal.getsignal(signal.SIGHUP) is supervisor._ignore_hangup
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert started == [0]
+
+
+def test_unwritable_run_dir_and_attempts_file_are_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(LaunchError, match="cannot create the run directory"):
+        make_plan(["-np", "2", "--run-dir", str(blocker / "r"), "--", "run", "x.py"], {})
+    assert not write_attempts(blocker / "attempts.json", [])
+    assert "warning: cannot write" in capsys.readouterr().err

@@ -92,7 +92,11 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     if args.run_dir and inner_dir and Path(args.run_dir).resolve() != Path(inner_dir).resolve():
         raise LaunchError(f"--run-dir {args.run_dir} (launch) and --run-dir {inner_dir} (training) differ: give one")
     run_dir = Path(inner_dir or args.run_dir or new_run_dir(Path(option_value(job, "--runs-root") or "runs")))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot create the run directory {run_dir} ({exc.strerror or exc}): "
+                          f"give a writable --run-dir") from None
     if mode == "train" and inner_dir is None:
         job = [*job, "--run-dir", str(run_dir)]  # every attempt writes to, and resumes from, the same place
     name = {"mpirun": "mpirun", "mpiexec": "mpiexec", "srun": "srun"}

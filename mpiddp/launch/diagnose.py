@@ -2,8 +2,10 @@
 
 A rank killed by SIGKILL (the OOM killer, a node that lost power) writes no record, and the ranks that lose their
 peer then fail too, some of them fast enough to write a record of their own. So a rank the launcher reports dead
-by a signal outranks an `exception` record: the launcher's text is the fallback for the one case the record
-cannot cover, and the tie-breaker when the record names a consequence rather than the cause.
+by a signal outranks an `exception` record whose message is a lost peer (a gloo/NCCL/MPI connection failure): the
+record names a consequence there, not the cause. Any other record wins: launchers kill every other rank once one
+fails (srun --kill-on-bad-exit reports them `Terminated`, Hydra prints `KILLED BY SIGNAL: 9` for each), so their
+text would blame the healthy hosts. srun lines after `Terminating StepId` / `CANCELLED` are that clean-up: ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ HYDRA_SIGNAL = re.compile(r"RANK (\d+) PID \d+ RUNNING AT (\S+)\s*\n=?\s*KILLED 
 # srun: "srun: error: nodeb: task 1: Killed" or "tasks 2-3: Segmentation fault"
 SRUN_SIGNAL = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Segmentation fault|Aborted|Bus error|Terminated)")
 SRUN_SIGNALS = {"Killed": 9, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7, "Terminated": 15}
+# srun's clean-up of the step after the first task failed: the tasks it reports dead after this, it killed itself
+SRUN_CLEANUP = re.compile(r"Terminating StepId|CANCELLED")
+# An exception about a lost peer, not a fault of the rank that raised it (gloo, NCCL, MPI, plain sockets)
+LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"
+                       r"|peer process has unexpectedly disconnected|remote process exited|got 0 bytes"
+                       r"|DistNetworkError|ncclRemoteError|NCCL communicator was aborted"
+                       r"|MPI_ERR_PROC_FAILED|MPI_ERR_REVOKED", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,8 @@ def killed_by_signal(output: str) -> tuple[tuple[int, ...], tuple[str, ...], int
         found.append((int(match.group(1)), match.group(2), int(match.group(3))))
     for match in HYDRA_SIGNAL.finditer(output):
         found.append((int(match.group(1)), match.group(2), int(match.group(3))))
-    for match in SRUN_SIGNAL.finditer(output):
+    cleanup = SRUN_CLEANUP.search(output)
+    for match in SRUN_SIGNAL.finditer(output, 0, cleanup.start() if cleanup else len(output)):
         for rank in _task_ranks(match.group(2)):
             found.append((rank, match.group(1), SRUN_SIGNALS[match.group(3)]))
     if not found:
@@ -67,10 +77,15 @@ def _task_ranks(text: str) -> list[int]:
     return ranks
 
 
+def lost_peer(record: FailureRecord) -> bool:
+    """Whether the record is an exception about a lost peer (a consequence of another rank's death)."""
+    return record.kind == "exception" and LOST_PEER.search(record.message) is not None
+
+
 def diagnose(status: int, record: FailureRecord | None, output: str) -> Failure:
     """Combine the exit status, the job's record and the launcher's output into one Failure."""
     killed = killed_by_signal(output)
-    if killed is not None and (record is None or record.kind in ("exception", "exit")):
+    if killed is not None and (record is None or lost_peer(record)):
         ranks, hosts, signum = killed
         name = signal.Signals(signum).name if signum in set(signal.Signals) else f"signal {signum}"
         step = record.step if record is not None else None

@@ -19,15 +19,47 @@ class Decision:
     reason: str
 
 
+def short_name(name: str) -> str:
+    """A host name before its first dot (nodea.cluster.org: nodea); an IP address as it is."""
+    if ":" in name or name.replace(".", "").isdigit():
+        return name
+    return name.split(".", 1)[0]
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two names of hosts name the same host, as far as names tell (FQDN or short name)."""
+    return a == b or short_name(a) == short_name(b)
+
+
+def hosts_of(placed: list[Host], ranks: tuple[int, ...]) -> list[str]:
+    """The hosts (as the host list names them) that ranks ran on, ranks filling each host's slots in order."""
+    names, first = [], 0
+    for host in placed:
+        if any(first <= rank < first + host.slots for rank in ranks):
+            names.append(host.name)
+        first += host.slots
+    return names
+
+
+def blamed(failure: Failure, hosts: list[Host], placed: list[Host]) -> list[str]:
+    """The host-list names of the hosts the failure blames. The job's records carry socket.gethostname() (often
+    an FQDN) where the host list may have a short name or an IP, so its ranks are mapped through the attempt's own
+    placement; without ranks (or placement), names are compared by short name."""
+    by_rank = hosts_of(placed, failure.ranks) if failure.ranks else []
+    if by_rank:
+        return by_rank
+    return [h.name for h in hosts if any(same_host(h.name, name) for name in failure.hosts)]
+
+
 def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_used: int, max_restarts: int,
-           num_ranks: int) -> Decision:
-    """`hosts`: every host known (in use and spare), `excluded`: those already left out."""
+           num_ranks: int, placed: list[Host] | None = None) -> Decision:
+    """`hosts`: every host known (in use and spare), `excluded`: those already left out, `placed`: the hosts the
+    failed attempt ran on, in rank order."""
     if failure.status == 0:
         return Decision(False, [], list(excluded), "finished")
     if failure.kind in NEVER_RETRIED:
         return Decision(False, [], list(excluded), NEVER_RETRIED[failure.kind])
-    known = {h.name for h in hosts}
-    newly = [name for name in failure.hosts if name in known and name not in excluded]
+    newly = [name for name in blamed(failure, hosts, placed or []) if name not in excluded]
     now_excluded = [*excluded, *newly]
     if restarts_used >= max_restarts:
         return Decision(False, [], now_excluded, f"--max-restarts {max_restarts} spent")

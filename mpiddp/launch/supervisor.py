@@ -21,13 +21,15 @@ from typing import Any
 from mpiddp import failure
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import build_command
-from mpiddp.launch.diagnose import Failure, diagnose
+from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, diagnose
 from mpiddp.launch.hosts import Host, place
-from mpiddp.launch.policy import decide
+from mpiddp.launch.policy import decide, same_host
 
 FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # read by the job's topology only
 RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # the job exports it to scripts as TORCHELASTIC_RESTART_COUNT
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
+CHECKPOINT_OPTIONS = ("--checkpoint-dir", "--model_dir")
 OUTPUT_TAIL_LINES = 400  # enough of the launcher's stderr to find which rank died
 
 
@@ -68,11 +70,43 @@ class Attempt:
     steps_lost: int | None = None  # failed_at_step - resumed_at_step (a lower bound when no rank named its step)
 
 
-def inner_for(plan: Plan, number: int) -> list[str]:
-    """The job's arguments for attempt `number`: training resumes from the newest snapshot after a failure."""
+def inner_for(plan: Plan, number: int, latest_at_start: str | None) -> list[str]:
+    """The job's arguments for attempt `number`: training resumes from the newest snapshot after a failure.
+    A `--resume PATH` of the user's (a rollback) stays until a snapshot has been saved since the launch began
+    (`latest` changed from `latest_at_start`): before that, `latest` still names the abandoned newer snapshot."""
     if plan.mode != "train" or number == 0:
         return list(plan.inner)
+    given = resume_value(plan.inner)
+    if given not in (None, "auto") and latest_pointer(plan) == latest_at_start:
+        return list(plan.inner)
     return [*drop_option(plan.inner, "--resume"), "--resume", "auto"]
+
+
+def resume_value(argv: list[str]) -> str | None:
+    """--resume's value in argv: None without it, "auto" when bare."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg.startswith("--resume="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--resume":
+            following = argv[index + 1] if index + 1 < len(argv) else "-"
+            value = "auto" if following.startswith("-") else following
+    return value
+
+
+def latest_pointer(plan: Plan) -> str | None:
+    """The content of the training's CHECKPOINT_DIR/latest (which snapshot `--resume auto` takes), or None."""
+    directory = plan.run_dir / "checkpoints"  # the job's default, as mpiddp.main
+    for index, arg in enumerate(plan.inner):
+        for name in CHECKPOINT_OPTIONS:
+            if arg == name and index + 1 < len(plan.inner):
+                directory = Path(plan.inner[index + 1])
+            elif arg.startswith(name + "="):
+                directory = Path(arg.split("=", 1)[1])
+    try:
+        return (directory / "latest").read_text()
+    except OSError:
+        return None
 
 
 def drop_option(argv: list[str], name: str) -> list[str]:
@@ -92,7 +126,7 @@ def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
     """The world ranks on hosts `names`, when ranks fill each host's slots in list order (--map-by slot, srun's block)."""
     ranks, first = [], 0
     for host in hosts:
-        if host.name in names:
+        if any(same_host(host.name, name) for name in names):
             ranks.extend(range(first, first + host.slots))
         first += host.slots
     return tuple(ranks)
@@ -133,6 +167,16 @@ class Supervisor:
         self.attempts: list[Attempt] = []
         self.child: subprocess.Popen[str] | None = None
         self.stop_signal = 0
+        self.interrupts = 0
+        # what CHECKPOINT_DIR/latest held when the launch began: a user's --resume PATH holds until it moves
+        self.latest_at_start = latest_pointer(plan)
+
+    @property
+    def child_stop(self) -> signal.Signals:
+        """What a stop becomes for the ranks. Training: SIGUSR1, every rank saves at the same step and exits 3
+        (Open MPI's mpirun would kill the ranks at once on SIGINT/SIGTERM, with no snapshot). A script: SIGTERM,
+        as torchrun sends, since a user's script has no SIGUSR1 handler and would die of it."""
+        return signal.SIGUSR1 if self.plan.mode == "train" else signal.SIGTERM
 
     @property
     def failure_file(self) -> Path:
@@ -141,8 +185,19 @@ class Supervisor:
     def run(self) -> int:
         for signum in FORWARDED:
             signal.signal(signum, self._forward)
+        # An ssh disconnect must not end the supervisor: the launcher (its own session) keeps running, and a job
+        # left without its supervisor would never be relaunched. Stopping is SIGTERM/SIGUSR1/Ctrl-C. A handler
+        # that does nothing, not SIG_IGN, which the launcher and its ranks would inherit across exec.
+        signal.signal(signal.SIGHUP, _ignore_hangup)
         hosts_now, excluded = self._first_hosts(), list(self.plan.excluded)
         for number in range(self.plan.max_restarts + 1):
+            if self.stop_signal:  # a stop between attempts: start nothing more
+                stopped = f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched"
+                if self.attempts:
+                    self.attempts[-1].decision = stopped
+                    self._save()
+                say(stopped)
+                return EXIT_STOPPED
             attempt, output = self._attempt(number, hosts_now, excluded)
             self._count_steps_lost()
             if attempt.status == 0 or self.stop_signal:
@@ -158,7 +213,8 @@ class Supervisor:
                 found = Failure(**{**asdict(found), "step": last_logged_step(self.plan.run_dir)})
             if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
                 found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
-            decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks)
+            decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
+                              hosts_now)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
@@ -177,8 +233,8 @@ class Supervisor:
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
         env = {**self.env, FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, self.plan.num_ranks,
-                                inner_for(self.plan, number), [FAILURE_FILE_ENV, RESTART_COUNT_ENV],
-                                excluded, self.plan.extra)
+                                inner_for(self.plan, number, self.latest_at_start),
+                                [FAILURE_FILE_ENV, RESTART_COUNT_ENV], excluded, self.plan.extra)
         try:
             self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
         except FileNotFoundError:
@@ -187,15 +243,18 @@ class Supervisor:
         self.attempts.append(attempt)
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
         tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
-        # Its own session: a Ctrl-C in the terminal reaches the supervisor only, which hands it on as SIGUSR1
-        # (Open MPI's mpirun would kill the ranks at once on SIGINT/SIGTERM, with no snapshot).
+        # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
+        # stop on as `child_stop`.
         self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                       errors="replace", start_new_session=True)
-        if self.stop_signal:  # a signal that came before the launcher existed
-            self._forward(self.stop_signal, None)
+        if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
+            os.kill(self.child.pid, self.child_stop)
         assert self.child.stderr is not None
         for line in self.child.stderr:
-            sys.stderr.write(line)
+            try:
+                sys.stderr.write(line)
+            except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
+                pass
             tail.append(line)
         status = self.child.wait()
         self.child = None
@@ -205,9 +264,19 @@ class Supervisor:
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = self.stop_signal or signum
-        if self.child is not None and self.child.poll() is None:
-            # SIGUSR1 makes every rank stop at the same step, save and exit 3 (srun and mpirun hand it on)
-            os.kill(self.child.pid, signal.SIGUSR1)
+        running = self.child is not None and self.child.poll() is None
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts == 1:
+                _say_now("stopping: the ranks save a snapshot; Ctrl-C twice more kills the job without saving")
+            elif self.interrupts >= KILL_AFTER_INTERRUPTS and running:
+                _say_now("killing the job (SIGKILL to the launcher's process group): no snapshot")
+                assert self.child is not None
+                os.killpg(self.child.pid, signal.SIGKILL)  # its own session: the group id is its pid
+                return
+        if running:
+            assert self.child is not None
+            os.kill(self.child.pid, self.child_stop)  # srun and mpirun hand it on to every rank
 
     def _count_steps_lost(self) -> None:
         """Now that the latest attempt has run, the one before it learns where training resumed."""
@@ -222,17 +291,38 @@ class Supervisor:
         write_attempts(self.plan.run_dir / ATTEMPTS_FILE, self.attempts)
 
 
-def write_attempts(path: Path, attempts: list[Attempt]) -> None:
+def write_attempts(path: Path, attempts: list[Attempt]) -> bool:
+    """Write attempts.json; a failure to write is a warning (False), never the end of supervision."""
     data: dict[str, Any] = {
         "restarts": max(0, len(attempts) - 1),
         "excluded_hosts": attempts[-1].excluded_hosts if attempts else [],
         "attempts": [asdict(a) for a in attempts],
     }
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(temporary, path)
+    except OSError as exc:
+        say(f"warning: cannot write {path} ({exc.strerror or exc}); the attempts go unrecorded")
+        return False
+    return True
+
+
+def _ignore_hangup(signum: int, frame: FrameType | None) -> None:
+    """SIGHUP: the terminal went away; the supervisor keeps supervising (its output is then lost)."""
 
 
 def say(text: str) -> None:
-    sys.stderr.write(f"mpiddp launch: {text}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"mpiddp launch: {text}\n")
+        sys.stderr.flush()
+    except OSError:  # the terminal is gone (an ssh disconnect)
+        pass
+
+
+def _say_now(text: str) -> None:
+    """`say` from a signal handler: one unbuffered write, never re-entering sys.stderr's buffer."""
+    try:
+        os.write(2, f"mpiddp launch: {text}\n".encode())
+    except OSError:
+        pass
