@@ -39,7 +39,7 @@ class SlurmCluster:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
 
     def up(self) -> None:
-        for folder in ("state", "spool"):
+        for folder in ("state", "spool", "tmp"):
             (self.root / folder).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname()
         self.conf.write_text("\n".join([
@@ -58,6 +58,9 @@ class SlurmCluster:
             "MinJobAge=600",  # finished jobs stay visible to scontrol for their exit codes
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root / 'spool'}",
+            # srun --mpi=pmix makes TmpFS/spmix_appdir_<uid>_<job>.<step>; a cluster's own TmpFS keeps one that a
+            # killed job left from breaking the next test Slurm's job of the same number ("File exists").
+            f"TmpFS={self.root / 'tmp'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
             f"SlurmdPidFile={self.root / 'slurmd.pid'}",
             f"SlurmctldLogFile={self.root / 'slurmctld.log'}",
@@ -110,6 +113,13 @@ class SlurmCluster:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        # Wait until they are gone: a slurmd still stopping holds its port, and the next test Slurm's steps fail.
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.2)  # waiting for daemons to exit
+        for pid in self.pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
         self.pids.clear()
         # A job still ending (KillWait) outlives its daemons: its slurmstepd would report to the next test Slurm,
         # which numbers jobs from 1 again, and end that cluster's job 1. Nothing of a job may survive its cluster.
@@ -121,6 +131,30 @@ class SlurmCluster:
         deadline = time.monotonic() + 30
         while _job_processes() and time.monotonic() < deadline:
             time.sleep(0.2)  # waiting for killed processes to be reaped
+
+
+    def run(self, *command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60)
+
+    def submit(self, *args: str, env: dict[str, str] | None = None, cwd: Path) -> int:
+        done = subprocess.run(["sbatch", "--parsable", *args], env={**self.env, **(env or {})}, cwd=cwd,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        text = self.run("scontrol", "show", "job", str(job_id)).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def wait_for(self, job_id: int, states: tuple[str, ...], within_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + within_s
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(0.5)  # polling the scheduler's state
+        raise AssertionError(f"job {job_id} not in {states} within {within_s} s: {info}\n{self.log_tail()}")
 
 
 def _job_processes() -> list[int]:
@@ -146,25 +180,13 @@ def _job_processes() -> list[int]:
         pending.extend(children.get(pid, []))
     return found
 
-    def run(self, *command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60)
 
-    def submit(self, *args: str, env: dict[str, str] | None = None, cwd: Path) -> int:
-        done = subprocess.run(["sbatch", "--parsable", *args], env={**self.env, **(env or {})}, cwd=cwd,
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        return int(done.stdout.strip().split(";")[0])
-
-    def job(self, job_id: int) -> dict[str, str]:
-        text = self.run("scontrol", "show", "job", str(job_id)).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", text))
-
-    def wait_for(self, job_id: int, states: tuple[str, ...], within_s: float) -> dict[str, str]:
-        deadline = time.monotonic() + within_s
-        info: dict[str, str] = {}
-        while time.monotonic() < deadline:
-            info = self.job(job_id)
-            if info.get("JobState") in states:
-                return info
-            time.sleep(0.5)  # polling the scheduler's state
-        raise AssertionError(f"job {job_id} not in {states} within {within_s} s: {info}\n{self.log_tail()}")
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (our own exited child) is gone for every purpose here
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
