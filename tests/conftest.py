@@ -39,6 +39,29 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """World rank -> pid of each rank of the job writing to `run_dir`. mpirun's own command line matches too,
+    so ranks are told by the rank variable Open MPI gives them (a signal meant for a rank must not reach mpirun)."""
+    found = subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout
+    ranks = {}
+    for pid in found.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(b"OMPI_COMM_WORLD_RANK="):
+                ranks[int(entry.split(b"=", 1)[1])] = int(pid)
+    return ranks
+
+
+def rank_pid(run_dir: Path, rank: int) -> int:
+    pids = rank_pids(run_dir)
+    if rank not in pids:
+        pytest.fail(f"no process of rank {rank}")
+    return pids[rank]
+
+
 @dataclass
 class JobResult:
     returncode: int

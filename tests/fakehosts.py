@@ -14,7 +14,11 @@ import os
 import shutil
 import subprocess
 import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 SUBNET = "10.77.0"
 DECOY = "172.17.0.1/16"
@@ -126,3 +130,22 @@ class FakeHosts:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
         self.created.clear()
+
+
+@contextmanager
+def running_fake_hosts(cluster: FakeHosts, setup: Callable[[FakeHosts], None] = lambda cluster: None) -> Iterator[FakeHosts]:
+    """For fixtures: bring `cluster` up (then `setup`), or skip the test saying why it cannot be built here;
+    always take it down afterwards."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        cluster.up()
+        setup(cluster)
+    except subprocess.CalledProcessError as exc:
+        cluster.down()
+        pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+    try:
+        yield cluster
+    finally:
+        cluster.down()

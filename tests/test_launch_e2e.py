@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO, job_env, run_command
-from fakehosts import FakeHosts, unavailable_reason
+from fakehosts import FakeHosts, running_fake_hosts
 
 pytestmark = pytest.mark.mpi
 FAST = ("--no-progress", "--wandb", "disabled")
@@ -26,20 +26,9 @@ def attempts(run_dir):
 
 @pytest.fixture
 def hosts(tmp_path, mpirun):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = FakeHosts(["nodea", "nodeb", "nodec"], tmp_path / "fakehosts")
     (tmp_path / "fakehosts").mkdir()
-    try:
-        cluster.up()
-    except subprocess.CalledProcessError as exc:
-        cluster.down()
-        pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
-    try:
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec"], tmp_path / "fakehosts")) as cluster:
         yield cluster
-    finally:
-        cluster.down()
 
 
 def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_path):

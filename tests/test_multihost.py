@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import REPO, JobResult, job_env, run_command
-from fakehosts import FakeHosts, unavailable_reason
+from fakehosts import FakeHosts, running_fake_hosts
 
 pytestmark = pytest.mark.mpi
 FAST = ("--epochs", "1", "--no-progress", "--wandb", "disabled")
@@ -16,19 +16,8 @@ FAST = ("--epochs", "1", "--no-progress", "--wandb", "disabled")
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory, mpirun):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = FakeHosts(["nodea", "nodeb", "nodec"], tmp_path_factory.mktemp("fakehosts"))
-    try:
-        cluster.up()
-    except subprocess.CalledProcessError as exc:
-        cluster.down()
-        pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
-    try:
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec"], tmp_path_factory.mktemp("fakehosts"))) as cluster:
         yield cluster
-    finally:
-        cluster.down()
 
 
 def host_env():
@@ -97,20 +86,9 @@ def test_unreachable_master_addr_is_one_clear_line(hosts, mpirun, tmp_path):
 @pytest.fixture(scope="module")
 def debian(tmp_path_factory, mpirun):
     """Two hosts whose /etc/hosts map their own name to 127.0.1.1, as Debian and Ubuntu install it."""
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
     cluster = FakeHosts(["nodea", "nodeb"], tmp_path_factory.mktemp("debianhosts"), debian_hosts=True, tag="d")
-    try:
-        cluster.up()
-        cluster.private_network("nodea", "10.99.0.1/24")
-    except subprocess.CalledProcessError as exc:
-        cluster.down()
-        pytest.skip(f"cannot build fake hosts here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
-    try:
-        yield cluster
-    finally:
-        cluster.down()
+    with running_fake_hosts(cluster, lambda up: up.private_network("nodea", "10.99.0.1/24")) as running:
+        yield running
 
 
 @pytest.mark.parametrize("master", ["10.77.0.1", "nodea"])

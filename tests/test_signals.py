@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, JobResult, job_env
+from conftest import REPO, JobResult, job_env, rank_pid, rank_pids
 
 pytestmark = pytest.mark.mpi
 FLAGS = ("--epochs", "3", "--batch-size", "8", "--deterministic", "--no-progress", "--wandb", "disabled")
@@ -27,17 +27,6 @@ def wait_for(process, text, seen):
         if text in line:
             return
     pytest.fail("job ended before: " + text + "\n" + "".join(seen)[-3000:])
-
-
-def rank_pid(run_dir: Path, rank: int) -> int:
-    for pid in subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout.split():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
-            return int(pid)
-    pytest.fail(f"no process of rank {rank}")
 
 
 def finish(process, seen, timeout=120) -> str:
@@ -86,19 +75,6 @@ def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_pat
         assert torch.equal(expected[name], got[name]), name
 
 
-def rank_pids(run_dir: Path) -> list[int]:
-    """The ranks only: mpirun's own command line matches too, and SIGTERM to mpirun kills the ranks at once."""
-    found = subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout
-    pids = []
-    for pid in found.split():
-        try:
-            if b"OMPI_COMM_WORLD_RANK=" in Path(f"/proc/{pid}/environ").read_bytes():
-                pids.append(int(pid))
-        except OSError:
-            continue
-    return pids
-
-
 class SignalStorm:
     """Sends SIGTERM and then SIGUSR1 to every rank, over and over, as Slurm's scancel/preemption plus the
     batch script's forwarding do, until the job ends: whatever phase each signal lands in."""
@@ -113,7 +89,7 @@ class SignalStorm:
     def _storm(self) -> None:
         while not self.done.is_set():
             for signum in self.signals:
-                for pid in rank_pids(self.run_dir):
+                for pid in rank_pids(self.run_dir).values():
                     try:
                         os.kill(pid, signum)
                         self.sent += 1
@@ -155,7 +131,7 @@ def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
     process, seen = start(mpirun, run_dir, "--inject-fault", "stall:1:2"), []  # rank 1 never reaches a step's end
     wait_for(process, "training digits_cnn", seen)
     for _ in range(3):
-        for pid in rank_pids(run_dir):
+        for pid in rank_pids(run_dir).values():
             os.kill(pid, signal.SIGINT)
         time.sleep(0.3)  # a person pressing Ctrl-C three times, not synchronisation
     output = finish(process, seen, timeout=60)

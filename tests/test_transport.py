@@ -11,14 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import mpiddp
-from conftest import REPO, JobResult, job_env, run_command
+from conftest import REPO, JobResult, job_env, rank_pid, run_command
 from mpiddp import compression
 from mpiddp.collective import GradientSupport, SoloTransport, solo_dist
 from mpiddp.config import Config, ConfigError, parse_args
@@ -182,17 +181,6 @@ def test_the_hang_watchdog_names_a_rank_stuck_while_the_other_waits_in_mpi(run_j
     assert job.returncode == 4, job.output[-3000:]
     assert "ranks behind: 1 at step 3" in job.output
     assert "in inject_fault" in job.output
-
-
-def rank_pid(run_dir: Path, rank: int) -> int:
-    for pid in subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout.split():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
-            return int(pid)
-    pytest.fail(f"no process of rank {rank}")
 
 
 def start(mpirun, run_dir, *flags):
