@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Protocol
 
 from mpiddp.collective import Dist, MpiTransport, Rendezvous, agree_on
-from mpiddp.errors import AgreedError, UserError
+from mpiddp.errors import AgreedError, HostFault, UserError
 from mpiddp.failfast import FailFast
 from mpiddp.netif import (Interface, Reach, choose_network, interfaces_toward, local_interfaces, master_address,
                           reach, resolve_ipv4)
@@ -85,14 +85,14 @@ def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str, int | N
     index = None
     if device == "cuda":
         if not has_cuda:
-            raise UserError(f"--device cuda, but {topo.hostname} has no usable CUDA GPU: use --device cpu")
+            raise HostFault(f"--device cuda, but {topo.hostname} has no usable CUDA GPU: use --device cpu")
         num_gpus = torch.cuda.device_count()
         if num_gpus >= topo.local_world_size:
             index = topo.local_rank
         elif num_gpus == 1:
             index = 0
         else:
-            raise UserError(
+            raise HostFault(
                 f"{topo.hostname} runs {topo.local_world_size} ranks but has {num_gpus} GPUs: start at most "
                 f"{num_gpus} ranks on it (e.g. -H {topo.hostname}:{num_gpus}), give each rank one GPU "
                 f"(CUDA_VISIBLE_DEVICES), or use --device cpu"
@@ -110,6 +110,14 @@ def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str, int | N
             "(CPU) or nccl (GPU); mpiddp uses MPI for start-up and metrics either way"
         )
     return device, backend, index
+
+
+def same_device_everywhere(asked: str, devices: list[str], topo: Topology) -> None:
+    """With --device auto, a host that lost its GPUs (driver gone, devices fallen off the bus) would pick the CPU
+    while the others pick CUDA: refuse it on that host's ranks, so the job ends with the host named."""
+    if asked == "auto" and devices[topo.rank] == "cpu" and "cuda" in devices:
+        raise HostFault(f"{topo.hostname} has no usable CUDA GPU while other hosts have: fix or leave out "
+                        f"{topo.hostname}, or use --device cpu everywhere")
 
 
 def shared_gpus(placements: list[tuple[str, str | None]]) -> None:
@@ -337,6 +345,8 @@ def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezv
         torch.cuda.set_device(device_index)  # before the process group, so nothing lands on GPU 0 by accident
         uuid = f"GPU-{torch.cuda.get_device_properties(device_index).uuid}"
         log.info("%s uses cuda:%d (%s) of %d visible", topo.label, device_index, uuid, torch.cuda.device_count())
+    devices = dist.allgather(device_type)
+    dist.agree(lambda: same_device_everywhere(settings.device, devices, topo))
     placements = dist.allgather((topo.hostname, uuid))
     dist.agree(lambda: shared_gpus(placements))
     placed = dist.placed(device_type, device_index, backend, rendezvous, num_threads)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Literal, NoReturn, Protocol, TypeVar
 
 import numpy as np
 
-from mpiddp.errors import AgreedError, HelpRequested, UserError
-from mpiddp.failfast import EXIT_USER_ERROR, flush_logs
+from mpiddp.errors import AgreedError, HelpRequested, HostFault, UserError
+from mpiddp.failfast import EXIT_CRASH, EXIT_USER_ERROR, flush_logs
 from mpiddp.topology import RankRecord, Topology, build_topology
 
 if TYPE_CHECKING:
@@ -261,6 +261,8 @@ def agree_on(transport: Transport, attempt: Callable[[], T], scope: _AttemptScop
             result = attempt()
     except HelpRequested as exc:
         problem = ("help", exc.text)
+    except HostFault as exc:
+        problem = ("host", str(exc))
     except UserError as exc:
         problem = ("error", str(exc))
     problems = transport.allgather(problem)
@@ -269,7 +271,14 @@ def agree_on(transport: Transport, attempt: Callable[[], T], scope: _AttemptScop
         return result  # type: ignore[return-value]
     if all(kind == "help" for _, (kind, _) in failed):
         raise AgreedError(failed[0][1][1], 0, to_stdout=True)
-    errors = [(rank, text) for rank, (kind, text) in failed if kind == "error"]
+    errors = [(rank, text) for rank, (kind, text) in failed if kind in ("error", "host")]
+    if all(kind == "host" for _, (kind, _) in failed) and len(failed) < transport.size:
+        # Some hosts are broken and the others are fine: not the flags. Exit 1, and the failure record blames
+        # those ranks' hosts, so `mpiddp launch` relaunches without them.
+        lines = dict.fromkeys(text for _, text in errors)
+        raise AgreedError("\n".join(f"error: {text}" for text in lines) + "\nthe other hosts are fine: leave this "
+                          "host out (mpiddp launch does so itself)", EXIT_CRASH,
+                          faulty_ranks=tuple(rank for rank, _ in errors))
     if len({text for _, text in errors}) == 1 and len(errors) == transport.size:
         raise AgreedError(f"error: {errors[0][1]}", EXIT_USER_ERROR)
     raise AgreedError("\n".join(f"error on rank {rank}: {text}" for rank, text in errors), EXIT_USER_ERROR)

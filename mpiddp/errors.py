@@ -5,14 +5,22 @@ class UserError(ValueError):
     """A problem with flags, data, files or the environment that the message tells the user how to fix."""
 
 
-class AgreedError(UserError):
-    """Raised on every rank at the same point, so the job can end without an abort and rank 0 speaks for all."""
+class HostFault(UserError):
+    """This host cannot run its ranks (no usable GPU, fewer GPUs than ranks) where other hosts can: the host is at
+    fault, not the flags. When every host says so, it is a plain user error."""
 
-    def __init__(self, message: str, exit_code: int = 2, to_stdout: bool = False) -> None:
+
+class AgreedError(UserError):
+    """Raised on every rank at the same point, so the job can end without an abort and rank 0 speaks for all.
+    `faulty_ranks`: the ranks whose host is at fault (a HostFault on some hosts only); empty for user errors."""
+
+    def __init__(self, message: str, exit_code: int = 2, to_stdout: bool = False,
+                 faulty_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
         self.to_stdout = to_stdout
+        self.faulty_ranks = faulty_ranks
 
 
 class HelpRequested(Exception):

@@ -95,6 +95,12 @@ class FailFast:
         rank = 0 if self.dist is None else self.dist.rank
         host = self.dist.topology.hostname if self.dist is not None else socket.gethostname()
         message = (str(exc).strip() or type(exc).__name__).splitlines()[0][:500]
+        if isinstance(exc, AgreedError) and exc.faulty_ranks:
+            if rank != 0:
+                return None
+            hosts = list(dict.fromkeys(self.dist.topology.host_of(r) for r in exc.faulty_ranks)) \
+                if self.dist is not None else []
+            return FailureRecord("host_fault", list(exc.faulty_ranks), hosts, message)
         if isinstance(exc, (AgreedError, LauncherMismatch)):
             if code == EXIT_OK or rank != 0:  # every rank raised it together: rank 0 speaks, and no host is at fault
                 return None

@@ -19,8 +19,9 @@ FAILURE_FILE = "failure.json"
 ATTEMPTS_FILE = "attempts.json"  # written by the supervisor after each attempt; the job's summary includes it
 # exception: a rank raised; killed: a rank died by a signal (inferred by the supervisor from the launcher, since a
 # SIGKILLed rank writes nothing); hang: the watchdog fired; user_error: exit 2; stopped: a stop signal or an
-# interrupt; exit: a rank (or the user's script) exited early.
-KINDS = ("exception", "killed", "hang", "user_error", "stopped", "exit")
+# interrupt; exit: a rank (or the user's script) exited early; host_fault: some hosts cannot run their ranks (a
+# GPU lost) where the others can.
+KINDS = ("exception", "killed", "hang", "user_error", "stopped", "exit", "host_fault")
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,10 @@ class Topology:
     def hosts_dict(self) -> dict[str, list[int]]:
         return {name: list(ranks) for name, ranks in self.hosts}
 
+    def host_of(self, rank: int) -> str:
+        """The name of the host world rank `rank` runs on."""
+        return next(name for name, ranks in self.hosts if rank in ranks)
+
     @property
     def mpi_description(self) -> str:
         """The MPI library, and what mpiddp set for it (for the log and `check`)."""

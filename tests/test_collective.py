@@ -126,3 +126,30 @@ def test_solo_dist_is_a_world_of_one():
     assert (dist.rank, dist.world_size, dist.is_main, dist.label) == (0, 1, True, "rank 0/1 on box")
     assert dist.allgather({"a": 1}) == [{"a": 1}]
     assert str(dist.device) == "cpu"
+
+
+def host_fault(text):
+    from mpiddp.errors import HostFault
+
+    raise HostFault(text)
+
+
+def test_a_host_fault_on_some_hosts_is_a_crash_that_names_the_faulty_ranks():
+    with pytest.raises(AgreedError) as caught:
+        agree_on(PeersTransport(1, [None, ("host", "b runs 2 ranks but has 1 GPUs"), None]),
+                 lambda: host_fault("b runs 2 ranks but has 1 GPUs"))
+    assert caught.value.exit_code == 1 and caught.value.faulty_ranks == (1, 2)
+    assert caught.value.message.splitlines()[0] == "error: b runs 2 ranks but has 1 GPUs"  # once, not per rank
+    assert "leave this host out" in caught.value.message
+
+
+def test_a_host_fault_on_every_host_is_a_user_error():
+    with pytest.raises(AgreedError) as caught:
+        agree_on(PeersTransport(0, [("host", "no GPU on b")]), lambda: host_fault("no GPU on a"))
+    assert caught.value.exit_code == 2 and caught.value.faulty_ranks == ()
+
+
+def test_a_host_fault_beside_a_user_error_is_a_user_error():
+    with pytest.raises(AgreedError) as caught:
+        agree_on(PeersTransport(0, [("error", "bad flag"), None]), lambda: host_fault("no GPU on a"))
+    assert caught.value.exit_code == 2 and caught.value.faulty_ranks == ()

@@ -202,3 +202,23 @@ def test_a_new_job_clears_an_earlier_jobs_record(tmp_path):
     new = FailureRecord("hang", [0], ["nodea"], "this job's hang")
     assert write_first(tmp_path / FAILURE_FILE, new)  # without the clear, the earlier record would win
     assert read(tmp_path / FAILURE_FILE).message == "this job's hang"
+
+
+def test_a_host_fault_is_recorded_by_rank_0_with_the_faulty_hosts_so_launch_leaves_them_out(tmp_path, capsys):
+    from mpiddp.launch.diagnose import diagnose
+    from mpiddp.launch.hosts import Host
+    from mpiddp.launch.policy import decide
+
+    for rank in (1, 0):
+        guard = guard_for(rank, size=3)
+        guard.set_run_dir(tmp_path / f"r{rank}")
+        (tmp_path / f"r{rank}").mkdir()
+        error = AgreedError("error: host1 runs 1 ranks but has 0 GPUs", EXIT_CRASH, faulty_ranks=(1,))
+        assert fail(guard, error) == EXIT_CRASH
+    assert not (tmp_path / "r1" / FAILURE_FILE).exists()
+    record = read(tmp_path / "r0" / FAILURE_FILE)
+    assert (record.kind, record.ranks, record.hosts) == ("host_fault", [1], ["host1"])
+    hosts = [Host("host0", 1), Host("host1", 1), Host("host2", 1), Host("host3", 1)]
+    decision = decide(diagnose(EXIT_CRASH, record, ""), hosts, [], 0, 3, 3, hosts[:3])
+    assert decision.retry and decision.excluded == ["host1"]
+    assert [h.name for h in decision.hosts] == ["host0", "host2", "host3"]

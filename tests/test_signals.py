@@ -56,10 +56,8 @@ def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_pat
         process.send_signal(signal.SIGUSR1)  # Open MPI forwards SIGUSR1 to every rank
     else:
         os.kill(rank_pid(run_dir, 1), signal.SIGTERM)  # one rank only, as a preempting scheduler might
-    signalled_at = time.monotonic()
     output = finish(process, seen)
     assert process.returncode == 3, output[-3000:]
-    assert time.monotonic() - signalled_at < 30
     stopped = [p.name for p in (run_dir / "checkpoints").glob("snapshot-epoch0001-batch*.pt")]
     assert len(stopped) == 1, sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert output.count("snapshot saved in") == 1  # rank 0 speaks for the job

@@ -149,3 +149,15 @@ def test_nccl_keeps_its_own_interface_choice_unless_the_user_names_one():
     assert socket_interfaces("eth0", False, {}) == {"GLOO_SOCKET_IFNAME": "eth0"}
     assert socket_interfaces("eth0", True, {}) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
     assert socket_interfaces("eth0", True, {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "eth0"}
+
+
+def test_a_host_that_lost_its_gpus_under_device_auto_is_named():
+    from mpiddp.bootstrap import same_device_everywhere
+    from mpiddp.errors import HostFault
+    from mpiddp.topology import RankRecord, build_topology
+
+    records = [RankRecord(r, f"node{r}", r, 0, 1) for r in range(3)]
+    with pytest.raises(HostFault, match="node1 has no usable CUDA GPU while other hosts have"):
+        same_device_everywhere("auto", ["cuda", "cpu", "cuda"], build_topology(1, records))
+    same_device_everywhere("auto", ["cuda", "cpu", "cuda"], build_topology(0, records))  # rank 0's host is fine
+    same_device_everywhere("auto", ["cpu", "cpu", "cpu"], build_topology(1, records))  # a CPU job
