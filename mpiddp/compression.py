@@ -95,6 +95,9 @@ def choose_transport(requested: str, compression: str, dist: Dist, nbytes: int) 
     backend = dist.backend
     if requested in ("gloo", "nccl"):
         def check() -> None:
+            if requested == "nccl" and dist.device_type != "cuda":
+                raise UserError("--grad-transport nccl needs GPUs, and this job runs on the CPU: use --grad-transport "
+                                "auto, gloo or mpi (or --device cuda on GPU hosts)")
             if requested != backend:
                 raise UserError(f"--grad-transport {requested} needs the {requested} process group, and this job's "
                                 f"is {backend}: use --backend {requested} too, or --grad-transport auto")

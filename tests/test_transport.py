@@ -86,8 +86,12 @@ def test_choice_without_a_probe():
     chosen = compression.choose_transport("mpi", "bf16", dist, 1024)
     assert (chosen.chosen, chosen.record()["mpi_thread_level"]) == ("mpi", "multiple")
     assert "one blocking MPI_Allreduce per DDP bucket" in chosen.describe()
-    with pytest.raises(AgreedError, match="--grad-transport nccl needs the nccl process group, and this job's is gloo"):
+    with pytest.raises(AgreedError, match="--grad-transport nccl needs GPUs, and this job runs on the CPU: use "
+                                          "--grad-transport auto, gloo or mpi"):
         compression.choose_transport("nccl", "none", dist, 1024)
+    on_gpus = dataclasses.replace(dist, device_type="cuda", backend="nccl")
+    with pytest.raises(AgreedError, match="--grad-transport gloo needs the gloo process group, and this job's is nccl"):
+        compression.choose_transport("gloo", "none", on_gpus, 1024)
 
 
 def test_transport_flags():
