@@ -96,6 +96,21 @@ def load_trace(path: Path) -> dict[str, Any] | str:
     return dump
 
 
+def slim(dump: dict[str, Any] | str, per_group: int = 16) -> dict[str, Any] | str:
+    """The part of a dump the analysis reads: each process group's newest entries, without Python frames, so
+    the rank that reads every rank's dump holds little of each."""
+    if isinstance(dump, str):
+        return dump
+    kept: dict[Any, list[dict[str, Any]]] = {}
+    for entry in reversed(dump["entries"]):  # oldest first in the dump
+        if isinstance(entry, dict):
+            group = kept.setdefault(str(entry.get("process_group")), [])
+            if len(group) < per_group:
+                group.append({key: value for key, value in entry.items() if key != "frames"})
+    entries = [entry for group in kept.values() for entry in reversed(group)]  # the order does not matter
+    return {**{key: value for key, value in dump.items() if key != "entries"}, "entries": entries}
+
+
 @dataclass(frozen=True)
 class Collective:
     """One entry of the recorder: a collective a rank entered (called), in one process group."""
@@ -162,6 +177,10 @@ def group_views(dump: Mapping[str, Any]) -> dict[str, GroupView]:
     return views
 
 
+def _group_order(name: str) -> tuple[int, str]:
+    return len(name), name  # torch names groups 0, 1, ..., 10: in the order they were made
+
+
 def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
@@ -181,7 +200,7 @@ def describe_traces(dumps: Mapping[int, Mapping[str, Any] | str], world_size: in
         except Exception as exc:  # a dump of an unexpected shape: say so, describe the others
             dumps = {**dumps, rank: f"unexpected content ({type(exc).__name__}: {exc})"}
     missing = [rank for rank in range(world_size) if rank not in views]
-    groups = sorted({name for by_group in views.values() for name in by_group}, key=lambda n: (len(n), n))
+    groups = sorted({name for by_group in views.values() for name in by_group}, key=_group_order)
     for name in groups:
         members = {rank: by_group[name] for rank, by_group in views.items() if name in by_group}
         label = next(iter(members.values())).label
@@ -213,7 +232,8 @@ def describe_traces(dumps: Mapping[int, Mapping[str, Any] | str], world_size: in
             continue
         if not views[rank]:
             lines.append(f"rank {rank}: no collective recorded")
-        for view in views[rank].values():
+        for name in sorted(views[rank], key=_group_order):
+            view = views[rank][name]
             last = view.entered.get(view.last_entered)
             lines.append(f"rank {rank}, {view.label}: last entered {last.describe() if last else 'none'}; "
                          f"last completed #{view.completed}")

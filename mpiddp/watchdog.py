@@ -23,12 +23,13 @@ from typing import Any
 from mpiddp.collective import Dist
 from mpiddp.failfast import EXIT_HANG
 from mpiddp.failure import FailureRecord, failure_path, write_first
-from mpiddp.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, trace_path, write_trace
+from mpiddp.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their stacks too
 REQUEST_KEY = "mpiddp/hang-request"  # set by the rank that writes the hang file: every watchdog answers
+READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight-recorder dumps
 
 
 class Watchdog:
@@ -183,7 +184,11 @@ class Watchdog:
         """What the dumps of the ranks that answered show (a file of an earlier job in the run dir is not read)."""
         assert self.run_dir is not None
         dumps: dict[int, dict[str, Any] | str] = {}
+        give_up = time.monotonic() + READ_DUMPS_S
         for rank in range(self.world_size):
+            if time.monotonic() > give_up:  # a big job's dumps: the report must still be written, the job ended
+                dumps[rank] = f"not read (the hang report's {READ_DUMPS_S:g} s for reading dumps ran out)"
+                continue
             key = f"mpiddp/trace/{rank}"
             try:
                 failed = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
@@ -192,7 +197,7 @@ class Watchdog:
             if failed is None:
                 dumps[rank] = "no dump (stopped, dead, or its watchdog did not answer in time)"
             else:
-                dumps[rank] = failed or load_trace(trace_path(self.run_dir, rank))
+                dumps[rank] = failed or slim(load_trace(trace_path(self.run_dir, rank)))
         try:
             return describe_traces(dumps, self.world_size)
         except Exception as exc:  # never let the analysis cost the rest of the report

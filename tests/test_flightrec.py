@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mpiddp.bootstrap import flight_recorder_env
-from mpiddp.flightrec import describe_traces, load_trace, trace_path, write_trace
+from mpiddp.flightrec import describe_traces, load_trace, slim, trace_path, write_trace
 from mpiddp.watchdog import REQUEST_KEY, Watchdog
 from test_launch_record import DictStore
 
@@ -93,6 +93,18 @@ def test_subgroups_are_judged_apart_and_sends_are_left_out():
     assert lines[1].startswith("rank 0 waits in nccl:all_reduce #2 of pg 1 (tp), in [[1024]] Float; rank 1's last "
                                "entered is #1: it never entered #2")
     assert not any("send" in line for line in lines)
+
+
+def test_the_analysis_reads_the_same_from_a_slim_copy_of_each_dump():
+    tp = ("1", "tp")
+    full = dump(*[entry(seq) for seq in range(1, 41)], entry(41, "scheduled"), entry(1, group=tp, pg_id=1),
+                entry(2, "started", group=tp, pg_id=1))
+    small = slim(full)
+    assert len(small["entries"]) == 16 + 2 and not any("frames" in e for e in small["entries"])
+    assert min(e["collective_seq_id"] for e in small["entries"] if e["pg_id"] == 0) == 26  # the newest 16
+    others = dump(*[entry(seq) for seq in range(1, 41)], entry(1, group=tp, pg_id=1))
+    assert describe_traces({0: small, 1: slim(others)}, 2) == describe_traces({0: full, 1: others}, 2)
+    assert slim("no dump") == "no dump"
 
 
 def test_the_recorders_own_counters_count_as_completed():
@@ -205,3 +217,12 @@ def test_a_rank_asked_for_the_hang_report_gives_its_dump_and_stacks_and_keeps_go
     store.set("mpiddp/trace/0", "")
     assert rank_0._describe_traces()[0] == ("rank 0 waits in nccl:all_reduce #2 of pg 0 (default_pg), in [[1024]] "
                                             "Float; rank 1's last entered is #1: it never entered #2")
+
+
+def test_reading_the_dumps_of_a_big_job_stops_at_its_time_budget(tmp_path, monkeypatch):
+    import mpiddp.watchdog as watchdog_module
+
+    monkeypatch.setattr(watchdog_module, "READ_DUMPS_S", -1.0)  # spent before the first file
+    store = DictStore()
+    watchdog = hang_watchdog(store, 0, tmp_path, lambda: b"", world_size=3)
+    assert watchdog._describe_traces()[-1] == "rank 2: not read (the hang report's -1 s for reading dumps ran out)"
