@@ -226,3 +226,17 @@ def test_reading_the_dumps_of_a_big_job_stops_at_its_time_budget(tmp_path, monke
     store = DictStore()
     watchdog = hang_watchdog(store, 0, tmp_path, lambda: b"", world_size=3)
     assert watchdog._describe_traces()[-1] == "rank 2: not read (the hang report's -1 s for reading dumps ran out)"
+
+
+def test_enabling_the_recorder_sets_this_torchs_names_in_the_process(tmp_path, monkeypatch):
+    import os
+
+    import torch
+
+    from mpiddp.bootstrap import enable_flight_recorder
+
+    monkeypatch.setattr(os, "environ", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})  # the user's choice stays
+    wanted = enable_flight_recorder(tmp_path)
+    assert os.environ == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", **wanted}
+    assert wanted == flight_recorder_env(torch.__version__, tmp_path, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+    assert len(wanted) == 2 and str(tmp_path.resolve() / "nccl-trace-rank") in wanted.values()

@@ -128,3 +128,16 @@ def test_a_hang_on_nccl_leaves_flight_recorder_dumps_and_the_hang_file_names_the
     for rank in range(RANKS):  # names the last collective each rank entered: op, sequence number, sizes, state
         assert re.search(rf"rank {rank}, pg 0[^:\n]*: last entered nccl:\w+ #\d+ \(in \[\[\d+.*, completed\); "
                          rf"last completed #\d+", text), text
+
+
+def test_run_turns_the_flight_recorder_on_for_a_script_on_gpus(mpirun, tmp_path):
+    script = tmp_path / "show_recorder.py"
+    script.write_text("import os\nnames = ('TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE', "
+                      "'TORCH_NCCL_DUMP_ON_TIMEOUT')\nprint('recorder:', *(os.environ.get(n, '-') for n in names))\n")
+    env = job_env()
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        env.pop(name, None)
+    job = run_command([mpirun, "-np", str(RANKS), sys.executable, "-m", "mpiddp", "run", str(script)], tmp_path,
+                      timeout=300, env=env)
+    assert job.returncode == 0, job.output[-4000:]
+    assert re.search(r"recorder: (2000 -|- 2000) 1", job.output), job.output[-4000:]  # the name this torch reads
