@@ -402,9 +402,9 @@ def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezv
 def distributed(cfg: GroupSettings, dist: Dist, guard: FailFast | None = None,
                 trace_dir: Path | None = None) -> Iterator[Dist]:
     """Collective: set up the torch process group and yield the Dist placed on its device (on NCCL, with the
-    flight recorder's dumps in `trace_dir`). Tear it down on a
-    clean exit, or when every rank raised together (AgreedError, Stopped). After any other exception there
-    is no teardown: FailFast aborts the whole job, the only safe end when peers may be blocked in a collective.
+    flight recorder's dumps in `trace_dir`). Tear it down on a clean exit, or when every rank raised together
+    (AgreedError, Stopped). After any other exception there is no teardown: FailFast aborts the whole job, the
+    only safe end when peers may be blocked in a collective.
     """
     num_threads = set_threads(cfg, dist.topology)
     rendezvous, store = open_rendezvous(cfg, dist, guard)
