@@ -13,11 +13,13 @@ import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Protocol
 
 from mpiddp.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.errors import AgreedError, HostFault, UserError
 from mpiddp.failfast import FailFast
+from mpiddp.flightrec import TRACE_PREFIX
 from mpiddp.netif import (Interface, Reach, choose_network, interfaces_toward, local_interfaces, master_address,
                           reach, resolve_ipv4)
 from mpiddp.stopping import Stopped
@@ -308,6 +310,43 @@ def export_environment(topo: Topology, address: str, port: int) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
 
+FLIGHT_RECORDER_ENTRIES = "2000"  # torch's recommended ring size: the recent history of every process group
+
+
+def _torch_at_least(torch_version: str, wanted: tuple[int, int]) -> bool:
+    try:
+        return tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2]) >= wanted
+    except ValueError:
+        return True  # an unusual version string (a source build): assume a recent torch
+
+
+def flight_recorder_env(torch_version: str, trace_dir: Path | None, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables that turn on torch's NCCL flight recorder (a ring buffer of recent collectives, dumped on a
+    collective timeout) with its dumps in `trace_dir` (None: torch's default place); never one the user set,
+    under either of its names. torch 2.4 to 2.14 read the TORCH_NCCL_* names; 2.9 and newer also read
+    TORCH_FR_BUFFER_SIZE and TORCH_FR_DUMP_TEMP_FILE, and warn that the old ones are deprecated."""
+    new_names = _torch_at_least(torch_version, (2, 9))
+    wanted = [
+        (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), FLIGHT_RECORDER_ENTRIES),
+        (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+    ]
+    if trace_dir is not None:  # torch names each rank's file <prefix><rank>
+        wanted.append((("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+                       str(trace_dir.resolve() / TRACE_PREFIX)))
+    return {(names[0] if new_names else names[-1]): value for names, value in wanted
+            if not any(name in env for name in names)}
+
+
+def enable_flight_recorder(trace_dir: Path | None) -> dict[str, str]:
+    """Before an NCCL process group starts: turn on torch's flight recorder (see flight_recorder_env) in this
+    process; returns what was set."""
+    import torch
+
+    wanted = flight_recorder_env(torch.__version__, trace_dir, os.environ)
+    os.environ.update(wanted)
+    return wanted
+
+
 def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | None = None) -> tuple[Rendezvous, _Store]:
     """Collective: agree on the address, open rank 0's store on a kernel-chosen port, connect every rank,
     export torchrun's variables. `guard` gets a way to claim the one full failure report."""
@@ -333,8 +372,9 @@ def set_threads(settings: NetworkSettings, topo: Topology) -> int:
 
 
 def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezvous, store: _Store,
-                        num_threads: int) -> Dist:
-    """Collective: choose the device (agreed), and start torch's default process group on mpiddp's store."""
+                        num_threads: int, trace_dir: Path | None = None) -> Dist:
+    """Collective: choose the device (agreed), and start torch's default process group on mpiddp's store. On
+    NCCL, torch's flight recorder is on, its dumps in `trace_dir` (the run dir)."""
     import torch
     import torch.distributed as tdist
 
@@ -350,6 +390,8 @@ def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezv
     placements = dist.allgather((topo.hostname, uuid))
     dist.agree(lambda: shared_gpus(placements))
     placed = dist.placed(device_type, device_index, backend, rendezvous, num_threads)
+    if backend == "nccl" and trace_dir is not None:  # read when the process group starts
+        enable_flight_recorder(trace_dir)
     tdist.init_process_group(
         backend=backend,
         store=store.store,
@@ -367,14 +409,16 @@ def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezv
 
 
 @contextmanager
-def distributed(cfg: GroupSettings, dist: Dist, guard: FailFast | None = None) -> Iterator[Dist]:
-    """Collective: set up the torch process group and yield the Dist placed on its device. Tear it down on a
-    clean exit, or when every rank raised together (AgreedError, Stopped). After any other exception there
-    is no teardown: FailFast aborts the whole job, the only safe end when peers may be blocked in a collective.
+def distributed(cfg: GroupSettings, dist: Dist, guard: FailFast | None = None,
+                trace_dir: Path | None = None) -> Iterator[Dist]:
+    """Collective: set up the torch process group and yield the Dist placed on its device (on NCCL, with the
+    flight recorder's dumps in `trace_dir`). Tear it down on a clean exit, or when every rank raised together
+    (AgreedError, Stopped). After any other exception there is no teardown: FailFast aborts the whole job, the
+    only safe end when peers may be blocked in a collective.
     """
     num_threads = set_threads(cfg, dist.topology)
     rendezvous, store = open_rendezvous(cfg, dist, guard)
-    placed = start_process_group(cfg, dist, rendezvous, store, num_threads)
+    placed = start_process_group(cfg, dist, rendezvous, store, num_threads, trace_dir)
     try:
         yield placed
     except (AgreedError, Stopped):

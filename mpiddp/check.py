@@ -15,8 +15,7 @@ import numpy as np
 
 from mpiddp import preflight
 from mpiddp.collective import Dist
-from mpiddp.config import Config
-from mpiddp.metrics import wandb_mode
+from mpiddp.config import Config, wandb_mode
 from mpiddp.topology import Topology
 
 ALLREDUCE_SIZES = tuple(4 ** k * 1024 for k in range(0, 7))  # bytes per rank: 1 KiB .. 4 MiB

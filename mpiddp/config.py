@@ -12,6 +12,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from mpiddp.errors import HelpRequested, UserError
@@ -348,6 +349,23 @@ def build_parser() -> argparse.ArgumentParser:
     # Accepted for scripts written for torch.distributed.launch, which passes it; mpiddp takes the local rank from MPI.
     parser.add_argument("--local-rank", "--local_rank", dest="ignored_local_rank", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def wandb_mode(requested: str, env: dict[str, str], netrc: Path) -> str:
+    """What --wandb means on this host (the trainer and `check` ask alike): auto -> online when credentials
+    exist (WANDB_API_KEY or a netrc entry for wandb), else offline."""
+    if requested != "auto":
+        return requested
+    if env.get("WANDB_MODE") in ("offline", "disabled"):
+        return env["WANDB_MODE"]
+    if env.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if "api.wandb.ai" in netrc.read_text():
+            return "online"
+    except OSError:
+        pass
+    return "offline"
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

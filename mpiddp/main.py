@@ -236,7 +236,7 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
         guard.set_run_dir(run_dir)
         startup.mark("preflight")
         try:
-            with distributed(cfg, dist, guard) as placed:
+            with distributed(cfg, dist, guard, trace_dir=run_dir) as placed:
                 summary = run(cfg, placed, run_dir, stop, startup)
         except Stopped as stopped:
             # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from mpiddp.config import Config
+from mpiddp.config import Config, wandb_mode
 from mpiddp.topology import Topology
 
 if TYPE_CHECKING:
@@ -118,22 +118,6 @@ class FanOut:
     def close(self) -> None:
         for logger in self.loggers:
             logger.close()
-
-
-def wandb_mode(requested: str, env: dict[str, str], netrc: Path) -> str:
-    """auto -> online when credentials exist (WANDB_API_KEY or a netrc entry for wandb), else offline."""
-    if requested != "auto":
-        return requested
-    if env.get("WANDB_MODE") in ("offline", "disabled"):
-        return env["WANDB_MODE"]
-    if env.get("WANDB_API_KEY"):
-        return "online"
-    try:
-        if "api.wandb.ai" in netrc.read_text():
-            return "online"
-    except OSError:
-        pass
-    return "offline"
 
 
 def start_wandb(cfg: Config, run_dir: Path, resume_id: str | None) -> WandbLogger | None:

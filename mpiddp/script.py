@@ -342,7 +342,7 @@ class FinishWatch:
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
     from mpiddp import api
-    from mpiddp.bootstrap import connect, open_rendezvous, set_threads, teardown
+    from mpiddp.bootstrap import connect, enable_flight_recorder, open_rendezvous, set_threads, teardown
     from mpiddp.log import setup_logging
 
     dist = connect(guard)
@@ -360,7 +360,11 @@ def run_script(argv: list[str], guard: FailFast) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
     rendezvous, store = open_rendezvous(cfg, dist, guard)
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
-    if virtual_local_rank(dist.allgather(visible_gpus())):
+    gpus_per_rank = dist.allgather(visible_gpus())
+    if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose
+        failure_file = dist.topology.failure_file  # under `launch`, in its run dir: the dumps go beside it
+        enable_flight_recorder(Path(failure_file).parent if failure_file else None)
+    if virtual_local_rank(gpus_per_rank):
         os.environ["LOCAL_RANK"] = "0"
         if any(len(ranks) > 1 for _, ranks in dist.topology.hosts):  # else LOCAL_RANK is 0 anyway
             log.info("every rank sees one GPU: LOCAL_RANK is 0 on every rank (torchrun's --virtual-local-rank); "

@@ -1,7 +1,8 @@
 """Hang watchdog: when a rank makes no progress for --hang-timeout seconds, show where every rank is and abort.
 
 It runs in a daemon thread and talks through the rendezvous store, not through MPI or gloo/NCCL, so it works
-while the main thread is stuck inside a collective.
+while the main thread is stuck inside a collective. The first rank to fire asks every other rank's watchdog for
+its stacks and, on NCCL, its flight-recorder dump, and writes what they show into one hang file.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from typing import Any
 from mpiddp.collective import Dist
 from mpiddp.failfast import EXIT_HANG
 from mpiddp.failure import FailureRecord, failure_path, write_first
+from mpiddp.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their stacks too
+REQUEST_KEY = "mpiddp/hang-request"  # set by the rank that writes the hang file: every watchdog answers
+READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight-recorder dumps
 
 
 class Watchdog:
@@ -33,10 +37,13 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, label: str, store: Any,
                  abort: Callable[[int], None], host_of_rank: dict[int, str] | None = None,
-                 failure_file: Path | None = None, run_dir: Path | None = None) -> None:
+                 failure_file: Path | None = None, run_dir: Path | None = None,
+                 trace: Callable[[], bytes] | None = None) -> None:
         self.timeout_s = timeout_s
         self.interval = min(5.0, max(0.5, timeout_s / 10))
         self.run_dir = run_dir  # where the hang file goes (None: stderr only)
+        self.trace = trace  # this rank's flight-recorder dump (NCCL), written to the run dir when the job hangs
+        self.answered = False  # this rank gave its stacks (and dump) for the hang file
         self.host_of_rank = host_of_rank or {}
         self.failure_file = failure_file
         self.rank, self.world_size, self.label = rank, world_size, label
@@ -60,7 +67,7 @@ class Watchdog:
         topo = dist.topology
         host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
         return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
-                   failure_path(topo.failure_file, run_dir), run_dir)
+                   failure_path(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
@@ -82,11 +89,31 @@ class Watchdog:
         while not self.stopped.wait(self.interval):
             try:
                 self._publish()
+                asked = not self.answered and self.store.check([REQUEST_KEY])
             except Exception:  # the store is gone: the job is ending anyway
                 return
             if time.monotonic() - self.last_beat > self.timeout_s:
                 self._fire()
                 return
+            if asked:  # another rank's watchdog fired: give it this rank's stacks and dump, and keep watching
+                self._answer()
+
+    def _dump_trace(self) -> None:
+        """On NCCL: this rank's flight-recorder buffer into the run dir, and whether it worked, in the store."""
+        if self.trace is None or self.run_dir is None:
+            return
+        failed = write_trace(trace_path(self.run_dir, self.rank), self.trace)
+        self.store.set(f"mpiddp/trace/{self.rank}", failed or "")
+
+    def _answer(self) -> None:
+        self.answered = True
+        try:
+            self._dump_trace()  # before the stacks: the writer of the hang file waits for those
+            idle = time.monotonic() - self.last_beat
+            self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label} (its own watchdog had not fired: asked "
+                           f"for the hang report, {idle:.0f} s after its last progress)\n{own_stacks()}")
+        except Exception:  # the store is gone: the job is ending anyway
+            pass
 
     def _fire(self) -> None:
         idle = time.monotonic() - self.last_beat
@@ -96,10 +123,14 @@ class Watchdog:
         first, progress, behind = False, {}, []
         hang_file = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt" if self.run_dir else None
         try:
+            if not self.answered:
+                self.answered = True
+                self._dump_trace()  # before the abort, and before the stacks that the hang file's writer waits for
             # before claiming the report, so the rank that writes the hang file finds these stacks too
             self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label}\n{stacks}")
             first = self.store.add("mpiddp/hang-reports", 1) == 1
-            if first:  # the first rank to fire describes the job
+            if first:  # the first rank to fire describes the job, and asks every rank for its stacks and dump
+                self.store.set(REQUEST_KEY, self.label)
                 progress = self._progress_of_all()
                 behind = ranks_behind(progress, self.world_size, time.time(), 3 * self.interval)
                 lines.append(describe_progress(progress))
@@ -131,6 +162,9 @@ class Watchdog:
             lines = [*lines, f"(gathering stacks stopped: {exc})"]
         text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines,
                 "ranks behind: " + (", ".join(f"{r} on {self.host_of_rank.get(r, '?')}" for r in behind) or "unknown"), ""]
+        if self.trace is not None and self.run_dir is not None:
+            text += [f"==== collectives by rank (torch's flight recorder, dumps in {self.run_dir}/{TRACE_PREFIX}<rank>)",
+                     *self._describe_traces(), ""]
         for rank in range(self.world_size):
             where = f"rank {rank} on {self.host_of_rank.get(rank, '?')}"
             if rank in stacks:
@@ -145,6 +179,29 @@ class Watchdog:
         except OSError as exc:
             sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
         sys.stderr.flush()
+
+    def _describe_traces(self) -> list[str]:
+        """What the dumps of the ranks that answered show (a file of an earlier job in the run dir is not read)."""
+        assert self.run_dir is not None
+        dumps: dict[int, dict[str, Any] | str] = {}
+        give_up = time.monotonic() + READ_DUMPS_S
+        for rank in range(self.world_size):
+            if time.monotonic() > give_up:  # a big job's dumps: the report must still be written, the job ended
+                dumps[rank] = f"not read (the hang report's {READ_DUMPS_S:g} s for reading dumps ran out)"
+                continue
+            key = f"mpiddp/trace/{rank}"
+            try:
+                failed = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+            except Exception as exc:  # the store went away: no word from this rank
+                failed = f"its answer could not be read ({exc})"
+            if failed is None:
+                dumps[rank] = "no dump (stopped, dead, or its watchdog did not answer in time)"
+            else:
+                dumps[rank] = failed or slim(load_trace(trace_path(self.run_dir, rank)))
+        try:
+            return describe_traces(dumps, self.world_size)
+        except Exception as exc:  # never let the analysis cost the rest of the report
+            return [f"(the dumps could not be analysed: {type(exc).__name__}: {exc})"]
 
     def _record(self, progress: dict[int, dict[str, Any]], behind: list[int], hang_file: Path | None = None) -> None:
         """The failure record for the supervisor: the ranks behind and their hosts (a file, no message to a peer)."""

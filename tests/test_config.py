@@ -91,3 +91,19 @@ def test_rules_hold_however_the_config_is_built():
         Config(keep_last=0)
     with pytest.raises(ValueError, match="--amp must be one of off, bf16, fp16"):
         Config(amp="fp8")
+
+
+def test_wandb_mode_lives_with_the_flag_so_check_never_reaches_into_the_trainer(tmp_path):
+    import ast
+    from pathlib import Path
+
+    from mpiddp.config import wandb_mode
+
+    netrc = tmp_path / "netrc"
+    assert wandb_mode("auto", {}, netrc) == "offline"
+    netrc.write_text("machine api.wandb.ai login user password key\n")
+    assert wandb_mode("auto", {}, netrc) == "online" and wandb_mode("auto", {"WANDB_MODE": "disabled"}, netrc) == "disabled"
+    assert wandb_mode("offline", {"WANDB_API_KEY": "k"}, netrc) == "offline"
+    check = ast.parse((Path(__file__).resolve().parent.parent / "mpiddp" / "check.py").read_text())
+    imported = {node.module for node in ast.walk(check) if isinstance(node, ast.ImportFrom)}
+    assert "mpiddp.metrics" not in imported  # a tool, not the trainer's metric log

@@ -5,6 +5,7 @@ Uses up to two GPUs (one rank each); every test also runs on a machine with one 
 
 import json
 import os
+import re
 import stat
 import sys
 
@@ -107,3 +108,36 @@ def test_check_measures_nccl(mpirun, tmp_path):
                        "--runs-root", str(tmp_path / "runs"), "--wandb", "disabled"], tmp_path, timeout=300)
     assert job.returncode == 0, job.output[-4000:]
     assert f"nccl all-reduce (float32, {RANKS} ranks)" in job.output and "busbw GB/s" in job.output
+
+
+def test_a_hang_on_nccl_leaves_flight_recorder_dumps_and_the_hang_file_names_the_collective(run_job, tmp_path):
+    from mpiddp.flightrec import load_trace
+
+    run_dir = tmp_path / "hang"
+    # the last rank stalls after step 4 (its all-reduce done); every rank's watchdog fires 10 s later
+    job = run_job(RANKS, *FAST, "--epochs", "3", "--inject-fault", f"stall:{RANKS - 1}:4", "--hang-timeout", "10",
+                  run_dir=run_dir, timeout=300)
+    assert job.returncode == 4, job.output[-4000:]
+    for rank in range(RANKS):  # each rank dumped its recorder before the abort, in torch's own format
+        dump = load_trace(run_dir / f"nccl-trace-rank{rank}")
+        assert isinstance(dump, dict) and dump["entries"], dump
+    (hang_file,) = run_dir.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "==== collectives by rank (torch's flight recorder, dumps in" in text, text
+    assert re.search(r"pg 0[^:\n]*: no collective pending", text), text  # the stall is outside NCCL
+    for rank in range(RANKS):  # names the last collective each rank entered: op, sequence number, sizes, state
+        assert re.search(rf"rank {rank}, pg 0[^:\n]*: last entered nccl:\w+ #\d+ \(in \[\[\d+.*, completed\); "
+                         rf"last completed #\d+", text), text
+
+
+def test_run_turns_the_flight_recorder_on_for_a_script_on_gpus(mpirun, tmp_path):
+    script = tmp_path / "show_recorder.py"
+    script.write_text("import os\nnames = ('TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE', "
+                      "'TORCH_NCCL_DUMP_ON_TIMEOUT')\nprint('recorder:', *(os.environ.get(n, '-') for n in names))\n")
+    env = job_env()
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        env.pop(name, None)
+    job = run_command([mpirun, "-np", str(RANKS), sys.executable, "-m", "mpiddp", "run", str(script)], tmp_path,
+                      timeout=300, env=env)
+    assert job.returncode == 0, job.output[-4000:]
+    assert re.search(r"recorder: (2000 -|- 2000) 1", job.output), job.output[-4000:]  # the name this torch reads
