@@ -7,6 +7,7 @@ its stacks and, on NCCL, its flight-recorder dump, and writes what they show int
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import json
 import logging
@@ -27,6 +28,8 @@ from mpiddp.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_tra
 
 log = logging.getLogger(__name__)
 
+CLOCK_KEY = "mpiddp/progress-clock"
+STALE_INTERVALS = 3  # a rank whose watchdog missed this many of its reports is stopped or gone
 GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their stacks too
 REQUEST_KEY = "mpiddp/hang-request"  # set by the rank that writes the hang file: every watchdog answers
 READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight-recorder dumps
@@ -51,6 +54,7 @@ class Watchdog:
         self.abort = abort
         self.phase, self.step = "start", 0
         self.last_beat = time.monotonic()
+        self.own_ticks: collections.deque[int] = collections.deque(maxlen=STALE_INTERVALS + 1)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
 
@@ -81,9 +85,13 @@ class Watchdog:
         self.stopped.set()
 
     def _publish(self) -> None:
+        # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
+        # counter in the store that every publish advances, never off wall clocks, which differ across hosts.
+        tick = int(self.store.add(CLOCK_KEY, 1))
         record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1),
-                  "at": time.time()}  # a record that stops being refreshed: the rank's process is stopped or gone
+                  "tick": tick}
         self.store.set(f"mpiddp/progress/{self.rank}", json.dumps(record))
+        self.own_ticks.append(tick)
 
     def _watch(self) -> None:
         while not self.stopped.wait(self.interval):
@@ -132,7 +140,9 @@ class Watchdog:
             if first:  # the first rank to fire describes the job, and asks every rank for its stacks and dump
                 self.store.set(REQUEST_KEY, self.label)
                 progress = self._progress_of_all()
-                behind = ranks_behind(progress, self.world_size, time.time(), 3 * self.interval)
+                # a rank that has not published since this watchdog's publish STALE_INTERVALS intervals ago
+                quiet_since = self.own_ticks[0] if len(self.own_ticks) == self.own_ticks.maxlen else None
+                behind = ranks_behind(progress, self.world_size, quiet_since)
                 lines.append(describe_progress(progress))
                 self._record(progress, behind, hang_file)
         except Exception as exc:
@@ -231,12 +241,11 @@ def own_stacks() -> str:
         return out.read()
 
 
-def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int, now: float | None = None,
-                 stale_s: float = 0.0) -> list[int]:
-    """The ranks at the lowest step; a rank that never reported, or (given `now`) whose watchdog stopped
-    reporting `stale_s` ago (a stopped or dead process), is behind everyone."""
+def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int, quiet_since: int | None = None) -> list[int]:
+    """The ranks at the lowest step; a rank that never reported, or (given `quiet_since`, a tick of the store's
+    progress counter) whose watchdog has not reported since (a stopped or dead process), is behind everyone."""
     silent = [rank for rank in range(world_size)
-              if rank not in progress or (now is not None and now - progress[rank].get("at", now) > stale_s)]
+              if rank not in progress or (quiet_since is not None and progress[rank].get("tick", quiet_since) < quiet_since)]
     if silent or not progress:
         return silent
     lowest = min(p["step"] for p in progress.values())

@@ -104,9 +104,9 @@ def test_the_hang_record_names_the_ranks_behind_and_their_hosts(tmp_path):
                 2: {"step": 5, "phase": "train", "idle_s": 9}}
     assert ranks_behind(progress, 3) == [1]
     assert ranks_behind({0: progress[0]}, 3) == [1, 2]  # never reported: behind everyone
-    fresh, stale = {**progress[0], "at": 100.0}, {**progress[0], "at": 90.0}
-    assert ranks_behind({0: fresh, 1: stale, 2: fresh}, 3, now=101.0, stale_s=3.0) == [1]  # its watchdog went quiet
-    assert ranks_behind({0: fresh, 1: fresh}, 2, now=101.0, stale_s=3.0) == [0, 1]
+    fresh, stale = {**progress[0], "tick": 40}, {**progress[0], "tick": 12}
+    assert ranks_behind({0: fresh, 1: stale, 2: fresh}, 3, quiet_since=30) == [1]  # its watchdog went quiet
+    assert ranks_behind({0: fresh, 1: fresh}, 2, quiet_since=30) == [0, 1]
     watchdog = Watchdog(10, 0, 3, "rank 0/3 on a", None, lambda code: None, {0: "a", 1: "b", 2: "c"},
                         tmp_path / FAILURE_FILE)
     watchdog._record(progress, ranks_behind(progress, 3))
@@ -222,3 +222,21 @@ def test_a_host_fault_is_recorded_by_rank_0_with_the_faulty_hosts_so_launch_leav
     decision = decide(diagnose(EXIT_CRASH, record, ""), hosts, [], 0, 3, 3, hosts[:3])
     assert decision.retry and decision.excluded == ["host1"]
     assert [h.name for h in decision.hosts] == ["host0", "host2", "host3"]
+
+
+def test_a_quiet_watchdog_is_judged_by_the_stores_counter_not_by_clocks_of_other_hosts(tmp_path, monkeypatch, capsys):
+    import mpiddp.watchdog as watchdog_module
+
+    monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
+    store = DictStore()
+    hosts = {0: "hosta", 1: "hostb", 2: "hostc"}
+    watchdogs = [Watchdog(60, rank, 3, f"rank {rank}/3", store, lambda code: None, hosts, tmp_path / FAILURE_FILE,
+                          tmp_path) for rank in range(3)]
+    for rank in range(3):
+        watchdogs[rank].beat("train", 7)
+        watchdogs[rank]._publish()
+    for _ in range(watchdog_module.STALE_INTERVALS + 1):  # rank 1 stopped (SIGSTOP): its watchdog went quiet
+        watchdogs[0]._publish()
+        watchdogs[2]._publish()
+    watchdogs[0]._fire()  # every rank is at step 7: only the quiet one is behind
+    assert read(tmp_path / FAILURE_FILE).ranks == [1] and read(tmp_path / FAILURE_FILE).hosts == ["hostb"]
