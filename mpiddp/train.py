@@ -370,8 +370,8 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
     """Collective: every rank runs the same number of steps and the same reductions, in the same order.
 
     `hooks.save(state)` runs at the configured epochs, at the step where rank 0's save clock says
-    --save-interval has passed (mid-epoch), and at the step where the ranks agree to stop on a signal; then
-    Stopped is raised on every rank.
+    --save-interval has passed (mid-epoch), and at the step where the ranks agree to stop on a signal, after
+    which Stopped is raised on every rank.
     """
     try:
         return _train(cfg, state, loaders, dist, hooks)
