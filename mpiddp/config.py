@@ -169,7 +169,7 @@ class Config:
     checkpoint_dir: str | None = option(None, "--checkpoint-dir", "--model_dir", group=CHECKPOINTS,
                                         help="snapshots (default: RUN_DIR/checkpoints)")
     save_every: int = option(1, "--save-every", group=CHECKPOINTS, parse=int, at_least=1, help="epochs between snapshots")
-    save_interval_s: float = option(0.0, "--save-interval", group=CHECKPOINTS, parse=parse_duration,
+    save_interval_s: float = option(0.0, "--save-interval", group=CHECKPOINTS, parse=parse_duration, metavar="DURATION",
                                     help="also save a snapshot (mid-epoch if need be) once this much wall time has "
                                     "passed since the last one or the start: 90s, 15m, 1h; a bare number is seconds "
                                     "(0: by epoch only)")
