@@ -142,3 +142,15 @@ def test_the_saving_cost_record_and_its_report_line():
     assert line == "snapshots: 2 saved, every 900 s by time, 2.00 s in all (5.0% of the wall time), slowest 1.50 s, last 2.5 MB"
     assert snapshot_line({"wall_time_s": 40.0}) is None  # a summary written before snapshots were recorded
     assert snapshot_line({"snapshots": {"count": 0}, "wall_time_s": 1.0}) is None
+
+
+def test_report_shows_the_saving_cost_in_one_line():
+    from mpiddp.report import text_summary
+
+    summary = {"arch": "resnet18", "dataset": "synthetic", "world_size": 2, "num_hosts": 1, "backend": "gloo",
+               "device": "cpu", "epochs": 1, "images_per_second": 300.0, "wall_time_s": 20.0,
+               "time_to_first_step_s": 5.0, "config": {"save_interval_s": 0.0},
+               "snapshots": {"count": 1, "total_s": 0.2, "max_s": 0.2, "mean_s": 0.2, "bytes_last": 93_600_000}}
+    lines = text_summary([], summary).splitlines()
+    assert [line for line in lines if line.startswith("snapshots:")] == [
+        "snapshots: 1 saved, 0.20 s in all (1.0% of the wall time), slowest 0.20 s, last 93.6 MB"]
