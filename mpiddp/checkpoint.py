@@ -133,7 +133,7 @@ def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int, parent
     path = dist.from_main(lambda: write_snapshot(directory, snapshot))
     dist.barrier()  # `latest` names only a snapshot that every rank knows was saved
     dist.from_main(lambda: publish(directory, path, keep_last, parent))
-    log.info("saved %s", path)
+    log.debug("saved %s", path)  # the caller logs it with its cost
     return path
 
 

@@ -397,8 +397,13 @@ class Dist:
 
     def agree_stop(self, signum: int) -> int:
         """Once per step: the stop signal any rank received (0 if none), so every rank stops at the same step."""
-        (agreed,) = self.reduce([signum], "max")
-        return int(agreed)
+        return self.agree_step(signum, False)[0]
+
+    def agree_step(self, signum: int, save_due: bool) -> tuple[int, bool]:
+        """Once per step, in the one reduction `agree_stop` makes: (the stop signal any rank received, whether
+        any rank asks for a snapshot now), so every rank stops or saves at the same step."""
+        agreed, save = self.reduce([signum, float(save_due)], "max")
+        return int(agreed), save > 0
 
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
         """Collective: median one-way MPI time (s) between rank 0 and `peer`."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +19,8 @@ from typing import Any, TypeVar
 
 from mpiddp.errors import HelpRequested, UserError
 
-__all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args", "parse_into", "parser_for"]
+__all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args",
+           "parse_duration", "parse_into", "parser_for"]
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
@@ -68,6 +71,19 @@ class FaultInjection:
 
     def hits(self, rank: int, step: int) -> bool:
         return self.step == step and self.rank in (rank, ALL_RANKS)
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)$")
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `text`: a number with an optional unit s, m or h (`90s`, `15m`, `1.5h`; a bare number is seconds)."""
+    m = _DURATION.match(text.strip().lower())
+    if m is None:
+        raise ValueError(f"--save-interval must be a duration such as 90s, 15m or 1h (a bare number is seconds), "
+                         f"got {text!r}")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
 
 
 def _tags(text: str) -> tuple[str, ...]:
@@ -154,6 +170,10 @@ class Config:
     checkpoint_dir: str | None = option(None, "--checkpoint-dir", "--model_dir", group=CHECKPOINTS,
                                         help="snapshots (default: RUN_DIR/checkpoints)")
     save_every: int = option(1, "--save-every", group=CHECKPOINTS, parse=int, at_least=1, help="epochs between snapshots")
+    save_interval_s: float = option(0.0, "--save-interval", group=CHECKPOINTS, parse=parse_duration, metavar="DURATION",
+                                    help="also save a snapshot (mid-epoch if need be) once this much wall time has "
+                                    "passed since the last one or the start: 90s, 15m, 1h; a bare number is seconds "
+                                    "(0: by epoch only)")
     keep_last: int = option(3, "--keep-last", group=CHECKPOINTS, parse=int, at_least=1, help="snapshots kept")
     resume: str | None = option(None, "--resume", group=CHECKPOINTS, nargs="?", const="auto",
                                 help="continue from a snapshot: bare --resume (or 'auto') takes the newest in the checkpoint dir")
@@ -220,6 +240,9 @@ class Config:
             raise ValueError("--sync-bn needs GPUs (torch's SyncBatchNorm is GPU-only): drop it with --device cpu")
         if self.hang_timeout_s < 0:
             raise ValueError(f"--hang-timeout must be >= 0 seconds (0 turns it off), got {self.hang_timeout_s}")
+        if not math.isfinite(self.save_interval_s) or self.save_interval_s < 0:
+            raise ValueError(f"--save-interval must be a duration >= 0 such as 15m (0 turns it off), "
+                             f"got {self.save_interval_s}")
         if self.rendezvous_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ValueError("--rendezvous-timeout and --collective-timeout must be positive seconds")
         if self.master_addr is not None and not self.master_addr.strip():

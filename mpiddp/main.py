@@ -115,6 +115,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
     None when a resumed run had nothing left to train."""
     from mpiddp import checkpoint
+    from mpiddp.saveclock import SaveClock, SaveCost
     from mpiddp.snapshot import Snapshot
     from mpiddp.state import TrainState, build_state, configure_torch
     from mpiddp.train import Hooks, train
@@ -151,16 +152,23 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
 
     # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).
     parent = restored[0] if restored is not None else None
+    save_cost = SaveCost()
 
     def save(train_state: TrainState) -> None:
         nonlocal parent
         watchdog.beat("save", train_state.step)
+        started = time.perf_counter()
         snapshot = Snapshot.capture(train_state, dist, cfg.model_name, cfg.to_dict(), wandb_run_id)
         parent = checkpoint.save(checkpoint_dir, snapshot, dist, cfg.keep_last, parent)
+        # The save ends when every rank has heard `latest` moved: the slowest rank's time is the job's cost.
+        seconds, nbytes = dist.reduce([time.perf_counter() - started, file_size(parent) if dist.is_main else 0], "max")
+        save_cost.add(seconds, int(nbytes))
+        log.info("saved %s in %.2f s (%.1f MB)", parent, seconds, nbytes / 1e6)
         watchdog.beat("train", train_state.step)
 
     try:
-        outcome = train(cfg, state, loaders, dist, Hooks(run_logger, save, stop, watchdog.beat))
+        hooks = Hooks(run_logger, save, stop, watchdog.beat, SaveClock(cfg.save_interval_s))
+        outcome = train(cfg, state, loaders, dist, hooks)
     finally:
         watchdog.stop()
         run_logger.close()
@@ -174,6 +182,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         rendezvous={"master_addr": dist.rendezvous.master_addr, "master_port": dist.rendezvous.master_port,
                     "interfaces": dist.rendezvous.interface_per_host},
         wandb_run_id=wandb_run_id,
+        snapshots=save_cost.record(),
         grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
     )
     # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
@@ -182,6 +191,14 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         summary["attempts"] = attempts
     dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
     return summary
+
+
+def file_size(path: Path) -> int:
+    """Bytes in `path` (0 if it cannot be read: a size is for the record, never a reason to fail)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:

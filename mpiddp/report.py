@@ -47,6 +47,9 @@ def text_summary(records: list[dict[str, Any]], summary: dict[str, Any] | None) 
                      f"{summary['num_hosts']} hosts, {summary['backend']} on {summary['device']}")
         lines.append(f"{summary['epochs']} epochs, {summary['images_per_second']:.0f} images/s, "
                      f"wall time {summary['wall_time_s']:.1f} s, first step after {summary['time_to_first_step_s']:.1f} s")
+        saving = snapshot_line(summary)
+        if saving:
+            lines.append(saving)
     else:
         lines.append("no summary.json: the run did not finish (stopped, crashed or still running)")
     if epochs:
@@ -58,6 +61,19 @@ def text_summary(records: list[dict[str, Any]], summary: dict[str, Any] | None) 
         if verdict:
             lines.append(verdict)
     return "\n".join(lines)
+
+
+def snapshot_line(summary: dict[str, Any]) -> str | None:
+    """What this job's snapshots cost (None for a run written before it was recorded, or one that saved none)."""
+    saves = summary.get("snapshots")
+    if not saves or not saves.get("count"):
+        return None
+    interval = summary.get("config", {}).get("save_interval_s")
+    every = f", every {interval:g} s by time" if interval else ""
+    wall = summary.get("wall_time_s") or 0.0
+    share = f" ({100 * saves['total_s'] / wall:.1f}% of the wall time)" if wall > 0 else ""
+    return (f"snapshots: {saves['count']} saved{every}, {saves['total_s']:.2f} s in all{share}, "
+            f"slowest {saves['max_s']:.2f} s, last {saves['bytes_last'] / 1e6:.1f} MB")
 
 
 def rank_means(epochs: list[dict[str, Any]], key: str) -> list[float]:

@@ -68,6 +68,11 @@ class StopRequest:
         """Collective, once per step: the signal any rank received (0 if none)."""
         return dist.agree_stop(self.signum)
 
+    def agreed_with_save(self, dist: Dist, save_due: bool) -> tuple[int, bool]:
+        """Collective, once per step, in place of `agreed`: also whether to save a snapshot now. Global rank 0's
+        `save_due` decides (its clock); the other ranks' is ignored, so clocks that drift apart cannot disagree."""
+        return dist.agree_step(self.signum, save_due and dist.is_main)
+
     def release(self) -> None:
         """The job is ending: a scheduler's late signal must not kill a rank during teardown or interpreter
         shutdown (where Python puts back the default action, which for SIGUSR1 is death, exit 138). SIGINT

@@ -23,6 +23,7 @@ from mpiddp.data import Loaders
 from mpiddp.errors import UserError
 from mpiddp.log import make_progress, progress_wanted
 from mpiddp.metrics import RunLogger
+from mpiddp.saveclock import SaveClock
 from mpiddp.state import TrainState, optimizer_steps_per_epoch
 from mpiddp.steptime import StepClock, StepDurations, StepTime
 from mpiddp.stopping import Stopped, StopRequest
@@ -81,12 +82,19 @@ class Meter:
 
 @dataclass
 class Hooks:
-    """What the loop calls out to. On ranks other than 0 the logger does nothing; `save` is collective."""
+    """What the loop calls out to. On ranks other than 0 the logger does nothing; `save` is collective.
+    `save_clock` (--save-interval) asks for snapshots by time; global rank 0's decides."""
 
     log: RunLogger
     save: Callable[[TrainState], None]
     stop: StopRequest
     heartbeat: Callable[[str, int], None] = lambda phase, step: None
+    save_clock: SaveClock = field(default_factory=SaveClock)
+
+    def save_now(self, state: TrainState) -> None:
+        """Collective: save a snapshot, whatever the reason; the time-based interval counts from here."""
+        self.save(state)
+        self.save_clock.restart()
 
 
 @dataclass
@@ -267,7 +275,8 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         window.add(loss_sum, images)
         progress.update(1)
         hooks.heartbeat("train", state.step)
-        signum = hooks.stop.agreed(dist)
+        # One reduction per step carries both the stop signal and rank 0's clock's call for a snapshot.
+        signum, save_due = hooks.stop.agreed_with_save(dist, hooks.save_clock.due())
         if signum:
             progress.close()
             state.batches_done = batches_seen
@@ -276,8 +285,13 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
                 if dist.is_main:  # a local log line, no collective
                     log.warning("stopping after the last step of epoch %d: its training is saved, its evaluation is not",
                                 epoch)
-            hooks.save(state)
+            hooks.save_now(state)
             raise Stopped(signal.Signals(signum).name, state.step)
+        if save_due and batches_seen < epoch_batches:  # a snapshot by time, mid-epoch: resumed as a stop's is
+            state.batches_done = batches_seen
+            hooks.save_now(state)
+        elif save_due:  # the epoch's last step: its own snapshot after the evaluation is the one, not a copy before
+            hooks.save_clock.pending = True
         if state.step % cfg.log_every == 0:
             account()
             record = step_record(window, dist, state, epoch)  # the only per-window sync
@@ -310,7 +324,7 @@ def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dis
         state.epoch, state.batches_done = epoch, 0
         if dist.is_main:  # a local log line, no collective
             log.warning("stopping during the evaluation of epoch %d: its training is saved, its evaluation is not", epoch)
-        hooks.save(state)
+        hooks.save_now(state)
         raise Stopped(signal.Signals(signum).name, state.step)
     return sums
 
@@ -355,8 +369,9 @@ def nondeterministic_op(exc: RuntimeError, arch: str, device: torch.device) -> U
 def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
     """Collective: every rank runs the same number of steps and the same reductions, in the same order.
 
-    `hooks.save(state)` runs at the configured epochs, and at the step where the ranks agree to stop on a
-    signal; then Stopped is raised on every rank.
+    `hooks.save(state)` runs at the configured epochs, at the step where rank 0's save clock says
+    --save-interval has passed (mid-epoch), and at the step where the ranks agree to stop on a signal, after
+    which Stopped is raised on every rank.
     """
     try:
         return _train(cfg, state, loaders, dist, hooks)
@@ -385,6 +400,6 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
             epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
         )
         state.epoch, state.batches_done = epoch, 0
-        if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
-            hooks.save(state)
+        if epoch % cfg.save_every == 0 or epoch == cfg.epochs or hooks.save_clock.pending:
+            hooks.save_now(state)
     return TrainOutcome(history, timing)

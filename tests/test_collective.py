@@ -112,8 +112,15 @@ def test_reductions():
 
 
 def test_stop_agreement_takes_any_ranks_signal():
-    assert dist_for(PeersTransport(0, [None], reduce_with=[[10]])).agree_stop(0) == 10
-    assert dist_for(PeersTransport(0, [None], reduce_with=[[0]])).agree_stop(0) == 0
+    # The per-step reduction carries (signal, save due): one call for both.
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[10, 0]])).agree_stop(0) == 10
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[0, 0]])).agree_stop(0) == 0
+
+
+def test_the_step_agreement_carries_a_snapshot_request_in_the_same_reduction():
+    assert dist_for(PeersTransport(1, [None], reduce_with=[[0, 1]])).agree_step(0, False) == (0, True)
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[15, 0]])).agree_step(0, True) == (15, True)
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[0, 0]])).agree_step(0, False) == (0, False)
 
 
 def test_gather_reaches_rank_0_only():

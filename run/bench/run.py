@@ -110,6 +110,30 @@ def startup_comparisons(repeats: int, work: Path) -> list[dict]:
     ]
 
 
+SAVE_INTERVAL_S = 2.0
+
+
+def save_benchmark(repeats: int, work: Path) -> list[dict]:
+    """What snapshots cost (resnet18, synthetic, 2 ranks, one thread each, --save-interval 2s over 60 steps):
+    each save's seconds from its start until every rank agreed it is published (summary.json `snapshots`), and
+    what that is per interval. The whole job's time is not compared: on a shared 2-core machine its noise is
+    larger than the saves."""
+    runs = []
+    for _ in range(repeats):
+        run_dir = Path(tempfile.mkdtemp(dir=work))
+        run(mpiddp_command(2, run_dir, *synthetic_flags(STEPS), "--num-threads", "1",
+                           "--save-interval", str(SAVE_INTERVAL_S)))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        runs.append(summary["snapshots"] | {"images_per_second": summary["images_per_second"]})
+    mean_s = statistics.median(r["mean_s"] for r in runs)
+    return [{"benchmark": f"snapshot cost: resnet18, 2 ranks, --save-interval {SAVE_INTERVAL_S:g}s over {STEPS} steps",
+             "save_s_median": mean_s, "save_s_max": max(r["max_s"] for r in runs),
+             "snapshot_bytes": runs[-1]["bytes_last"], "saves_per_job": [r["count"] for r in runs],
+             "overhead_at_interval": {f"{interval}": mean_s / seconds for interval, seconds in
+                                      (("2s", SAVE_INTERVAL_S), ("1m", 60.0), ("15m", 900.0))},
+             "runs": runs}]
+
+
 def whole_job(command: list[str]) -> dict:
     started = time.time()
     run(command)
@@ -317,7 +341,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport", "overhead"], default=None,
+    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport", "overhead", "save"],
+                        default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -328,6 +353,7 @@ def main() -> None:
                 "startup": lambda: startup_comparisons(args.repeats, work),
                 "transport": lambda: transport_comparisons(args.repeats, work),
                 "overhead": lambda: overhead_comparisons(args.repeats, work),
+                "save": lambda: save_benchmark(args.repeats, work),
                 "gpu": lambda: [gpu_benchmark(args.repeats, work)]}[args.only]()
         (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         print(json.dumps(rows, indent=2))
