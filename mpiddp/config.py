@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mpiddp.errors import HelpRequested, UserError
+from mpiddp.globalbatch import GlobalBatchError, split
 
 __all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args",
            "parse_duration", "parse_into", "parser_for"]
@@ -142,6 +143,10 @@ class Config:
     lr_gamma: float = option(0.1, "--lr-gamma", group=TRAINING, parse=float, help="step schedule: decay factor")
     grad_accum: int = option(1, "--grad-accum", group=TRAINING, parse=int, at_least=1,
                              help="micro-batches per optimizer step")
+    global_batch: int | None = option(
+        None, "--global-batch", group=TRAINING, parse=int, at_least=1,
+        help="samples per optimizer step, kept on any number of ranks: --grad-accum is derived from it (and "
+        "--batch-size lowered only where needed to keep it exact); a world size it does not divide is refused")
     amp: str = option("off", "--amp", group=TRAINING, choices=AMP_MODES,
                       help=f"autocast: {', '.join(AMP_MODES)} (fp16 uses a GradScaler)")
     grad_compression: str = option(
@@ -254,6 +259,17 @@ class Config:
             raise ValueError("--grad-transport nccl needs GPUs: use --grad-transport gloo, mpi or auto with --device cpu")
         if not 0 < self.bucket_cap_mb <= 4096:
             raise ValueError(f"--bucket-cap-mb must be in (0, 4096], got {self.bucket_cap_mb:g}")
+
+    def for_world(self, world_size: int) -> Config:
+        """With --global-batch: this config with the per-rank batch and accumulation that give exactly that many
+        samples per step on `world_size` ranks (--batch-size is then the largest per-rank batch); unchanged without."""
+        if self.global_batch is None:
+            return self
+        try:
+            per_rank, accumulation = split(self.global_batch, world_size, self.batch_size)
+        except GlobalBatchError as exc:
+            raise ConfigError(f"--global-batch: {exc}: run on a number of ranks that divides it, or change it") from None
+        return dataclasses.replace(self, batch_size=per_rank, grad_accum=accumulation)
 
     @property
     def model_name(self) -> str:

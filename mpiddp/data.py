@@ -62,20 +62,22 @@ def _mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
-    """The seed of one training sample's augmentation: a function of where it sits in the run, nothing else."""
-    return _mix64(_epoch_seed(seed, epoch, rank) ^ position)
+def sample_seed(seed: int, epoch: int, position: int) -> int:
+    """The seed of one training sample's augmentation: a function of where it sits in the epoch's order (the
+    whole job's, not one rank's), nothing else: the same on any number of ranks, so a resume on fewer keeps it."""
+    return _mix64(_epoch_seed(seed, epoch) ^ position)
 
 
-def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    return _mix64(_mix64(_mix64(seed & MASK64) ^ epoch) ^ rank)
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return _mix64(_mix64(seed & MASK64) ^ epoch)
 
 
 class SkippingSampler(Sampler[tuple[int, int]]):
     """DistributedSampler that can start an epoch part-way, where a stopped run left off.
 
-    Yields (index, seed): the seed derives from (seed, epoch, rank, position in this rank's epoch), so a sample's
-    augmentation is the same whichever worker loads it and whether or not the run was stopped before it.
+    Yields (index, seed): the seed derives from (seed, epoch, position in the job's epoch: rank r's i-th sample
+    sits at r + i x W of the permutation), so a sample's augmentation is the same whichever worker loads it, whether
+    or not the run was stopped before it, and on however many ranks it resumed.
     """
 
     def __init__(self, base: DistributedSampler) -> None:
@@ -87,9 +89,9 @@ class SkippingSampler(Sampler[tuple[int, int]]):
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         base = self.base
-        epoch_seed = _epoch_seed(base.seed, base.epoch, base.rank)
+        epoch_seed = _epoch_seed(base.seed, base.epoch)
         for position, index in itertools.islice(enumerate(base), self.skip, None):
-            yield index, _mix64(epoch_seed ^ position)  # sample_seed(seed, epoch, rank, position)
+            yield index, _mix64(epoch_seed ^ (base.rank + position * base.num_replicas))  # sample_seed(...)
 
     def __len__(self) -> int:
         return len(self.base) - self.skip

@@ -55,7 +55,7 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[P
 
     path, snapshot = restored
     changes = dist.agree(lambda: snapshot.check_settings(cfg.to_dict()))
-    snapshot.restore_into(state, dist, cfg.seed, cfg.batch_size)
+    snapshot.restore_into(state, dist, cfg.seed, cfg.batch_size, cfg.grad_accum)
     if state.batches_per_epoch and state.batches_done >= state.batches_per_epoch:
         # Stopped after an epoch's last batch (a snapshot of an older mpiddp, or fewer batches per epoch now): its
         # training is complete, as after a stop during its evaluation; an epoch of 0 steps would record nothing.
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(command: str, args: list[str], startup: StartupClock, stop: StopRequest) -> int:
     with FailFast() as guard:
         dist = connect(guard)
-        cfg = dist.agree(lambda: parse_args(args))
+        cfg = dist.agree(lambda: parse_args(args).for_world(dist.world_size))  # --global-batch on this many ranks
         setup_logging(dist.topology, cfg.log_level)
         topo = dist.topology
         log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_description)

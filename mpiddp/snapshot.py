@@ -14,6 +14,7 @@ import torch
 
 from mpiddp.collective import Dist
 from mpiddp.errors import UserError
+from mpiddp.globalbatch import describe
 from mpiddp.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -172,32 +173,67 @@ class Snapshot:
             hook.load_state_dict(saved)
         elif dist.is_main:  # a local log line, no collective
             log.warning("ranks beyond the snapshot's %d start PowerSGD's error feedback from zero", len(self.communication))
+        if dist.is_main and dist.world_size < len(self.communication):  # a local log line, no collective
+            log.warning("resuming on %d of the snapshot's %d ranks: the PowerSGD error feedback of ranks %d-%d (gradient "
+                        "residue not yet sent) is dropped; the others keep theirs", dist.world_size,
+                        len(self.communication), dist.world_size, len(self.communication) - 1)
 
-    def restore_into(self, state: TrainState, dist: Dist, seed: int, batch_size: int) -> None:
+    def global_batch(self) -> int | None:
+        """Samples per optimizer step of the job that took the snapshot; None when its config is unknown."""
+        if "batch_size" not in self.config:
+            return None
+        return int(self.config["batch_size"]) * self.world_size * int(self.config.get("grad_accum") or 1)
+
+    def position_on(self, world_size: int, batch_size: int, grad_accum: int) -> tuple[int, str]:
+        """(batches of epoch `epoch + 1` already trained, in a job of `world_size` ranks of `batch_size`, and why
+        that epoch restarts from its beginning instead, or "").
+
+        The ranks take a DistributedSampler's interleaved shards of one permutation per epoch (rank r: perm[r::W]),
+        so after `batches_done` batches of b on W ranks they have trained exactly perm[:batches_done x b x W],
+        whatever W. At the same global batch, a job on W' ranks of b' continues at perm[that:] by skipping
+        that / (b' x W') batches per rank: no sample twice, none left out."""
+        done, epoch = self.batches_done, self.epoch + 1
+        if not done:
+            return 0, ""
+        saved_batch = int(self.config.get("batch_size", batch_size))
+        if self.world_size == world_size:
+            if saved_batch == batch_size:
+                return done, ""
+            return 0, (f"the snapshot was taken part-way through epoch {epoch} with --batch-size {saved_batch}: that "
+                       f"epoch restarts from its beginning with {batch_size}")
+        samples = done * saved_batch * self.world_size
+        if self.global_batch() == batch_size * world_size * grad_accum and samples % (batch_size * world_size) == 0:
+            return samples // (batch_size * world_size), ""
+        return 0, (f"the snapshot was taken part-way through epoch {epoch} on another world size: that epoch "
+                   f"restarts from its beginning")
+
+    def restore_into(self, state: TrainState, dist: Dist, seed: int, batch_size: int, grad_accum: int = 1) -> None:
         """Put the snapshot back on every rank: weights, optimizer, schedule, scaler, counters, this rank's RNG."""
         state.unwrapped.load_state_dict(self.model)
         state.optimizer.load_state_dict(self.optimizer)
         state.scheduler.load_state_dict(self.scheduler)
         if self.scaler:
             state.scaler.load_state_dict(self.scaler)
-        state.epoch, state.step, state.batches_done = self.epoch, self.step, self.batches_done
-        if state.batches_done and self.config.get("batch_size", batch_size) != batch_size:
-            if dist.is_main:  # a local log line, no collective
-                log.warning("the snapshot was taken part-way through epoch %d with --batch-size %d: that epoch "
-                            "restarts from its beginning with %d", state.epoch + 1, self.config["batch_size"], batch_size)
-            state.batches_done = 0
+        state.epoch, state.step = self.epoch, self.step
+        state.batches_done, restarts = self.position_on(dist.world_size, batch_size, grad_accum)
+        if restarts and (dist.is_main or self.world_size != dist.world_size):  # a local log line, no collective
+            log.warning("%s", restarts)
         self._restore_communication(state, dist)
-        if dist.rank < len(self.rng):
+        if dist.rank < len(self.rng):  # on fewer ranks, rank r keeps saved rank r's stream; the others' end
             set_rng_state(self.rng[dist.rank], dist.device)
         else:  # a rank the snapshot's job did not have: the stream a fresh start gives it, which no old rank has
             torch.manual_seed(seed + 1 + dist.rank)
         if self.world_size == dist.world_size:
             return
-        if state.batches_done:
-            log.warning("the snapshot was taken part-way through epoch %d on another world size: that epoch "
-                        "restarts from its beginning", state.epoch + 1)
-            state.batches_done = 0
+        now = batch_size * dist.world_size * grad_accum
+        if self.global_batch() == now:
+            if dist.is_main:
+                log.info("resuming a %d-rank snapshot on %d ranks at the same global batch %s%s", self.world_size,
+                         dist.world_size, describe(batch_size, dist.world_size, grad_accum),
+                         f": epoch {state.epoch + 1} continues after its first {state.batches_done * batch_size * dist.world_size} samples"
+                         if state.batches_done else "")
+            return
         log.warning(
             "resuming a %d-rank snapshot on %d ranks: the sampler reshards the data over the new world "
-            "(the global batch is now %d)", self.world_size, dist.world_size, batch_size * dist.world_size,
+            "(the global batch is now %d)", self.world_size, dist.world_size, now,
         )

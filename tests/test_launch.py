@@ -329,3 +329,73 @@ def test_unwritable_run_dir_and_attempts_file_are_one_line(tmp_path, capsys):
         make_plan(["-np", "2", "--run-dir", str(blocker / "r"), "--", "run", "x.py"], {})
     assert not write_attempts(blocker / "attempts.json", [])
     assert "warning: cannot write" in capsys.readouterr().err
+
+
+# --- --min-np: with no spare left, fewer ranks at the same global batch ---------------------------------------------
+
+TWO = [Host("a", 1), Host("b", 1)]
+
+
+def test_policy_prefers_a_spare_to_shrinking():
+    decision = decide(Failure("killed", 137, (1,), ("b",)), THREE, [], 0, 3, 2, min_np=1, global_batch=(64, 32))
+    assert decision.retry and decision.hosts == [Host("a", 1), Host("c", 1)] and decision.num_ranks == 2
+    assert "of 2 ranks" not in decision.reason
+
+
+def test_policy_shrinks_to_the_slots_left_at_the_same_global_batch():
+    decision = decide(Failure("killed", 137, (1,), ("b",)), TWO, [], 0, 3, 2, min_np=1, global_batch=(64, 32))
+    assert decision.retry and decision.hosts == [Host("a", 1)] and decision.num_ranks == 1
+    assert decision.reason == ("relaunching on 1 of 2 ranks without b (killed; no spare host, --min-np 1) at the same "
+                               "global batch 64 (32 per rank x 2 accumulation)")
+    # without --min-np, as before: stop
+    assert not decide(Failure("killed", 137, (1,), ("b",)), TWO, [], 0, 3, 2).retry
+    # a script (no global batch known to the supervisor) shrinks too
+    assert decide(Failure("killed", 137, (1,), ("b",)), TWO, [], 0, 3, 2, min_np=1).num_ranks == 1
+    # slots of a host with several: all that is left is used
+    hosts = [Host("a", 4), Host("b", 4), Host("c", 4)]
+    wide = decide(Failure("killed", 137, (5,), ()), hosts, [], 0, 3, 12, hosts, min_np=6, global_batch=(384, 32))
+    assert wide.num_ranks == 8 and wide.hosts == [Host("a", 4), Host("c", 4)]
+    assert "384 (24 per rank x 2 accumulation)" in wide.reason  # 48 a rank: 32 does not divide it, 24 does
+
+
+def test_policy_refuses_below_min_np_and_a_global_batch_that_does_not_split():
+    below = decide(Failure("killed", 137, (2,), ("c",)), THREE, [], 0, 3, 3, min_np=3)
+    assert not below.retry and below.reason == "cannot relaunch without c: 2 slots left, fewer than --min-np 3"
+    odd = decide(Failure("killed", 137, (2,), ("c",)), THREE, [], 0, 3, 3, min_np=1, global_batch=(75, 25))
+    assert not odd.retry and odd.excluded == ["c"]
+    assert odd.reason == "cannot continue on 2 ranks: the global batch 75 does not split over 2 ranks (75 is not a multiple of 2)"
+
+
+def test_global_batch_split_keeps_it_exact():
+    from mpiddp.globalbatch import GlobalBatchError, split
+
+    assert split(64, 2, 32) == (32, 1) and split(64, 1, 32) == (32, 2) and split(256, 4, 32) == (32, 2)
+    assert split(96, 2, 32) == (24, 2)  # 48 per rank: 32 does not divide it, 24 x 2 does
+    assert split(14, 2, 32) == (7, 1)  # never more per rank than needed
+    with pytest.raises(GlobalBatchError, match="the global batch 75 does not split over 2 ranks"):
+        split(75, 2, 25)
+
+
+def test_config_for_world_derives_accumulation_from_the_global_batch():
+    from mpiddp.config import Config, ConfigError
+
+    cfg = Config(batch_size=32, global_batch=64)
+    assert (cfg.for_world(2).batch_size, cfg.for_world(2).grad_accum) == (32, 1)
+    assert (cfg.for_world(1).batch_size, cfg.for_world(1).grad_accum) == (32, 2)
+    assert Config(batch_size=32, grad_accum=3).for_world(5).grad_accum == 3  # without --global-batch: as given
+    with pytest.raises(ConfigError, match="--global-batch: the global batch 64 does not split over 3 ranks"):
+        cfg.for_world(3)
+
+
+def test_plan_with_min_np_carries_the_global_batch_to_every_attempt(tmp_path):
+    base = ["-H", "a:1,b:1", "-np", "2", "--min-np", "1", "--launcher", "mpirun", "--"]
+    plan = make_plan([*base, "train", "--batch-size", "16", "--grad-accum", "3", "--run-dir", str(tmp_path)], {})
+    assert plan.min_np == 1 and plan.global_batch == (96, 16) and plan.inner[-2:] == ["--global-batch", "96"]
+    given = make_plan([*base, "--global-batch", "128", "--run-dir", str(tmp_path)], {})
+    assert given.global_batch == (128, 32) and given.inner.count("--global-batch") == 1
+    script = make_plan([*base, "run", "x.py"], {})
+    assert script.min_np == 1 and script.global_batch is None and script.inner == ["run", "x.py"]
+    assert make_plan(base[:4] + base[6:] + ["--epochs", "1", "--run-dir", str(tmp_path)], {}).global_batch is None
+    for bad in ("0", "3"):
+        with pytest.raises(LaunchError, match=rf"--min-np must be in \[1, -np 2\], got {bad}"):
+            make_plan([*base[:5], bad, *base[6:], "--epochs", "1", "--run-dir", str(tmp_path)], {})

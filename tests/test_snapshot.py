@@ -196,7 +196,7 @@ def test_every_setting_is_run_local_refused_or_applied_on_resume():
     from mpiddp.snapshot import INCOMPATIBLE_SETTINGS, RUN_LOCAL_SETTINGS
 
     applied_to_optimizer = {"lr", "momentum", "weight_decay", "epochs", "warmup_epochs", "schedule", "lr_step_epochs",
-                            "lr_gamma", "batch_size", "grad_accum"}
+                            "lr_gamma", "batch_size", "grad_accum", "global_batch"}  # global_batch: as the other two
     built_from_flags = {"image_size", "steps_per_epoch", "grad_compression", "grad_transport", "powersgd_rank", "powersgd_warmup_steps",
                         "bucket_cap_mb", "static_graph", "channels_last", "compile", "deterministic"}
     fields = {f.name for f in dataclasses.fields(Config)}

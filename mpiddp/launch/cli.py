@@ -16,7 +16,7 @@ from mpiddp.launch.supervisor import Plan, Supervisor, say
 from mpiddp.runname import new_timestamped_dir
 
 EXIT_USER_ERROR = 2
-USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--exclude HOST,...] "
+USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] [--exclude HOST,...] "
          "[--launcher auto|mpirun|mpiexec|srun] -- TRAINING FLAGS | run SCRIPT ARGS")
 
 
@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-np", "-n", dest="num_ranks", type=int,
                    help="ranks to run (default: every slot); hosts beyond what it needs are spares")
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches after failures (default 3)")
+    p.add_argument("--min-np", type=int, default=None,
+                   help="with no spare host left after a failure, continue on the slots left if at least this many "
+                        "ranks, at the same global batch (more accumulation steps; training only keeps it exactly)")
     p.add_argument("--exclude", default="", help="hosts never to use: HOST,HOST")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                    help="auto: srun inside Slurm, else mpirun (Open MPI) or mpiexec (MPICH), judged by mpirun --version")
@@ -68,6 +71,18 @@ def new_run_dir(runs_root: Path) -> Path:
         raise LaunchError(str(exc)) from None
 
 
+def job_global_batch(job: list[str], num_ranks: int) -> tuple[int, int] | None:
+    """(samples per optimizer step, largest per-rank batch) of training flags `job` on `num_ranks` ranks; None when
+    the flags do not parse (the first attempt says why, as a user error)."""
+    from mpiddp.config import HelpRequested, parse_args  # standard library only: no torch, no MPI
+
+    try:
+        cfg = parse_args(job[1:] if job[:1] == ["train"] else job)
+    except (ValueError, HelpRequested):  # a ConfigError or --help: the job reports them itself
+        return None
+    return cfg.global_batch or cfg.batch_size * num_ranks * cfg.grad_accum, cfg.batch_size
+
+
 def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     own, job = split_job(argv)
     args = parser().parse_args(own)
@@ -84,6 +99,8 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     num_ranks = args.num_ranks if args.num_ranks is not None else sum(h.slots for h in free)
     if num_ranks < 1:
         raise LaunchError("give -np N (the number of ranks): no host list to count slots from")
+    if args.min_np is not None and not 1 <= args.min_np <= num_ranks:
+        raise LaunchError(f"--min-np must be in [1, -np {num_ranks}], got {args.min_np}")
     if hosts:
         used, spares = place(free, num_ranks)  # fails now, not after the first failure
         say(f"hosts from {source}: {len(used)} in use, {len(spares)} spare"
@@ -99,6 +116,9 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
                           f"give a writable --run-dir") from None
     if mode == "train" and inner_dir is None:
         job = [*job, "--run-dir", str(run_dir)]  # every attempt writes to, and resumes from, the same place
+    global_batch = job_global_batch(job, num_ranks) if mode == "train" and args.min_np is not None else None
+    if global_batch is not None and option_value(job, "--global-batch") is None:
+        job = [*job, "--global-batch", str(global_batch[0])]  # a shrunk attempt keeps it: the job derives --grad-accum
     name = {"mpirun": "mpirun", "mpiexec": "mpiexec", "srun": "srun"}
     program = find_program("mpirun") or "mpirun"
     flavour = mpi_flavour(version_text(program))
@@ -107,7 +127,8 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
         program = find_program(name[launcher]) or name[launcher]
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
-                extra=[arg for text in args.launcher_args for arg in shlex.split(text)])
+                extra=[arg for text in args.launcher_args for arg in shlex.split(text)], min_np=args.min_np,
+                global_batch=global_batch)
 
 
 def main(argv: list[str]) -> int:

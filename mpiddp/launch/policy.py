@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpiddp.globalbatch import GlobalBatchError, split
 from mpiddp.launch.diagnose import Failure
 from mpiddp.launch.hosts import Host, HostListError, place
 
@@ -17,6 +18,7 @@ class Decision:
     hosts: list[Host]  # the next attempt's hosts (empty when stopping)
     excluded: list[str]  # every host left out so far, this failure's included
     reason: str
+    num_ranks: int = 0  # the next attempt's ranks: -np, or fewer (at least --min-np) when no spare is left
 
 
 def short_name(name: str) -> str:
@@ -52,9 +54,12 @@ def blamed(failure: Failure, hosts: list[Host], placed: list[Host]) -> list[str]
 
 
 def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_used: int, max_restarts: int,
-           num_ranks: int, placed: list[Host] | None = None) -> Decision:
+           num_ranks: int, placed: list[Host] | None = None, min_np: int | None = None,
+           global_batch: tuple[int, int] | None = None) -> Decision:
     """`hosts`: every host known (in use and spare), `excluded`: those already left out, `placed`: the hosts the
-    failed attempt ran on, in rank order."""
+    failed attempt ran on, in rank order. With `min_np`, when the hosts left cannot hold `num_ranks` (no spare),
+    relaunch on every slot left if that is at least `min_np`; `global_batch` (samples per step, largest per-rank
+    batch) must then split exactly over the fewer ranks, else the decision stops and says why."""
     if failure.status == 0:
         return Decision(False, [], list(excluded), "finished")
     if failure.kind in NEVER_RETRIED:
@@ -64,14 +69,29 @@ def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_us
     if restarts_used >= max_restarts:
         return Decision(False, [], now_excluded, f"--max-restarts {max_restarts} spent")
     if not hosts:  # no host list: the launcher places the ranks itself, here or in the allocation
-        return Decision(True, [], now_excluded, f"relaunching ({failure.kind})")
+        return Decision(True, [], now_excluded, f"relaunching ({failure.kind})", num_ranks)
     remaining = [h for h in hosts if h.name not in now_excluded]
+    without = f"without {', '.join(newly)} " if newly else ""
     try:
         used, _spares = place(remaining, num_ranks)
     except HostListError as exc:
-        return Decision(False, [], now_excluded, f"cannot relaunch without {', '.join(now_excluded)}: {exc}")
+        slots = sum(h.slots for h in remaining)
+        if min_np is None or slots < 1:
+            return Decision(False, [], now_excluded, f"cannot relaunch without {', '.join(now_excluded)}: {exc}")
+        if slots < min_np:
+            return Decision(False, [], now_excluded, f"cannot relaunch without {', '.join(now_excluded)}: {slots} "
+                                                     f"slots left, fewer than --min-np {min_np}")
+        shrunk = f"relaunching on {slots} of {num_ranks} ranks {without}({failure.kind}; no spare host, --min-np {min_np})"
+        if global_batch is not None:
+            total, largest = global_batch
+            try:
+                per_rank, accumulation = split(total, slots, largest)
+            except GlobalBatchError as error:
+                return Decision(False, [], now_excluded, f"cannot continue on {slots} ranks: {error}")
+            shrunk += f" at the same global batch {total} ({per_rank} per rank x {accumulation} accumulation)"
+        return Decision(True, place(remaining, slots)[0], now_excluded, shrunk, slots)
     if newly:
-        reason = f"relaunching without {', '.join(newly)} ({failure.kind})"
+        reason = f"relaunching {without}({failure.kind})"
     else:
         reason = f"relaunching on the same hosts ({failure.kind}; no host to blame)"
-    return Decision(True, used, now_excluded, reason)
+    return Decision(True, used, now_excluded, reason, num_ranks)

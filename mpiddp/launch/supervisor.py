@@ -48,6 +48,8 @@ class Plan:
     program: str
     flavour: str
     extra: list[str] = field(default_factory=list)
+    min_np: int | None = None  # with no spare left, continue on fewer ranks, down to this many
+    global_batch: tuple[int, int] | None = None  # training with --min-np: (samples per step, largest per-rank batch)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Attempt:
     decision: str = ""
     resumed_at_step: int | None = None  # where the next attempt resumed (training)
     steps_lost: int | None = None  # failed_at_step - resumed_at_step (a lower bound when no rank named its step)
+    num_ranks: int = 0  # this attempt's ranks: fewer than -np after a shrink (--min-np)
 
 
 def inner_for(plan: Plan, number: int, latest_at_start: str | None) -> list[str]:
@@ -170,6 +173,7 @@ class Supervisor:
         self.interrupts = 0
         # what CHECKPOINT_DIR/latest held when the launch began: a user's --resume PATH holds until it moves
         self.latest_at_start = latest_pointer(plan)
+        self.num_ranks = plan.num_ranks  # the next attempt's: fewer after a shrink (--min-np)
 
     @property
     def child_stop(self) -> signal.Signals:
@@ -214,7 +218,7 @@ class Supervisor:
             if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
                 found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
             decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
-                              hosts_now)
+                              hosts_now, self.plan.min_np, self.plan.global_batch)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
@@ -223,7 +227,7 @@ class Supervisor:
                 f"{': ' + found.message.splitlines()[0] if found.message else ''}; {decision.reason}")
             if not decision.retry:
                 return attempt.status or 1
-            hosts_now, excluded = decision.hosts, decision.excluded
+            hosts_now, excluded, self.num_ranks = decision.hosts, decision.excluded, decision.num_ranks
         raise AssertionError("the policy stops once --max-restarts is spent")
 
     def _first_hosts(self) -> list[Host]:
@@ -231,15 +235,16 @@ class Supervisor:
         return place(remaining, self.plan.num_ranks)[0] if self.plan.hosts else []
 
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
+        num_ranks = self.num_ranks
         env = {**self.env, FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
-        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, self.plan.num_ranks,
+        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
                                 inner_for(self.plan, number, self.latest_at_start),
                                 [FAILURE_FILE_ENV, RESTART_COUNT_ENV], excluded, self.plan.extra)
         try:
             self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
         except FileNotFoundError:
             pass
-        attempt = Attempt(number, [h.name for h in hosts], command, time.time())
+        attempt = Attempt(number, [h.name for h in hosts], command, time.time(), num_ranks=num_ranks)
         self.attempts.append(attempt)
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
         tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
