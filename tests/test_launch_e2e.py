@@ -51,7 +51,8 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
     assert job.returncode == 0, job.output[-5000:]
     summary = job.summary
-    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}, job.output[-6000:]
+    first = attempts(run_dir)["attempts"][0]  # its cause, source, message and decision say why, on a failure
+    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}, (first, job.output[-6000:])
     assert summary["resumed_from"].endswith("snapshot-epoch0001.pt") and summary["epochs"] == 3
     record = attempts(run_dir)
     assert record["restarts"] == 1 and record["excluded_hosts"] == ["nodeb"]
