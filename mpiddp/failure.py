@@ -84,9 +84,66 @@ def read(path: Path) -> FailureRecord | None:
         return None
 
 
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records that carry a step (a torn last line, or any line that is not one, is skipped)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def _time(record: dict[str, Any], key: str = "time") -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def last_progress_at(records: list[dict[str, Any]], since: float, until: float) -> float | None:
+    """When training last made progress between `since` and `until`: the newest record in metrics.jsonl other
+    than a job's `start` (step records come every --log-every steps, so this is exact to within that many)."""
+    times = [t for r in records if r.get("kind") != "start" and (t := _time(r)) is not None and since <= t <= until]
+    return max(times) if times else None
+
+
+# Where a failed attempt's downtime goes, in order; each phase ends where the next begins:
+# detection: the last good step -> the launcher of the failed attempt exited;
+# relaunch: -> the supervisor started the next launcher (its decision); launcher: -> the first rank's process
+# started; startup: -> rendezvous done (interpreter, imports, MPI, preflight, torch.distributed);
+# restore: -> data, model and snapshot loaded; first_step: -> the relaunched job's first step finished.
+DOWNTIME_PHASES = ("detection", "relaunch", "launcher", "startup", "restore", "first_step")
+START_MARKS = ("process_started_at", "rendezvous_at", "restored_at")  # the `start` record's times (rank 0's clock)
+
+
+def downtime(last_step_at: float | None, ended_at: float | None, relaunched_at: float,
+             records: list[dict[str, Any]]) -> tuple[float | None, dict[str, float]]:
+    """(seconds from the failed attempt's last good step to the first finished step of the job relaunched at
+    `relaunched_at`, those seconds per DOWNTIME_PHASES); (None, {}) while that job has not finished a step, or
+    when a time is missing (a job of an older mpiddp, a `run` script). Times on different hosts assume
+    synchronised clocks."""
+    start = next((r for r in records if r.get("kind") == "start" and (_time(r) or 0) >= relaunched_at), None)
+    first = next((r for r in records if r.get("kind") == "first_step" and (_time(r) or 0) >= relaunched_at), None)
+    if start is None or first is None:
+        return None, {}
+    marks = [last_step_at, ended_at, relaunched_at, *(_time(start, key) for key in START_MARKS), _time(first)]
+    if any(mark is None for mark in marks):
+        return None, {}
+    phases = {name: round(end - begin, 3) for name, begin, end in zip(DOWNTIME_PHASES, marks, marks[1:])}
+    return round(marks[-1] - marks[0], 3), phases
+
+
 def read_attempts(run_dir: Path, resumed_at_step: int) -> dict[str, Any] | None:
-    """The supervisor's attempts.json, for this job's summary (None when not supervised). This job is the
-    attempt after the last one listed; it knows where it resumed, so it fills in that failure's steps lost."""
+    """The supervisor's attempts.json, for this job's summary (None when not supervised, or this is the first
+    attempt). The supervisor lists each attempt as it starts, so the last entry (no exit status yet) is this
+    job: the summary lists the attempts before it. This job knows where it resumed and when its first step
+    finished, so it fills in the steps lost and the downtime of the failure before it."""
     try:
         data = json.loads((run_dir / ATTEMPTS_FILE).read_text())
     except (OSError, ValueError):
@@ -94,9 +151,17 @@ def read_attempts(run_dir: Path, resumed_at_step: int) -> dict[str, Any] | None:
     attempts = data.get("attempts") if isinstance(data, dict) else None
     if not attempts:
         return None
+    relaunched_at = None
+    if attempts[-1].get("status") is None:  # this job's own entry
+        relaunched_at = _time(attempts.pop(), "started_at")
+    if not attempts:
+        return None
     last = attempts[-1]
     if last.get("steps_lost") is None:
         last["resumed_at_step"] = resumed_at_step
         if isinstance(last.get("failed_at_step"), int):
             last["steps_lost"] = max(0, last["failed_at_step"] - resumed_at_step)
+    if relaunched_at is not None and last.get("downtime_s") is None:
+        last["downtime_s"], last["downtime_phases"] = downtime(
+            _time(last, "last_step_at"), _time(last, "ended_at"), relaunched_at, read_metrics(run_dir))
     return data

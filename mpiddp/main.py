@@ -145,8 +145,11 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     run_logger, wandb_run_id = make_run_logger(
         cfg, run_dir, dist.topology, restored[1].wandb_run_id if restored else None
     )
+    # the start-up times only this job knows, for the downtime of a relaunch (mpiddp.failure.downtime)
     run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
-                    "resumed_from": str(restored[0]) if restored else None, "time": time.time()})
+                    "resumed_from": str(restored[0]) if restored else None, "time": time.time(),
+                    "process_started_at": job_started_at, "rendezvous_at": startup.ends["process_group"],
+                    "restored_at": startup.ends["model"]})
     startup.mark("logger")
     watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist, run_dir).start()
 

@@ -69,7 +69,7 @@ class WandbLogger:
         self._thread.start()
 
     def log(self, record: dict[str, Any]) -> None:
-        if record["kind"] != "start":  # segment markers are for metrics.jsonl and report
+        if record["kind"] not in ("start", "first_step"):  # a job's markers are for metrics.jsonl, report, launch
             self._queue.put(record)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mpiddp.errors import UserError
+from mpiddp.failure import DOWNTIME_PHASES
 
 
 def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -74,6 +75,53 @@ def snapshot_line(summary: dict[str, Any]) -> str | None:
     share = f" ({100 * saves['total_s'] / wall:.1f}% of the wall time)" if wall > 0 else ""
     return (f"snapshots: {saves['count']} saved{every}, {saves['total_s']:.2f} s in all{share}, "
             f"slowest {saves['max_s']:.2f} s, last {saves['bytes_last'] / 1e6:.1f} MB")
+
+
+def read_attempts(run_dir: Path, summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The attempts under `launch`: attempts.json (the supervisor writes it last, with every attempt), else the
+    copy in summary.json, else None (not launched by `launch`)."""
+    try:
+        data = json.loads((run_dir / "attempts.json").read_text())
+    except (OSError, ValueError):
+        data = (summary or {}).get("attempts")
+    return data if isinstance(data, dict) and data.get("attempts") else None
+
+
+PHASE_NAMES = {"first_step": "first step"}
+
+
+def attempt_lines(data: dict[str, Any]) -> list[str]:
+    """One line per attempt: its hosts, why it failed, whom it blamed, the steps lost and the downtime."""
+    attempts = data["attempts"]
+    left_out = data.get("excluded_hosts") or []
+    restarts = data.get("restarts", max(0, len(attempts) - 1))  # summary.json's copy lists the failed ones only
+    lines = [f"launch: {restarts} restart{'' if restarts == 1 else 's'}"
+             + (f"; hosts left out: {', '.join(left_out)}" if left_out else "")]
+    for attempt in attempts:
+        hosts = ", ".join(attempt.get("hosts") or []) or "the default hosts"
+        ranks_used = f" ({attempt['num_ranks']} ranks)" if attempt.get("num_ranks") else ""
+        parts = [f"  attempt {attempt.get('number')} on {hosts}{ranks_used}: "]
+        if attempt.get("status") is None:
+            parts.append("running (or the supervisor was killed)")
+        elif attempt.get("cause") is None:
+            parts.append("finished")
+        else:
+            ranks, blamed = attempt.get("failed_ranks") or [], attempt.get("failed_hosts") or []
+            who = ([("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))] if ranks else []) + (
+                ["on " + ", ".join(blamed)] if blamed else [])
+            parts.append(f"{attempt['cause']} (exit status {attempt.get('status')}; {' '.join(who) or 'no host blamed'})")
+            if attempt.get("failed_at_step") is not None:
+                parts.append(f" at step {attempt['failed_at_step']}")
+            if attempt.get("steps_lost") is not None:
+                parts.append(f", {attempt['steps_lost']} steps lost")
+            if attempt.get("downtime_s") is not None:
+                given = attempt.get("downtime_phases") or {}  # summary.json sorts its keys: put them in order
+                phases = ", ".join(f"{PHASE_NAMES.get(name, name)} {given[name]:.1f}"
+                                   for name in sorted(given, key=lambda n: DOWNTIME_PHASES.index(n)
+                                                      if n in DOWNTIME_PHASES else len(DOWNTIME_PHASES)))
+                parts.append(f", down {attempt['downtime_s']:.1f} s" + (f" ({phases})" if phases else ""))
+        lines.append("".join(parts))
+    return lines
 
 
 def rank_means(epochs: list[dict[str, Any]], key: str) -> list[float]:
@@ -177,5 +225,8 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"mpiddp: error: {exc}\n")
         return 2
     print(text_summary(records, summary))
+    attempts = read_attempts(run_dir, summary)
+    if attempts is not None:
+        print("\n".join(attempt_lines(attempts)))
     print("plots: " + ", ".join(str(p) for p in paths))
     return 0

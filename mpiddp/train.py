@@ -268,6 +268,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         clock.step_done(images)
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
+            hooks.log.log({"kind": "first_step", "step": state.step, "time": timing.first_step_done_at})  # downtime
         inject_fault(cfg.inject_fault, dist.rank, state.step, resumed=cfg.resume is not None or dist.topology.restarts > 0)
         stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
         batches_seen += len(group)

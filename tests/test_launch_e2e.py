@@ -24,6 +24,15 @@ def attempts(run_dir):
     return json.loads((run_dir / "attempts.json").read_text())
 
 
+def assert_downtime(attempt):
+    """A failed attempt's downtime is there, positive, and its phases (all of them, in order) add up to it."""
+    from mpiddp.failure import DOWNTIME_PHASES
+
+    assert attempt["downtime_s"] > 0 and set(attempt["downtime_phases"]) == set(DOWNTIME_PHASES), attempt
+    assert sum(attempt["downtime_phases"].values()) == pytest.approx(attempt["downtime_s"], abs=0.01), attempt
+    assert attempt["last_step_at"] <= attempt["ended_at"], attempt
+
+
 @pytest.fixture
 def hosts(tmp_path, mpirun):
     (tmp_path / "fakehosts").mkdir()
@@ -42,7 +51,8 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
     assert job.returncode == 0, job.output[-5000:]
     summary = job.summary
-    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}, job.output[-6000:]
+    first = attempts(run_dir)["attempts"][0]  # its cause, source, message and decision say why, on a failure
+    assert summary["hosts"] == {"nodea": [0], "nodec": [1]}, (first, job.output[-6000:])
     assert summary["resumed_from"].endswith("snapshot-epoch0001.pt") and summary["epochs"] == 3
     record = attempts(run_dir)
     assert record["restarts"] == 1 and record["excluded_hosts"] == ["nodeb"]
@@ -53,8 +63,15 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     assert second["status"] == 0 and second["cause"] is None and "--resume" in second["command"]
     # killed inside step 30 (the last step in metrics.jsonl is 29), resumed from the epoch-1 snapshot at step 22
     assert (first["failed_at_step"], first["resumed_at_step"], first["steps_lost"]) == (29, 22, 7)
+    assert_downtime(first)
+    assert second["downtime_s"] is None and second["downtime_phases"] == {}
     in_summary = summary["attempts"]["attempts"]
     assert [a["cause"] for a in in_summary] == ["killed"] and in_summary[0]["steps_lost"] == 7
+    assert_downtime(in_summary[0])  # the relaunched job measured the same downtime (from the same records)
+    assert in_summary[0]["downtime_phases"] == first["downtime_phases"]
+    report = run_command([sys.executable, "-m", "mpiddp", "report", str(run_dir)], run_dir, timeout=120)
+    assert report.returncode == 0 and "attempt 0 on nodea, nodeb: killed (exit status" in report.output, report.output
+    assert "rank 1 on nodeb) at step 29, 7 steps lost, down " in report.output
     assert summary["attempts"]["excluded_hosts"] == ["nodeb"]
 
 
@@ -151,6 +168,7 @@ def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_s
     first, second = attempts(run_dir)["attempts"]
     assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("hang", [1], ["nodeb"]), output[-5000:]
     assert second["hosts"] == ["nodea", "nodec"] and second["status"] == 0
+    assert_downtime(first)
     (hang_file,) = run_dir.glob("hang-*.txt")
     text = hang_file.read_text()
     assert "ranks behind: 1 on nodeb" in text and "==== Python stacks of rank 0/2 on nodea" in text

@@ -122,7 +122,7 @@ def test_the_summary_learns_the_steps_lost_of_the_failure_before_it(tmp_path):
 
     assert read_attempts(tmp_path, 22) is None
     (tmp_path / "attempts.json").write_text(json.dumps(
-        {"restarts": 1, "attempts": [{"cause": "killed", "failed_at_step": 29, "steps_lost": None}]}))
+        {"restarts": 1, "attempts": [{"status": 137, "cause": "killed", "failed_at_step": 29, "steps_lost": None}]}))
     attempt = read_attempts(tmp_path, 22)["attempts"][0]
     assert (attempt["resumed_at_step"], attempt["steps_lost"]) == (22, 7)
 
@@ -240,3 +240,84 @@ def test_a_quiet_watchdog_is_judged_by_the_stores_counter_not_by_clocks_of_other
         watchdogs[2]._publish()
     watchdogs[0]._fire()  # every rank is at step 7: only the quiet one is behind
     assert read(tmp_path / FAILURE_FILE).ranks == [1] and read(tmp_path / FAILURE_FILE).hosts == ["hostb"]
+
+
+def write_metrics(run_dir, records):
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+# attempt 0 runs from t=0, logs step 29 at t=50 and its launcher exits at t=53; attempt 1 is launched at t=54,
+# its first rank starts at 55, rendezvous at 60, restores at 63 and finishes its first step at 64.
+RELAUNCH = [{"kind": "start", "step": 0, "time": 1.0, "process_started_at": 0.5, "rendezvous_at": 0.8,
+             "restored_at": 0.9},
+            {"kind": "first_step", "step": 1, "time": 2.0}, {"kind": "step", "step": 29, "time": 50.0},
+            {"kind": "start", "step": 22, "time": 63.5, "process_started_at": 55.0, "rendezvous_at": 60.0,
+             "restored_at": 63.0},
+            {"kind": "first_step", "step": 23, "time": 64.0}, {"kind": "step", "step": 30, "time": 70.0}]
+PHASES = {"detection": 3.0, "relaunch": 1.0, "launcher": 1.0, "startup": 5.0, "restore": 3.0, "first_step": 1.0}
+
+
+def test_the_downtime_runs_from_the_last_good_step_to_the_relaunched_jobs_first_step(tmp_path):
+    from mpiddp.failure import DOWNTIME_PHASES, downtime, last_progress_at, read_metrics
+    from mpiddp.launch.supervisor import Attempt, Plan, Supervisor
+
+    write_metrics(tmp_path, RELAUNCH)
+    records = read_metrics(tmp_path)
+    assert last_progress_at(records, 0.0, 53.0) == 50.0 and last_progress_at(records, 0.0, 0.95) is None
+    assert downtime(50.0, 53.0, 54.0, records) == (14.0, PHASES) and tuple(PHASES) == DOWNTIME_PHASES
+    assert downtime(50.0, 53.0, 80.0, records) == (None, {})  # the relaunched job has not started yet
+    assert downtime(None, 53.0, 54.0, records) == (None, {})
+    supervisor = Supervisor(Plan("train", [], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi"), env={})
+    supervisor.attempts = [Attempt(0, [], [], 0.0, ended_at=53.0, failed_at_step=29, last_step_at=50.0),
+                           Attempt(1, [], [], 54.0)]
+    supervisor._count_steps_lost()
+    first = supervisor.attempts[0]
+    assert (first.steps_lost, first.downtime_s, first.downtime_phases) == (7, 14.0, PHASES)
+    assert sum(first.downtime_phases.values()) == pytest.approx(first.downtime_s)
+
+
+def test_the_summary_lists_the_attempts_before_this_job_with_their_downtime(tmp_path):
+    from mpiddp.failure import read_attempts
+    from mpiddp.launch.supervisor import Attempt, write_attempts
+
+    write_metrics(tmp_path, RELAUNCH)
+    failed = Attempt(0, ["a", "b"], [], 0.0, ended_at=53.0, status=137, cause="killed", failed_at_step=29,
+                     excluded_hosts=["b"], last_step_at=50.0)
+    write_attempts(tmp_path / "attempts.json", [failed])
+    assert read_attempts(tmp_path, 22)["attempts"][0]["downtime_s"] is None  # no relaunch listed: unknown
+    write_attempts(tmp_path / "attempts.json", [failed, Attempt(1, ["a", "c"], [], 54.0, excluded_hosts=["b"])])
+    data = read_attempts(tmp_path, 22)
+    assert data["restarts"] == 1 and data["excluded_hosts"] == ["b"]
+    (attempt,) = data["attempts"]  # this job's own entry (no status yet) is not among them
+    assert (attempt["steps_lost"], attempt["downtime_s"], attempt["downtime_phases"]) == (7, 14.0, PHASES)
+    write_attempts(tmp_path / "attempts.json", [Attempt(0, ["a", "b"], [], 0.0)])
+    assert read_attempts(tmp_path, 0) is None  # the first attempt: nothing before it
+
+
+def test_report_shows_one_line_per_attempt(tmp_path, capsys, monkeypatch):
+    from mpiddp import report
+
+    monkeypatch.setattr(report, "plot", lambda records, out_dir: [])  # the text is under test, not the plots
+    write_metrics(tmp_path, RELAUNCH)
+    attempts = {"restarts": 1, "excluded_hosts": ["nodeb"], "attempts": [
+        {"number": 0, "hosts": ["nodea", "nodeb"], "status": 137, "cause": "killed", "failed_ranks": [1],
+         "failed_hosts": ["nodeb"], "failed_at_step": 29, "steps_lost": 7, "downtime_s": 14.0,
+         "downtime_phases": dict(sorted(PHASES.items()))},  # summary.json sorts keys: report puts them in order
+        {"number": 1, "hosts": ["nodea", "nodec"], "status": 0, "cause": None}]}
+    # summary.json's copy (the failed attempts) when attempts.json is gone; attempts.json (all of them) wins
+    (tmp_path / "summary.json").write_text(json.dumps({"attempts": {**attempts, "attempts": attempts["attempts"][:1]}}))
+    monkeypatch.setattr(report, "text_summary", lambda records, summary: "")
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "launch: 1 restart; hosts left out: nodeb" in out
+    assert ("attempt 0 on nodea, nodeb: killed (exit status 137; rank 1 on nodeb) at step 29, 7 steps lost, "
+            "down 14.0 s (detection 3.0, relaunch 1.0, launcher 1.0, startup 5.0, restore 3.0, first step 1.0)") in out
+    assert "attempt 1" not in out
+    (tmp_path / "attempts.json").write_text(json.dumps(attempts))
+    assert report.main([str(tmp_path)]) == 0
+    assert "  attempt 1 on nodea, nodec: finished" in capsys.readouterr().out
+    attempts["attempts"][1]["num_ranks"] = 1  # a shrink (--min-np) shows its rank count
+    assert "  attempt 1 on nodea, nodec (1 ranks): finished" in report.attempt_lines(attempts)
+    attempts["attempts"][0].update(failed_ranks=[], failed_hosts=[], downtime_s=None)
+    assert "killed (exit status 137; no host blamed) at step 29, 7 steps lost\n" in "\n".join(
+        report.attempt_lines(attempts)) + "\n"

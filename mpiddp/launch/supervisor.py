@@ -71,6 +71,9 @@ class Attempt:
     resumed_at_step: int | None = None  # where the next attempt resumed (training)
     steps_lost: int | None = None  # failed_at_step - resumed_at_step (a lower bound when no rank named its step)
     num_ranks: int = 0  # this attempt's ranks: fewer than -np after a shrink (--min-np)
+    last_step_at: float | None = None  # when training last made progress (metrics.jsonl), else the failure's time
+    downtime_s: float | None = None  # last_step_at -> the next attempt's first finished step (training)
+    downtime_phases: dict[str, float] = field(default_factory=dict)  # those seconds per failure.DOWNTIME_PHASES
 
 
 def inner_for(plan: Plan, number: int, latest_at_start: str | None) -> list[str]:
@@ -135,31 +138,15 @@ def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
-
-
 def last_logged_step(run_dir: Path) -> int | None:
     """The last training step in metrics.jsonl: where a rank that wrote no record had got to, at least."""
-    steps = [r["step"] for r in _metrics(run_dir) if r.get("kind") != "start"]
+    steps = [r["step"] for r in failure.read_metrics(run_dir) if r.get("kind") != "start"]
     return steps[-1] if steps else None
 
 
 def start_step(run_dir: Path, since: float) -> int | None:
     """The step a training attempt that began at `since` started from (its `start` record in metrics.jsonl)."""
-    steps = [r["step"] for r in _metrics(run_dir) if r.get("kind") == "start" and r.get("time", 0) >= since]
+    steps = [r["step"] for r in failure.read_metrics(run_dir) if r.get("kind") == "start" and r.get("time", 0) >= since]
     return steps[-1] if steps else None
 
 
@@ -212,7 +199,11 @@ class Supervisor:
                 self._save()
                 say(f"attempt {number}: exit status {attempt.status}; {attempt.decision}")
                 return attempt.status or 0
-            found = diagnose(attempt.status or 1, failure.read(self.failure_file), output)
+            record = failure.read(self.failure_file)
+            found = diagnose(attempt.status or 1, record, output)
+            progress_at = failure.last_progress_at(failure.read_metrics(self.plan.run_dir), attempt.started_at,
+                                                   attempt.ended_at)
+            attempt.last_step_at = progress_at if progress_at is not None else record.time if record else None
             if found.step is None:
                 found = Failure(**{**asdict(found), "step": last_logged_step(self.plan.run_dir)})
             if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
@@ -244,8 +235,10 @@ class Supervisor:
             self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
         except FileNotFoundError:
             pass
-        attempt = Attempt(number, [h.name for h in hosts], command, time.time(), num_ranks=num_ranks)
+        attempt = Attempt(number, [h.name for h in hosts], command, time.time(), num_ranks=num_ranks,
+                          excluded_hosts=list(excluded))
         self.attempts.append(attempt)
+        self._save()  # listed as it starts: the job reads when it was launched (its downtime) and the restarts
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
         tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
@@ -284,13 +277,16 @@ class Supervisor:
             os.kill(self.child.pid, self.child_stop)  # srun and mpirun hand it on to every rank
 
     def _count_steps_lost(self) -> None:
-        """Now that the latest attempt has run, the one before it learns where training resumed."""
+        """Now that the latest attempt has run, the one before it learns where training resumed, and how long
+        training stood still (until the latest attempt's first step)."""
         if len(self.attempts) < 2 or self.plan.mode != "train":
             return
         before, latest = self.attempts[-2], self.attempts[-1]
         before.resumed_at_step = start_step(self.plan.run_dir, latest.started_at)
         if before.resumed_at_step is not None and before.failed_at_step is not None:
             before.steps_lost = max(0, before.failed_at_step - before.resumed_at_step)
+        before.downtime_s, before.downtime_phases = failure.downtime(
+            before.last_step_at, before.ended_at, latest.started_at, failure.read_metrics(self.plan.run_dir))
 
     def _save(self) -> None:
         write_attempts(self.plan.run_dir / ATTEMPTS_FILE, self.attempts)

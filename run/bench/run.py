@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -268,6 +269,83 @@ def gpu_benchmark(repeats: int, work: Path) -> dict:
     }
 
 
+HANG_TIMEOUT = 10
+RELAUNCH_HOSTS = ("nodea", "nodeb", "nodec")
+RELAUNCH_FLAGS = ("--no-progress", "--wandb", "disabled", "--log-every", "1")
+
+
+def relaunch_comparisons(repeats: int, work: Path) -> list[dict]:
+    """Downtime of `launch` after a failure, on three fake hosts with one slot each and -np 2 (as
+    tests/test_launch_e2e.py): the rank on nodeb killed (SIGKILL) mid-run, then stopped (SIGSTOP) under
+    --hang-timeout 10; each relaunches on nodea and nodec. Downtime and its phases come from attempts.json."""
+    from fakehosts import FakeHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(f"--only relaunch: {reason}")
+    cluster = FakeHosts(list(RELAUNCH_HOSTS), work).up()
+    try:
+        killed = [relaunch_once(cluster, work, "kill") for _ in range(repeats)]
+        hung = [relaunch_once(cluster, work, "hang") for _ in range(repeats)]
+    finally:
+        cluster.down()
+    return [downtime_row("killed rank (SIGKILL) to the relaunched job's first step", killed, "<= 30 s"),
+            downtime_row(f"stopped rank (SIGSTOP, --hang-timeout {HANG_TIMEOUT}) to the relaunched job's first step",
+                         hung, f"<= {HANG_TIMEOUT + 30} s (--hang-timeout + 30 s)")]
+
+
+def relaunch_once(cluster, work: Path, fault: str) -> dict:
+    """One supervised run that fails once (`kill`: rank 1 SIGKILLs itself in step 30, after the epoch-1
+    snapshot; `hang`: rank 1 is SIGSTOPped once the epoch-1 snapshot is saved) and finishes on the spare."""
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    flags = (("--epochs", "3", "--inject-fault", "kill:1:30") if fault == "kill"
+             else ("--epochs", "4", "--hang-timeout", str(HANG_TIMEOUT)))
+    command = [PYTHON, "-m", "mpiddp", "launch", "-H", ",".join(f"{h}:1" for h in RELAUNCH_HOSTS), "-np", "2",
+               "--launcher", "mpirun", "--launcher-args", " ".join(cluster.transport_args()), "--",
+               "--run-dir", str(run_dir), *RELAUNCH_FLAGS, *flags]
+    env = {key: value for key, value in ENV.items() if key != "PRTE_MCA_rmaps_default_mapping_policy"}  # -H slots
+    print("+ " + " ".join(command), flush=True)
+    launched = time.time()
+    job = subprocess.Popen(cluster.command_on("nodea", command), env={**env, "PYTHONUNBUFFERED": "1"}, cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    assert job.stdout is not None
+    for line in job.stdout:
+        seen.append(line)
+        if fault == "hang" and "saved " in line and "snapshot-epoch0001.pt" in line:
+            os.kill(rank_pid_on(cluster, "nodeb", 1), signal.SIGSTOP)  # alive but silent, as a wedged GPU
+            fault = "stopped"
+    job.wait()
+    ended = time.time()
+    cluster.kill_host("nodeb")  # what the failure left there (a stopped rank)
+    if job.returncode != 0:
+        sys.exit(f"benchmark command failed ({job.returncode}):\n{''.join(seen)[-3000:]}")
+    first = json.loads((run_dir / "attempts.json").read_text())["attempts"][0]
+    return {"downtime_s": first["downtime_s"], "phases_s": first["downtime_phases"], "cause": first["cause"],
+            "failed_hosts": first["failed_hosts"], "steps_lost": first["steps_lost"], "wall_s": ended - launched}
+
+
+def rank_pid_on(cluster, host: str, rank: int) -> int:
+    """The pid of world rank `rank` inside fake host `host` (told by the rank variable Open MPI gives it)."""
+    pids = subprocess.run(["ip", "netns", "pids", cluster.prefix + host], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"mpiddp" in cmdline:
+            return int(pid)
+    sys.exit(f"no process of rank {rank} on {host}")
+
+
+def downtime_row(name: str, runs: list[dict], target: str) -> dict:
+    phases = {phase: statistics.median(r["phases_s"][phase] for r in runs) for phase in runs[0]["phases_s"]}
+    return {"benchmark": name, "metric": "downtime_s",
+            "median_downtime_s": statistics.median(r["downtime_s"] for r in runs), "median_phases_s": phases,
+            "target": target, "runs": runs}
+
+
 def interleave(repeats: int, a, b) -> tuple[list[dict], list[dict]]:
     first, second = [], []
     for _ in range(repeats):
@@ -341,8 +419,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport", "overhead", "save"],
-                        default=None,
+    parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport", "overhead",
+                                           "save", "relaunch"], default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -354,6 +432,7 @@ def main() -> None:
                 "transport": lambda: transport_comparisons(args.repeats, work),
                 "overhead": lambda: overhead_comparisons(args.repeats, work),
                 "save": lambda: save_benchmark(args.repeats, work),
+                "relaunch": lambda: relaunch_comparisons(args.repeats, work),
                 "gpu": lambda: [gpu_benchmark(args.repeats, work)]}[args.only]()
         (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         print(json.dumps(rows, indent=2))
