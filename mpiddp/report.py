@@ -99,7 +99,8 @@ def attempt_lines(data: dict[str, Any]) -> list[str]:
              + (f"; hosts left out: {', '.join(left_out)}" if left_out else "")]
     for attempt in attempts:
         hosts = ", ".join(attempt.get("hosts") or []) or "the default hosts"
-        ranks_used = f" ({attempt['num_ranks']} ranks)" if attempt.get("num_ranks") else ""
+        count = attempt.get("num_ranks")
+        ranks_used = f" ({count} rank{'' if count == 1 else 's'})" if count else ""
         parts = [f"  attempt {attempt.get('number')} on {hosts}{ranks_used}: "]
         if attempt.get("status") is None:
             parts.append("running (or the supervisor was killed)")
