@@ -70,7 +70,7 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     assert_downtime(in_summary[0])  # the relaunched job measured the same downtime (from the same records)
     assert in_summary[0]["downtime_phases"] == first["downtime_phases"]
     report = run_command([sys.executable, "-m", "mpiddp", "report", str(run_dir)], run_dir, timeout=120)
-    assert report.returncode == 0 and "attempt 0 on nodea, nodeb: killed (exit status" in report.output, report.output
+    assert report.returncode == 0 and "attempt 0 on nodea, nodeb (2 ranks): killed (exit status" in report.output, report.output
     assert "rank 1 on nodeb) at step 29, 7 steps lost, down " in report.output
     assert summary["attempts"]["excluded_hosts"] == ["nodeb"]
 
