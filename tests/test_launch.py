@@ -136,6 +136,52 @@ def test_policy_with_no_host_to_blame_retries_on_the_same_hosts():
     assert not decide(Failure("exit", 0), THREE, [], 0, 3, 2).retry
 
 
+
+def test_policy_host_strikes_keep_a_failed_host_until_its_nth_failure():
+    lone = [Host("n1", 2)]
+    # the default leaves a failed host out at once: with no spare that ends the run, saying what would continue it
+    stop = decide(Failure("killed", 137, (1,), ("n1",)), lone, [], 0, 3, 2)
+    assert not stop.retry and stop.excluded == ["n1"] and "--host-strikes 2" in stop.reason
+    first = decide(Failure("killed", 137, (1,), ("n1",)), lone, [], 0, 3, 2, lone, {}, 2)
+    assert first.retry and first.hosts == lone and first.excluded == [] and first.strikes == {"n1": 1}
+    assert "same hosts (killed; n1: failure 1 of --host-strikes 2)" in first.reason
+    second = decide(Failure("killed", 137, (1,), ("n1",)), lone, [], 1, 3, 2, lone, first.strikes, 2)
+    assert not second.retry and second.excluded == ["n1"] and "--host-strikes 2" not in second.reason
+    # with a spare: the host stays until its second failure, then the spare replaces it
+    kept = decide(Failure("hang", 4, (1,), ("b",)), THREE, [], 0, 3, 2, THREE[:2], {"a": 1}, 2)
+    assert kept.hosts == THREE[:2] and kept.strikes == {"a": 1, "b": 1}
+    gone = decide(Failure("hang", 4, (1,), ("b",)), THREE, [], 1, 3, 2, THREE[:2], kept.strikes, 2)
+    assert gone.hosts == [Host("a", 1), Host("c", 1)] and gone.excluded == ["b"] and "without b" in gone.reason
+
+
+def test_the_supervisor_counts_strikes_across_attempts(tmp_path, monkeypatch):
+    plan = Plan("train", ["--epochs", "1"], tmp_path, 2, THREE, [], 3, "srun", "srun", "openmpi", host_strikes=2)
+    sup = Supervisor(plan, {})
+    placements = []
+
+    def fake_attempt(number, hosts, excluded):
+        placements.append([h.name for h in hosts])
+        attempt = Attempt(number, [h.name for h in hosts], ["srun"], time.time(), status=0 if number == 2 else 1)
+        sup.attempts.append(attempt)
+        return attempt, "srun: error: b: task 1: Killed\n"
+
+    monkeypatch.setattr(sup, "_attempt", fake_attempt)
+    saved = {signum: signal.getsignal(signum) for signum in (*supervisor.FORWARDED, signal.SIGHUP)}
+    try:
+        assert sup.run() == 0
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert placements == [["a", "b"], ["a", "b"], ["a", "c"]]
+    assert [a.excluded_hosts for a in sup.attempts] == [[], ["b"], ["b"]]
+
+
+def test_host_strikes_must_be_positive(tmp_path):
+    with pytest.raises(LaunchError, match="--host-strikes must be >= 1"):
+        make_plan(["-np", "2", "--host-strikes", "0", "--run-dir", str(tmp_path), "--", "run", "x.py"], {})
+    plan = make_plan(["-np", "2", "--host-strikes", "2", "--run-dir", str(tmp_path), "--", "run", "x.py"], {})
+    assert plan.host_strikes == 2
+
 OPENMPI_KILLED = """--------------------------------------------------------------------------
 prterun noticed that process rank 1 with PID 4242 on node nodeb exited on
 signal 9 (Killed).

@@ -16,7 +16,8 @@ from mpiddp.launch.supervisor import Plan, Supervisor, say
 from mpiddp.runname import new_timestamped_dir
 
 EXIT_USER_ERROR = 2
-USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--exclude HOST,...] "
+USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--host-strikes 1] "
+         "[--exclude HOST,...] "
          "[--launcher auto|mpirun|mpiexec|srun] -- TRAINING FLAGS | run SCRIPT ARGS")
 
 
@@ -33,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-np", "-n", dest="num_ranks", type=int,
                    help="ranks to run (default: every slot); hosts beyond what it needs are spares")
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches after failures (default 3)")
+    p.add_argument("--host-strikes", type=int, default=1,
+                   help="leave a host out on its N-th failure (default 1: at once); 2 tries it once more, "
+                        "for an allocation with no spare host")
     p.add_argument("--exclude", default="", help="hosts never to use: HOST,HOST")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                    help="auto: srun inside Slurm, else mpirun (Open MPI) or mpiexec (MPICH), judged by mpirun --version")
@@ -78,6 +82,8 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     mode = "run" if job[0] == "run" else "train"
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.host_strikes < 1:
+        raise LaunchError(f"--host-strikes must be >= 1 (1 leaves a failed host out at once), got {args.host_strikes}")
     hosts, source = discover(args.hostfile, args.host_option, env)
     excluded = [name.strip() for name in args.exclude.split(",") if name.strip()]
     free = [h for h in hosts if h.name not in excluded]
@@ -107,7 +113,7 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
         program = find_program(name[launcher]) or name[launcher]
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
-                extra=[arg for text in args.launcher_args for arg in shlex.split(text)])
+                extra=[arg for text in args.launcher_args for arg in shlex.split(text)], host_strikes=args.host_strikes)
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpiddp.launch.diagnose import Failure
 from mpiddp.launch.hosts import Host, HostListError, place
@@ -17,6 +17,7 @@ class Decision:
     hosts: list[Host]  # the next attempt's hosts (empty when stopping)
     excluded: list[str]  # every host left out so far, this failure's included
     reason: str
+    strikes: dict[str, int] = field(default_factory=dict)  # failures blamed on each host so far, this one's included
 
 
 def short_name(name: str) -> str:
@@ -52,26 +53,42 @@ def blamed(failure: Failure, hosts: list[Host], placed: list[Host]) -> list[str]
 
 
 def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_used: int, max_restarts: int,
-           num_ranks: int, placed: list[Host] | None = None) -> Decision:
+           num_ranks: int, placed: list[Host] | None = None, strikes: dict[str, int] | None = None,
+           host_strikes: int = 1) -> Decision:
     """`hosts`: every host known (in use and spare), `excluded`: those already left out, `placed`: the hosts the
-    failed attempt ran on, in rank order."""
+    failed attempt ran on, in rank order. A host is left out on its `host_strikes`-th blamed failure (`strikes`:
+    the failures blamed on each host before this one); until then the relaunch keeps it. 1 (the default) leaves
+    a host out at once, which spare hosts make cheap; more lets a host without a replacement (the one node of an
+    allocation, an OOM kill that says nothing against the host) be tried again."""
+    assert host_strikes >= 1
+    strikes = dict(strikes or {})
     if failure.status == 0:
-        return Decision(False, [], list(excluded), "finished")
+        return Decision(False, [], list(excluded), "finished", strikes)
     if failure.kind in NEVER_RETRIED:
-        return Decision(False, [], list(excluded), NEVER_RETRIED[failure.kind])
-    newly = [name for name in blamed(failure, hosts, placed or []) if name not in excluded]
+        return Decision(False, [], list(excluded), NEVER_RETRIED[failure.kind], strikes)
+    blamed_now = [name for name in blamed(failure, hosts, placed or []) if name not in excluded]
+    for name in blamed_now:
+        strikes[name] = strikes.get(name, 0) + 1
+    newly = [name for name in blamed_now if strikes[name] >= host_strikes]
+    kept = [name for name in blamed_now if name not in newly]
     now_excluded = [*excluded, *newly]
     if restarts_used >= max_restarts:
-        return Decision(False, [], now_excluded, f"--max-restarts {max_restarts} spent")
+        return Decision(False, [], now_excluded, f"--max-restarts {max_restarts} spent", strikes)
     if not hosts:  # no host list: the launcher places the ranks itself, here or in the allocation
-        return Decision(True, [], now_excluded, f"relaunching ({failure.kind})")
+        return Decision(True, [], now_excluded, f"relaunching ({failure.kind})", strikes)
     remaining = [h for h in hosts if h.name not in now_excluded]
     try:
         used, _spares = place(remaining, num_ranks)
     except HostListError as exc:
-        return Decision(False, [], now_excluded, f"cannot relaunch without {', '.join(now_excluded)}: {exc}")
+        hint = "" if host_strikes > 1 else (
+            "; --host-strikes 2 tries a failed host once more when no spare can replace it")
+        return Decision(False, [], now_excluded, f"cannot relaunch without {', '.join(now_excluded)}: {exc}{hint}",
+                        strikes)
     if newly:
         reason = f"relaunching without {', '.join(newly)} ({failure.kind})"
+    elif kept:
+        counts = ", ".join(f"{name}: failure {strikes[name]} of --host-strikes {host_strikes}" for name in kept)
+        reason = f"relaunching on the same hosts ({failure.kind}; {counts})"
     else:
         reason = f"relaunching on the same hosts ({failure.kind}; no host to blame)"
-    return Decision(True, used, now_excluded, reason)
+    return Decision(True, used, now_excluded, reason, strikes)

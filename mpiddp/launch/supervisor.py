@@ -48,6 +48,7 @@ class Plan:
     program: str
     flavour: str
     extra: list[str] = field(default_factory=list)
+    host_strikes: int = 1  # a host is left out on its N-th blamed failure
 
 
 @dataclass
@@ -190,6 +191,7 @@ class Supervisor:
         # that does nothing, not SIG_IGN, which the launcher and its ranks would inherit across exec.
         signal.signal(signal.SIGHUP, _ignore_hangup)
         hosts_now, excluded = self._first_hosts(), list(self.plan.excluded)
+        strikes: dict[str, int] = {}
         for number in range(self.plan.max_restarts + 1):
             if self.stop_signal:  # a stop between attempts: start nothing more
                 stopped = f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched"
@@ -214,7 +216,7 @@ class Supervisor:
             if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
                 found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
             decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
-                              hosts_now)
+                              hosts_now, strikes, self.plan.host_strikes)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
@@ -223,7 +225,7 @@ class Supervisor:
                 f"{': ' + found.message.splitlines()[0] if found.message else ''}; {decision.reason}")
             if not decision.retry:
                 return attempt.status or 1
-            hosts_now, excluded = decision.hosts, decision.excluded
+            hosts_now, excluded, strikes = decision.hosts, decision.excluded, decision.strikes
         raise AssertionError("the policy stops once --max-restarts is spent")
 
     def _first_hosts(self) -> list[Host]:
