@@ -93,17 +93,18 @@ def test_which_mpi_and_which_launcher():
 def test_command_lines():
     hosts = [Host("a", 1), Host("c", 1)]
     inner = ["--epochs", "2"]
-    openmpi = build_command("mpirun", "mpirun", "openmpi", hosts, 2, inner, ["V"], ["b"], ["--mca", "x", "y"], "py")
+    openmpi = build_command("mpirun", "mpirun", "openmpi", hosts, 2, inner, {"V": "1"}, ["b"], ["--mca", "x", "y"], "py")
     assert openmpi == ["mpirun", "-np", "2", "-H", "a:1,c:1", "--bind-to", "none", "--map-by", "slot", "-x", "V",
                        "--mca", "x", "y", "py", "-m", "mpiddp", "--epochs", "2"]
-    mpich = build_command("mpiexec", "mpiexec", "mpich", hosts, 2, inner, ["V", "W"], ["b"], [], "py")
-    assert mpich == ["mpiexec", "-n", "2", "-hosts", "a:1,c:1", "-bind-to", "none", "-genvlist", "V,W",
-                     "py", "-m", "mpiddp", "--epochs", "2"]
-    srun = build_command("srun", "srun", "openmpi", hosts, 2, inner, ["V"], ["b"], [], "py")
+    # -genv adds to the environment Hydra forwards; -genvlist would forward only the variables it names
+    mpich = build_command("mpiexec", "mpiexec", "mpich", hosts, 2, inner, {"V": "1", "W": "x y"}, ["b"], [], "py")
+    assert mpich == ["mpiexec", "-n", "2", "-hosts", "a:1,c:1", "-bind-to", "none", "-genv", "V", "1",
+                     "-genv", "W", "x y", "py", "-m", "mpiddp", "--epochs", "2"]
+    srun = build_command("srun", "srun", "openmpi", hosts, 2, inner, {"V": "1"}, ["b"], [], "py")
     assert srun == ["srun", "--mpi=pmix", "--ntasks=2", "--nodes=2", "--nodelist=a,c", "--kill-on-bad-exit=1",
                     "--cpu-bind=none", "--exclude=b", "py", "-m", "mpiddp", "--epochs", "2"]
-    assert "--mpi=pmi2" in build_command("srun", "srun", "mpich", hosts, 2, inner, [], [], [], "py")
-    assert "-H" not in build_command("mpirun", "mpirun", "openmpi", [], 2, inner, [], [], [], "py")
+    assert "--mpi=pmi2" in build_command("srun", "srun", "mpich", hosts, 2, inner, {}, [], [], "py")
+    assert "-H" not in build_command("mpirun", "mpirun", "openmpi", [], 2, inner, {}, [], [], "py")
 
 
 THREE = [Host("a", 1), Host("b", 1), Host("c", 1)]
@@ -194,10 +195,25 @@ HYDRA_KILLED = """==============================================================
 ===================================================================================
 """
 
+HYDRA5_KILLED = """
+===================================================================================
+=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+=   PID 3930 RUNNING AT nodeb
+=   EXIT CODE: 9
+=   CLEANING UP REMAINING PROCESSES
+=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES
+===================================================================================
+YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)
+This typically refers to a problem with your application.
+"""  # MPICH 5.0.2's mpiexec, rank 1 on nodeb SIGKILLed
+
 
 def test_launcher_output_names_the_killed_rank_and_host():
     assert killed_by_signal(OPENMPI_KILLED) == ((1,), ("nodeb",), 9)
     assert killed_by_signal(HYDRA_KILLED) == ((3,), ("gpu7",), 9)
+    assert killed_by_signal(HYDRA5_KILLED) == ((), ("nodeb",), 9)
+    aborted = HYDRA5_KILLED.split("YOUR APPLICATION TERMINATED")[0] + "[mpiexec@nodea] main: process manager error\n"
+    assert killed_by_signal(aborted) == ((), ("nodeb",), 9)  # mpiexec aborted on a lost remote proxy
     assert killed_by_signal("srun: error: node2: tasks 2-3: Killed\n") == ((2, 3), ("node2",), 9)
     assert killed_by_signal("all good\n") is None
     assert killed_by_signal(OPENMPI_PEER_LOST) == ((), ("nodeb",), 9)
@@ -375,3 +391,11 @@ def test_unwritable_run_dir_and_attempts_file_are_one_line(tmp_path, capsys):
         make_plan(["-np", "2", "--run-dir", str(blocker / "r"), "--", "run", "x.py"], {})
     assert not write_attempts(blocker / "attempts.json", [])
     assert "warning: cannot write" in capsys.readouterr().err
+
+
+def test_launcher_path_picks_the_mpi_and_its_flavour(tmp_path, mpich):
+    plan = make_plan(["-np", "2", "--launcher-path", str(mpich / "bin" / "mpiexec"), "--run-dir", str(tmp_path),
+                      "--", "run", "x.py"], {})
+    assert (plan.launcher, plan.program, plan.flavour) == ("mpiexec", str(mpich / "bin" / "mpiexec"), "mpich")
+    with pytest.raises(LaunchError, match="--launcher-path /no/mpiexec: no such file"):
+        make_plan(["-np", "2", "--launcher-path", "/no/mpiexec", "--run-dir", str(tmp_path), "--", "run", "x.py"], {})

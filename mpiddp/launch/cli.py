@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", default="", help="hosts never to use: HOST,HOST")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                    help="auto: srun inside Slurm, else mpirun (Open MPI) or mpiexec (MPICH), judged by mpirun --version")
+    p.add_argument("--launcher-path", help="the launcher program to run, e.g. /opt/mpich/bin/mpiexec (default: the one "
+                                          "beside this python, else on PATH); an MPI's own launcher is judged by "
+                                          "its --version")
     p.add_argument("--launcher-args", action="append", default=[],
                    help="extra arguments for the launcher, one string (shell-split), e.g. '--mca btl tcp,self'")
     p.add_argument("--run-dir", help="where failure.json and attempts.json go (training: its --run-dir; "
@@ -105,12 +108,15 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
                           f"give a writable --run-dir") from None
     if mode == "train" and inner_dir is None:
         job = [*job, "--run-dir", str(run_dir)]  # every attempt writes to, and resumes from, the same place
-    name = {"mpirun": "mpirun", "mpiexec": "mpiexec", "srun": "srun"}
-    program = find_program("mpirun") or "mpirun"
-    flavour = mpi_flavour(version_text(program))
+    mpirun = find_program("mpirun") or "mpirun"
+    given = args.launcher_path
+    if given and not Path(given).is_file():
+        raise LaunchError(f"--launcher-path {given}: no such file")
+    # MPICH or Open MPI: the given launcher's own word, unless it is srun (then the mpirun that belongs to this MPI)
+    judged = given if given and Path(given).name != "srun" else mpirun
+    flavour = mpi_flavour(version_text(judged))
     launcher = choose_launcher(args.launcher, env, flavour)
-    if launcher != "mpirun":
-        program = find_program(name[launcher]) or name[launcher]
+    program = given or (mpirun if launcher == "mpirun" else find_program(launcher) or launcher)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
                 extra=[arg for text in args.launcher_args for arg in shlex.split(text)], host_strikes=args.host_strikes)

@@ -12,11 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 from mpiddp import failure
 from mpiddp.failure import ATTEMPTS_FILE
@@ -30,7 +31,7 @@ RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # the job exports it to scripts as T
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
 CHECKPOINT_OPTIONS = ("--checkpoint-dir", "--model_dir")
-OUTPUT_TAIL_LINES = 400  # enough of the launcher's stderr to find which rank died
+OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
 
 
 @dataclass(frozen=True)
@@ -233,10 +234,10 @@ class Supervisor:
         return place(remaining, self.plan.num_ranks)[0] if self.plan.hosts else []
 
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
-        env = {**self.env, FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
+        exports = {FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
+        env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, self.plan.num_ranks,
-                                inner_for(self.plan, number, self.latest_at_start),
-                                [FAILURE_FILE_ENV, RESTART_COUNT_ENV], excluded, self.plan.extra)
+                                inner_for(self.plan, number, self.latest_at_start), exports, excluded, self.plan.extra)
         try:
             self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
         except FileNotFoundError:
@@ -247,17 +248,16 @@ class Supervisor:
         tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
         # stop on as `child_stop`.
-        self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      errors="replace", start_new_session=True)
+        # Both streams are read: Hydra prints which process died on stdout. Each is passed on to its own stream.
+        self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
-        assert self.child.stderr is not None
-        for line in self.child.stderr:
-            try:
-                sys.stderr.write(line)
-            except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
-                pass
-            tail.append(line)
+        assert self.child.stdout is not None and self.child.stderr is not None
+        stdout_relay = threading.Thread(target=_relay, args=(self.child.stdout, sys.stdout, tail), daemon=True)
+        stdout_relay.start()
+        _relay(self.child.stderr, sys.stderr, tail)
+        stdout_relay.join()
         status = self.child.wait()
         self.child = None
         attempt.status = 128 - status if status < 0 else status
@@ -308,6 +308,17 @@ def write_attempts(path: Path, attempts: list[Attempt]) -> bool:
         say(f"warning: cannot write {path} ({exc.strerror or exc}); the attempts go unrecorded")
         return False
     return True
+
+
+def _relay(source: TextIO, target: TextIO, tail: collections.deque[str]) -> None:
+    """Pass the launcher's lines on as they come, keeping the last ones (deque appends are thread-safe)."""
+    for line in source:
+        try:
+            target.write(line)
+            target.flush()
+        except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
+            pass
+        tail.append(line)
 
 
 def _ignore_hangup(signum: int, frame: FrameType | None) -> None:
