@@ -93,17 +93,18 @@ def test_which_mpi_and_which_launcher():
 def test_command_lines():
     hosts = [Host("a", 1), Host("c", 1)]
     inner = ["--epochs", "2"]
-    openmpi = build_command("mpirun", "mpirun", "openmpi", hosts, 2, inner, ["V"], ["b"], ["--mca", "x", "y"], "py")
+    openmpi = build_command("mpirun", "mpirun", "openmpi", hosts, 2, inner, {"V": "1"}, ["b"], ["--mca", "x", "y"], "py")
     assert openmpi == ["mpirun", "-np", "2", "-H", "a:1,c:1", "--bind-to", "none", "--map-by", "slot", "-x", "V",
                        "--mca", "x", "y", "py", "-m", "mpiddp", "--epochs", "2"]
-    mpich = build_command("mpiexec", "mpiexec", "mpich", hosts, 2, inner, ["V", "W"], ["b"], [], "py")
-    assert mpich == ["mpiexec", "-n", "2", "-hosts", "a:1,c:1", "-bind-to", "none", "-genvlist", "V,W",
-                     "py", "-m", "mpiddp", "--epochs", "2"]
-    srun = build_command("srun", "srun", "openmpi", hosts, 2, inner, ["V"], ["b"], [], "py")
+    # -genv adds to the environment Hydra forwards; -genvlist would forward only the variables it names
+    mpich = build_command("mpiexec", "mpiexec", "mpich", hosts, 2, inner, {"V": "1", "W": "x y"}, ["b"], [], "py")
+    assert mpich == ["mpiexec", "-n", "2", "-hosts", "a:1,c:1", "-bind-to", "none", "-genv", "V", "1",
+                     "-genv", "W", "x y", "py", "-m", "mpiddp", "--epochs", "2"]
+    srun = build_command("srun", "srun", "openmpi", hosts, 2, inner, {"V": "1"}, ["b"], [], "py")
     assert srun == ["srun", "--mpi=pmix", "--ntasks=2", "--nodes=2", "--nodelist=a,c", "--kill-on-bad-exit=1",
                     "--cpu-bind=none", "--exclude=b", "py", "-m", "mpiddp", "--epochs", "2"]
-    assert "--mpi=pmi2" in build_command("srun", "srun", "mpich", hosts, 2, inner, [], [], [], "py")
-    assert "-H" not in build_command("mpirun", "mpirun", "openmpi", [], 2, inner, [], [], [], "py")
+    assert "--mpi=pmi2" in build_command("srun", "srun", "mpich", hosts, 2, inner, {}, [], [], "py")
+    assert "-H" not in build_command("mpirun", "mpirun", "openmpi", [], 2, inner, {}, [], [], "py")
 
 
 THREE = [Host("a", 1), Host("b", 1), Host("c", 1)]
@@ -136,6 +137,52 @@ def test_policy_with_no_host_to_blame_retries_on_the_same_hosts():
     assert not decide(Failure("exit", 0), THREE, [], 0, 3, 2).retry
 
 
+
+def test_policy_host_strikes_keep_a_failed_host_until_its_nth_failure():
+    lone = [Host("n1", 2)]
+    # the default leaves a failed host out at once: with no spare that ends the run, saying what would continue it
+    stop = decide(Failure("killed", 137, (1,), ("n1",)), lone, [], 0, 3, 2)
+    assert not stop.retry and stop.excluded == ["n1"] and "--host-strikes 2" in stop.reason
+    first = decide(Failure("killed", 137, (1,), ("n1",)), lone, [], 0, 3, 2, lone, strikes={}, host_strikes=2)
+    assert first.retry and first.hosts == lone and first.excluded == [] and first.strikes == {"n1": 1}
+    assert "same hosts (killed; n1: failure 1 of --host-strikes 2)" in first.reason
+    second = decide(Failure("killed", 137, (1,), ("n1",)), lone, [], 1, 3, 2, lone, strikes=first.strikes, host_strikes=2)
+    assert not second.retry and second.excluded == ["n1"] and "--host-strikes 2" not in second.reason
+    # with a spare: the host stays until its second failure, then the spare replaces it
+    kept = decide(Failure("hang", 4, (1,), ("b",)), THREE, [], 0, 3, 2, THREE[:2], strikes={"a": 1}, host_strikes=2)
+    assert kept.hosts == THREE[:2] and kept.strikes == {"a": 1, "b": 1}
+    gone = decide(Failure("hang", 4, (1,), ("b",)), THREE, [], 1, 3, 2, THREE[:2], strikes=kept.strikes, host_strikes=2)
+    assert gone.hosts == [Host("a", 1), Host("c", 1)] and gone.excluded == ["b"] and "without b" in gone.reason
+
+
+def test_the_supervisor_counts_strikes_across_attempts(tmp_path, monkeypatch):
+    plan = Plan("train", ["--epochs", "1"], tmp_path, 2, THREE, [], 3, "srun", "srun", "openmpi", host_strikes=2)
+    sup = Supervisor(plan, {})
+    placements = []
+
+    def fake_attempt(number, hosts, excluded):
+        placements.append([h.name for h in hosts])
+        attempt = Attempt(number, [h.name for h in hosts], ["srun"], time.time(), status=0 if number == 2 else 1)
+        sup.attempts.append(attempt)
+        return attempt, "srun: error: b: task 1: Killed\n"
+
+    monkeypatch.setattr(sup, "_attempt", fake_attempt)
+    saved = {signum: signal.getsignal(signum) for signum in (*supervisor.FORWARDED, signal.SIGHUP)}
+    try:
+        assert sup.run() == 0
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert placements == [["a", "b"], ["a", "b"], ["a", "c"]]
+    assert [a.excluded_hosts for a in sup.attempts] == [[], ["b"], ["b"]]
+
+
+def test_host_strikes_must_be_positive(tmp_path):
+    with pytest.raises(LaunchError, match="--host-strikes must be >= 1"):
+        make_plan(["-np", "2", "--host-strikes", "0", "--run-dir", str(tmp_path), "--", "run", "x.py"], {})
+    plan = make_plan(["-np", "2", "--host-strikes", "2", "--run-dir", str(tmp_path), "--", "run", "x.py"], {})
+    assert plan.host_strikes == 2
+
 OPENMPI_KILLED = """--------------------------------------------------------------------------
 prterun noticed that process rank 1 with PID 4242 on node nodeb exited on
 signal 9 (Killed).
@@ -148,10 +195,25 @@ HYDRA_KILLED = """==============================================================
 ===================================================================================
 """
 
+HYDRA5_KILLED = """
+===================================================================================
+=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+=   PID 3930 RUNNING AT nodeb
+=   EXIT CODE: 9
+=   CLEANING UP REMAINING PROCESSES
+=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES
+===================================================================================
+YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)
+This typically refers to a problem with your application.
+"""  # MPICH 5.0.2's mpiexec, rank 1 on nodeb SIGKILLed
+
 
 def test_launcher_output_names_the_killed_rank_and_host():
     assert killed_by_signal(OPENMPI_KILLED) == ((1,), ("nodeb",), 9)
     assert killed_by_signal(HYDRA_KILLED) == ((3,), ("gpu7",), 9)
+    assert killed_by_signal(HYDRA5_KILLED) == ((), ("nodeb",), 9)
+    aborted = HYDRA5_KILLED.split("YOUR APPLICATION TERMINATED")[0] + "[mpiexec@nodea] main: process manager error\n"
+    assert killed_by_signal(aborted) == ((), ("nodeb",), 9)  # mpiexec aborted on a lost remote proxy
     assert killed_by_signal("srun: error: node2: tasks 2-3: Killed\n") == ((2, 3), ("node2",), 9)
     assert killed_by_signal("all good\n") is None
     assert killed_by_signal(OPENMPI_PEER_LOST) == ((), ("nodeb",), 9)
@@ -399,3 +461,11 @@ def test_plan_with_min_np_carries_the_global_batch_to_every_attempt(tmp_path):
     for bad in ("0", "3"):
         with pytest.raises(LaunchError, match=rf"--min-np must be in \[1, -np 2\], got {bad}"):
             make_plan([*base[:5], bad, *base[6:], "--epochs", "1", "--run-dir", str(tmp_path)], {})
+
+
+def test_launcher_path_picks_the_mpi_and_its_flavour(tmp_path, mpich):
+    plan = make_plan(["-np", "2", "--launcher-path", str(mpich / "bin" / "mpiexec"), "--run-dir", str(tmp_path),
+                      "--", "run", "x.py"], {})
+    assert (plan.launcher, plan.program, plan.flavour) == ("mpiexec", str(mpich / "bin" / "mpiexec"), "mpich")
+    with pytest.raises(LaunchError, match="--launcher-path /no/mpiexec: no such file"):
+        make_plan(["-np", "2", "--launcher-path", "/no/mpiexec", "--run-dir", str(tmp_path), "--", "run", "x.py"], {})

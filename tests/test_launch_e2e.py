@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, job_env, run_command
+from conftest import REPO, job_env, mpich_env, run_command
 from fakehosts import FakeHosts, running_fake_hosts
 
 pytestmark = pytest.mark.mpi
@@ -239,3 +239,34 @@ def test_with_min_np_a_killed_rank_without_a_spare_finishes_on_one_rank_at_the_s
     accuracy = {run: 100 * records[-1]["eval_accuracy"] for run, records in epochs.items()}
     print(f"final eval accuracy: shrunk {accuracy['shrunk']:.2f}%, uninterrupted {accuracy['straight']:.2f}%")
     assert abs(accuracy["shrunk"] - accuracy["straight"]) <= SHRINK_ACCURACY_TOLERANCE, accuracy
+
+
+def bare_agent(hosts, path):
+    """The fake hosts' agent, but starting the remote side with an empty environment, as ssh does: whatever the
+    ranks need (MPI4PY_LIBMPI, PYTHONPATH, ...) must come through the launcher."""
+    path.write_text(hosts.agent.read_text().replace('exec ip netns exec', 'exec env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin ip netns exec'))
+    path.chmod(0o755)
+    return path
+
+
+def test_mpich_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, mpich, tmp_path):
+    run_dir = tmp_path / "run"
+    agent = bare_agent(hosts, tmp_path / "bare-agent.sh")
+    # Hydra calls its launcher like ssh: AGENT [-x] HOST COMMAND; FI_TCP_IFACE keeps MPICH's traffic off docker0.
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpiexec",
+                             "--launcher-path", str(mpich / "bin" / "mpiexec"),
+                             "--launcher-args", f"-launcher ssh -launcher-exec {agent}", "--",
+                             "--run-dir", str(run_dir), "--epochs", "3", *FAST, "--inject-fault", "kill:1:30")
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300,
+                      env=mpich_env(mpich, FI_TCP_IFACE="eth0"))
+    assert job.returncode == 0, job.output[-5000:]
+    summary = job.summary
+    assert summary["mpi_library"].startswith("MPICH") and summary["hosts"] == {"nodea": [0], "nodec": [1]}
+    assert summary["resumed_from"].endswith("snapshot-epoch0001.pt") and summary["epochs"] == 3
+    record = attempts(run_dir)
+    # Hydra names the host of the process that died (not its rank), on stdout: launch reads both streams
+    assert record["restarts"] == 1 and record["excluded_hosts"] == ["nodeb"], job.output[-5000:]
+    first, second = record["attempts"]
+    assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], ["nodeb"]), first
+    assert first["hosts"] == ["nodea", "nodeb"] and second["hosts"] == ["nodea", "nodec"]
+    assert second["command"][0] == str(mpich / "bin" / "mpiexec") and "--resume" in second["command"]

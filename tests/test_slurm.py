@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -160,3 +161,72 @@ def test_preemption_saves_requeues_itself_and_continues_from_the_stop_snapshot(s
     saved_before = re.findall(r"saved (\S+\.pt)", first_life)
     assert saved_before and re.search(r"resumed from (\S+\.pt): epoch", log).group(1) == saved_before[-1], log[-4000:]
     slurm.run("scancel", str(job_id))
+
+
+def attempts(workdir: Path, name: str) -> dict:
+    return json.loads((workdir / "runs" / name / "attempts.json").read_text())
+
+
+def slurm_rank_pid(run_dir: str, rank: int) -> int | None:
+    """The pid of task `rank` of the srun step training into `run_dir` (srun's own command line matches too, and
+    it and the batch shell carry SLURM_PROCID=0: the rank is told by the SLURM_PROCID its task was given)."""
+    found = subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout
+    for pid in found.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_PROCID={rank}".encode() in environ and b"srun" not in cmdline[0] and b"SLURM_STEP_ID=0" in environ:
+            return int(pid)
+    return None
+
+
+def kill_rank_after_a_snapshot(workdir: Path, name: str, job_id: int, rank: int) -> None:
+    """SIGKILL (as the OOM killer would) task `rank` of the job's first srun step once a snapshot exists.
+    (--inject-fault kill never fires here: run/slurm.sbatch always passes --resume.)"""
+    latest = workdir / "runs" / name / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    pid = None
+    while pid is None:
+        assert time.monotonic() < deadline, output(workdir, job_id)[-4000:]
+        time.sleep(0.2)  # polling files and processes another program makes
+        pid = slurm_rank_pid(f"runs/{name}", rank) if latest.is_file() else None
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_rank_inside_sbatch_is_relaunched_with_srun(slurm, tmp_path):
+    """launch in the batch shell: rank 1 dies by SIGKILL after a snapshot; srun reports it, and launch relaunches
+    with srun and --resume. The one node has no spare, so HOST_STRIKES=2 lets it be tried again."""
+    name = "healed"
+    job_id = slurm.submit(*SMALL, "--job-name", name, SBATCH, "--epochs", "60", *FAST,
+                          env=batch_env("srun", HOST_STRIKES="2"), cwd=tmp_path)
+    kill_rank_after_a_snapshot(tmp_path, name, job_id, 1)
+    info = slurm.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), within_s=300)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, log[-5000:]
+    record = attempts(tmp_path, name)
+    assert record["restarts"] == 1 and record["excluded_hosts"] == [], record
+    first, second = record["attempts"]
+    node = first["hosts"][0]
+    assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], [node]), first
+    assert first["cause_source"] == "launcher output" and f"srun: error: {node}: task 1: Killed" in log
+    assert f"{node}: failure 1 of --host-strikes 2" in first["decision"]
+    assert second["status"] == 0 and second["command"][0].endswith("srun") and "--resume" in second["command"]
+    summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+    assert "snapshot-epoch" in summary["resumed_from"] and summary["epochs"] == 60
+
+
+def test_a_killed_rank_on_the_only_node_ends_the_job_by_default(slurm, tmp_path):
+    """Without a spare node and with the default --host-strikes 1 there is nowhere to relaunch: one attempt,
+    the job fails, and the decision says how to retry the node."""
+    name = "lone"
+    job_id = slurm.submit(*SMALL, "--job-name", name, SBATCH, "--epochs", "60", *FAST, env=batch_env("srun"),
+                          cwd=tmp_path)
+    kill_rank_after_a_snapshot(tmp_path, name, job_id, 1)
+    info = slurm.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), within_s=240)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "FAILED" and exit_code(info) != 0, log[-5000:]
+    (only,) = attempts(tmp_path, name)["attempts"]
+    assert only["cause"] == "killed" and "cannot relaunch without" in only["decision"], only
+    assert "--host-strikes 2" in only["decision"]

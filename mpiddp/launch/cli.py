@@ -16,7 +16,8 @@ from mpiddp.launch.supervisor import Plan, Supervisor, say
 from mpiddp.runname import new_timestamped_dir
 
 EXIT_USER_ERROR = 2
-USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] [--exclude HOST,...] "
+USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] "
+         "[--host-strikes 1] [--exclude HOST,...] "
          "[--launcher auto|mpirun|mpiexec|srun] -- TRAINING FLAGS | run SCRIPT ARGS")
 
 
@@ -36,9 +37,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-np", type=int, default=None,
                    help="with no spare host left after a failure, continue on the slots left if at least this many "
                         "ranks, at the same global batch (more accumulation steps; training only keeps it exactly)")
+    p.add_argument("--host-strikes", type=int, default=1,
+                   help="leave a host out on its N-th failure (default 1: at once); 2 tries it once more, "
+                        "for an allocation with no spare host")
     p.add_argument("--exclude", default="", help="hosts never to use: HOST,HOST")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                    help="auto: srun inside Slurm, else mpirun (Open MPI) or mpiexec (MPICH), judged by mpirun --version")
+    p.add_argument("--launcher-path", help="the launcher program to run, e.g. /opt/mpich/bin/mpiexec (default: the one "
+                                          "beside this python, else on PATH); an MPI's own launcher is judged by "
+                                          "its --version")
     p.add_argument("--launcher-args", action="append", default=[],
                    help="extra arguments for the launcher, one string (shell-split), e.g. '--mca btl tcp,self'")
     p.add_argument("--run-dir", help="where failure.json and attempts.json go (training: its --run-dir; "
@@ -93,6 +100,8 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     mode = "run" if job[0] == "run" else "train"
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.host_strikes < 1:
+        raise LaunchError(f"--host-strikes must be >= 1 (1 leaves a failed host out at once), got {args.host_strikes}")
     hosts, source = discover(args.hostfile, args.host_option, env)
     excluded = [name.strip() for name in args.exclude.split(",") if name.strip()]
     free = [h for h in hosts if h.name not in excluded]
@@ -119,16 +128,19 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     global_batch = job_global_batch(job, num_ranks) if mode == "train" and args.min_np is not None else None
     if global_batch is not None and option_value(job, "--global-batch") is None:
         job = [*job, "--global-batch", str(global_batch[0])]  # a shrunk attempt keeps it: the job derives --grad-accum
-    name = {"mpirun": "mpirun", "mpiexec": "mpiexec", "srun": "srun"}
-    program = find_program("mpirun") or "mpirun"
-    flavour = mpi_flavour(version_text(program))
+    mpirun = find_program("mpirun") or "mpirun"
+    given = args.launcher_path
+    if given and not Path(given).is_file():
+        raise LaunchError(f"--launcher-path {given}: no such file")
+    # MPICH or Open MPI: the given launcher's own word, unless it is srun (then the mpirun that belongs to this MPI)
+    judged = given if given and Path(given).name != "srun" else mpirun
+    flavour = mpi_flavour(version_text(judged))
     launcher = choose_launcher(args.launcher, env, flavour)
-    if launcher != "mpirun":
-        program = find_program(name[launcher]) or name[launcher]
+    program = given or (mpirun if launcher == "mpirun" else find_program(launcher) or launcher)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
                 extra=[arg for text in args.launcher_args for arg in shlex.split(text)], min_np=args.min_np,
-                global_batch=global_batch)
+                global_batch=global_batch, host_strikes=args.host_strikes)
 
 
 def main(argv: list[str]) -> int:

@@ -43,10 +43,12 @@ def choose_launcher(requested: str, env: Mapping[str, str], flavour: str) -> str
 
 
 def build_command(launcher: str, program: str, flavour: str, hosts: list[Host], num_ranks: int, inner: list[str],
-                  env_names: list[str], excluded: list[str] = (), extra: list[str] = (),
+                  exports: Mapping[str, str], excluded: list[str] = (), extra: list[str] = (),
                   python: str = sys.executable) -> list[str]:
-    """The whole command for one attempt: `launcher ... python -m mpiddp INNER`. `env_names` are variables the
-    ranks on other hosts must see too (Open MPI forwards only those named with -x; Hydra and srun forward all)."""
+    """The whole command for one attempt: `launcher ... python -m mpiddp INNER`. `exports` are variables (with the
+    values the launcher's environment gives them) the ranks on other hosts must see too: Open MPI forwards only
+    those named with -x; Hydra and srun forward the whole environment. Hydra gets them as `-genv NAME VALUE`,
+    which adds to that: `-genvlist` would replace it, and the ranks on other hosts would lose PATH and the rest."""
     job = [python, "-m", "mpiddp", *inner]
     if launcher == "srun":
         plugin = "pmi2" if flavour == "mpich" else "pmix"
@@ -57,8 +59,8 @@ def build_command(launcher: str, program: str, flavour: str, hosts: list[Host], 
         return [*command, *extra, *job]
     placement = [] if not hosts else (["-hosts", format_hosts(hosts)] if flavour == "mpich" else ["-H", format_hosts(hosts)])
     if flavour == "mpich":
-        exports = ["-genvlist", ",".join(env_names)] if env_names else []
-        return [program, "-n", str(num_ranks), *placement, "-bind-to", "none", *exports, *extra, *job]
-    exports = [arg for name in env_names for arg in ("-x", name)]
+        genv = [arg for name, value in exports.items() for arg in ("-genv", name, value)]
+        return [program, "-n", str(num_ranks), *placement, "-bind-to", "none", *genv, *extra, *job]
+    forwarded = [arg for name in exports for arg in ("-x", name)]
     # No core binding (it starves data-loader workers); fill each host's slots in order, as run/multinode.sh does.
-    return [program, "-np", str(num_ranks), *placement, "--bind-to", "none", "--map-by", "slot", *exports, *extra, *job]
+    return [program, "-np", str(num_ranks), *placement, "--bind-to", "none", "--map-by", "slot", *forwarded, *extra, *job]

@@ -25,6 +25,12 @@ OPENMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?)\.? 
 OPENMPI_PEER_LOST = re.compile(r"peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)", re.DOTALL)
 # MPICH/Hydra: "=   RANK 1 PID 1234 RUNNING AT nodeb" then "=   KILLED BY SIGNAL: 9 (Killed)"
 HYDRA_SIGNAL = re.compile(r"RANK (\d+) PID \d+ RUNNING AT (\S+)\s*\n=?\s*KILLED BY SIGNAL: (\d+)")
+# MPICH 4+/Hydra names the host and PID of the first process that ended badly, not its rank:
+# "=   PID 1234 RUNNING AT nodeb" / "=   EXIT CODE: 9"; when mpiexec itself survives the clean-up it adds
+# "EXIT STRING: Killed (signal 9)" (a lost remote rank makes it abort first: then the exit code is the signal)
+HYDRA_BAD_TERMINATION = re.compile(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\s*\n=?\s*"
+                                   r"PID \d+ RUNNING AT (\S+)\s*\n=?\s*EXIT CODE: (\d+)")
+HYDRA_EXIT_SIGNAL = re.compile(r"EXIT STRING: [^\n]*\(signal (\d+)\)")
 # srun: "srun: error: nodeb: task 1: Killed" or "tasks 2-3: Segmentation fault"
 SRUN_SIGNAL = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Segmentation fault|Aborted|Bus error|Terminated)")
 SRUN_SIGNALS = {"Killed": 9, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7, "Terminated": 15}
@@ -62,6 +68,10 @@ def killed_by_signal(output: str) -> tuple[tuple[int, ...], tuple[str, ...], int
         for rank in _task_ranks(match.group(2)):
             found.append((rank, match.group(1), SRUN_SIGNALS[match.group(3)]))
     if not found:
+        hydra = HYDRA_BAD_TERMINATION.search(output)
+        if hydra is not None:  # the host only: the supervisor finds its ranks through the placement
+            exit_signal = HYDRA_EXIT_SIGNAL.search(output, hydra.end())
+            return (), (hydra.group(1),), int(exit_signal.group(1) if exit_signal else hydra.group(2))
         lost = list(dict.fromkeys(match.group(1) for match in OPENMPI_PEER_LOST.finditer(output)))
         return ((), tuple(lost), signal.SIGKILL) if lost else None
     ranks = tuple(sorted({rank for rank, _, _ in found}))

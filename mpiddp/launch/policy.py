@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpiddp.globalbatch import GlobalBatchError, split
 from mpiddp.launch.diagnose import Failure
@@ -19,6 +19,7 @@ class Decision:
     excluded: list[str]  # every host left out so far, this failure's included
     reason: str
     num_ranks: int = 0  # the next attempt's ranks: -np, or fewer (at least --min-np) when no spare is left
+    strikes: dict[str, int] = field(default_factory=dict)  # failures blamed on each host so far, this one's included
 
 
 def short_name(name: str) -> str:
@@ -55,21 +56,37 @@ def blamed(failure: Failure, hosts: list[Host], placed: list[Host]) -> list[str]
 
 def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_used: int, max_restarts: int,
            num_ranks: int, placed: list[Host] | None = None, min_np: int | None = None,
-           global_batch: tuple[int, int] | None = None) -> Decision:
+           global_batch: tuple[int, int] | None = None, strikes: dict[str, int] | None = None,
+           host_strikes: int = 1) -> Decision:
     """`hosts`: every host known (in use and spare), `excluded`: those already left out, `placed`: the hosts the
-    failed attempt ran on, in rank order. With `min_np`, when the hosts left cannot hold `num_ranks` (no spare),
+    failed attempt ran on, in rank order.
+
+    A host is left out on its `host_strikes`-th blamed failure (`strikes`: the failures blamed on each host before
+    this one); until then the relaunch keeps it. 1 (the default) leaves a host out at once, which spare hosts make
+    cheap; more lets a host without a replacement (the one node of an allocation, an OOM kill that says nothing
+    against the host) be tried again. With `min_np`, when the hosts left cannot hold `num_ranks` (no spare),
     relaunch on every slot left if that is at least `min_np`; `global_batch` (samples per step, largest per-rank
     batch) must then split exactly over the fewer ranks, else the decision stops and says why."""
+    assert host_strikes >= 1
+    strikes = dict(strikes or {})
+
+    def stop(reason: str, left_out: list[str]) -> Decision:
+        return Decision(False, [], left_out, reason, strikes=strikes)
+
     if failure.status == 0:
-        return Decision(False, [], list(excluded), "finished")
+        return stop("finished", list(excluded))
     if failure.kind in NEVER_RETRIED:
-        return Decision(False, [], list(excluded), NEVER_RETRIED[failure.kind])
-    newly = [name for name in blamed(failure, hosts, placed or []) if name not in excluded]
+        return stop(NEVER_RETRIED[failure.kind], list(excluded))
+    blamed_now = [name for name in blamed(failure, hosts, placed or []) if name not in excluded]
+    for name in blamed_now:
+        strikes[name] = strikes.get(name, 0) + 1
+    newly = [name for name in blamed_now if strikes[name] >= host_strikes]
+    kept = [name for name in blamed_now if name not in newly]
     now_excluded = [*excluded, *newly]
     if restarts_used >= max_restarts:
-        return Decision(False, [], now_excluded, f"--max-restarts {max_restarts} spent")
+        return stop(f"--max-restarts {max_restarts} spent", now_excluded)
     if not hosts:  # no host list: the launcher places the ranks itself, here or in the allocation
-        return Decision(True, [], now_excluded, f"relaunching ({failure.kind})", num_ranks)
+        return Decision(True, [], now_excluded, f"relaunching ({failure.kind})", num_ranks, strikes)
     remaining = [h for h in hosts if h.name not in now_excluded]
     without = f"without {', '.join(newly)} " if newly else ""
     try:
@@ -77,21 +94,26 @@ def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_us
     except HostListError as exc:
         slots = sum(h.slots for h in remaining)
         if min_np is None or slots < 1:
-            return Decision(False, [], now_excluded, f"cannot relaunch without {', '.join(now_excluded)}: {exc}")
+            hint = "" if host_strikes > 1 else (
+                "; --host-strikes 2 tries a failed host once more when no spare can replace it")
+            return stop(f"cannot relaunch without {', '.join(now_excluded)}: {exc}{hint}", now_excluded)
         if slots < min_np:
-            return Decision(False, [], now_excluded, f"cannot relaunch without {', '.join(now_excluded)}: {slots} "
-                                                     f"slots left, fewer than --min-np {min_np}")
+            return stop(f"cannot relaunch without {', '.join(now_excluded)}: {slots} slots left, fewer than "
+                        f"--min-np {min_np}", now_excluded)
         shrunk = f"relaunching on {slots} of {num_ranks} ranks {without}({failure.kind}; no spare host, --min-np {min_np})"
         if global_batch is not None:
             total, largest = global_batch
             try:
                 per_rank, accumulation = split(total, slots, largest)
             except GlobalBatchError as error:
-                return Decision(False, [], now_excluded, f"cannot continue on {slots} ranks: {error}")
+                return stop(f"cannot continue on {slots} ranks: {error}", now_excluded)
             shrunk += f" at the same global batch {total} ({per_rank} per rank x {accumulation} accumulation)"
-        return Decision(True, place(remaining, slots)[0], now_excluded, shrunk, slots)
+        return Decision(True, place(remaining, slots)[0], now_excluded, shrunk, slots, strikes)
     if newly:
         reason = f"relaunching {without}({failure.kind})"
+    elif kept:
+        counts = ", ".join(f"{name}: failure {strikes[name]} of --host-strikes {host_strikes}" for name in kept)
+        reason = f"relaunching on the same hosts ({failure.kind}; {counts})"
     else:
         reason = f"relaunching on the same hosts ({failure.kind}; no host to blame)"
-    return Decision(True, used, now_excluded, reason, num_ranks)
+    return Decision(True, used, now_excluded, reason, num_ranks, strikes)

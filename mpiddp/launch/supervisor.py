@@ -12,11 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 from mpiddp import failure
 from mpiddp.failure import ATTEMPTS_FILE
@@ -30,7 +31,7 @@ RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # the job exports it to scripts as T
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
 CHECKPOINT_OPTIONS = ("--checkpoint-dir", "--model_dir")
-OUTPUT_TAIL_LINES = 400  # enough of the launcher's stderr to find which rank died
+OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Plan:
     extra: list[str] = field(default_factory=list)
     min_np: int | None = None  # with no spare left, continue on fewer ranks, down to this many
     global_batch: tuple[int, int] | None = None  # training with --min-np: (samples per step, largest per-rank batch)
+    host_strikes: int = 1  # a host is left out on its N-th blamed failure
 
 
 @dataclass
@@ -181,6 +183,7 @@ class Supervisor:
         # that does nothing, not SIG_IGN, which the launcher and its ranks would inherit across exec.
         signal.signal(signal.SIGHUP, _ignore_hangup)
         hosts_now, excluded = self._first_hosts(), list(self.plan.excluded)
+        strikes: dict[str, int] = {}
         for number in range(self.plan.max_restarts + 1):
             if self.stop_signal:  # a stop between attempts: start nothing more
                 stopped = f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched"
@@ -209,7 +212,7 @@ class Supervisor:
             if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
                 found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
             decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
-                              hosts_now, self.plan.min_np, self.plan.global_batch)
+                              hosts_now, self.plan.min_np, self.plan.global_batch, strikes, self.plan.host_strikes)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
@@ -218,7 +221,8 @@ class Supervisor:
                 f"{': ' + found.message.splitlines()[0] if found.message else ''}; {decision.reason}")
             if not decision.retry:
                 return attempt.status or 1
-            hosts_now, excluded, self.num_ranks = decision.hosts, decision.excluded, decision.num_ranks
+            hosts_now, excluded, strikes = decision.hosts, decision.excluded, decision.strikes
+            self.num_ranks = decision.num_ranks
         raise AssertionError("the policy stops once --max-restarts is spent")
 
     def _first_hosts(self) -> list[Host]:
@@ -227,10 +231,10 @@ class Supervisor:
 
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
         num_ranks = self.num_ranks
-        env = {**self.env, FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
+        exports = {FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
+        env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
-                                inner_for(self.plan, number, self.latest_at_start),
-                                [FAILURE_FILE_ENV, RESTART_COUNT_ENV], excluded, self.plan.extra)
+                                inner_for(self.plan, number, self.latest_at_start), exports, excluded, self.plan.extra)
         try:
             self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
         except FileNotFoundError:
@@ -243,17 +247,16 @@ class Supervisor:
         tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
         # stop on as `child_stop`.
-        self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      errors="replace", start_new_session=True)
+        # Both streams are read: Hydra prints which process died on stdout. Each is passed on to its own stream.
+        self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
-        assert self.child.stderr is not None
-        for line in self.child.stderr:
-            try:
-                sys.stderr.write(line)
-            except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
-                pass
-            tail.append(line)
+        assert self.child.stdout is not None and self.child.stderr is not None
+        stdout_relay = threading.Thread(target=_relay, args=(self.child.stdout, sys.stdout, tail), daemon=True)
+        stdout_relay.start()
+        _relay(self.child.stderr, sys.stderr, tail)
+        stdout_relay.join()
         status = self.child.wait()
         self.child = None
         attempt.status = 128 - status if status < 0 else status
@@ -307,6 +310,17 @@ def write_attempts(path: Path, attempts: list[Attempt]) -> bool:
         say(f"warning: cannot write {path} ({exc.strerror or exc}); the attempts go unrecorded")
         return False
     return True
+
+
+def _relay(source: TextIO, target: TextIO, tail: collections.deque[str]) -> None:
+    """Pass the launcher's lines on as they come, keeping the last ones (deque appends are thread-safe)."""
+    for line in source:
+        try:
+            target.write(line)
+            target.flush()
+        except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
+            pass
+        tail.append(line)
 
 
 def _ignore_hangup(signum: int, frame: FrameType | None) -> None:
