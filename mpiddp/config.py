@@ -294,7 +294,7 @@ class _Parser(argparse.ArgumentParser):
 def parser_for(settings: type, prog: str, description: str) -> argparse.ArgumentParser:
     """A command line derived from a dataclass whose fields were declared with `option` (flags, defaults and
     help are written there only)."""
-    from mpiddp import __version__
+    from mpiddp.version import __version__
 
     parser = _Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"mpiddp {__version__}")
