@@ -15,7 +15,7 @@ class UserError(ValueError):
 class AgreedError(UserError):
     """Raised on every rank at the same point, so the job can end without an abort and rank 0 speaks for all."""
 
-    def __init__(self, message: str, exit_code: int = EXIT_USER_ERROR, to_stdout: bool = False) -> None:
+    def __init__(self, message: str, exit_code: int = 2, to_stdout: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
