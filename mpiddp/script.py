@@ -30,7 +30,7 @@ from types import TracebackType
 
 from mpiddp import preflight
 from mpiddp.collective import Dist, Rendezvous
-from mpiddp.config import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
+from mpiddp.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.failfast import EXIT_HANG, FailFast
 from mpiddp.topology import Topology
