@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mpiddp.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 (see mpiddp.flags)
+from mpiddp.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.flags
 from mpiddp.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
 from mpiddp.errors import HelpRequested, UserError
 
