@@ -11,8 +11,8 @@ from mpiddp.collective import Dist, Rendezvous
 from mpiddp.errors import AgreedError, UserError
 from mpiddp.topology import Topology
 from mpiddp.transport import comm_hook
+from mpiddp.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "comm_hook", "init", "setup_logging"]
 
 

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mpiddp.collective import Dist, Rendezvous
-from mpiddp.config import BACKENDS, DEVICES, MASTER_ADDR_ENV
+from mpiddp.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV
 from mpiddp.errors import ScriptExit
 from mpiddp.failfast import FailFast, flush_logs
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Literal, NoReturn, Protocol, TypeVar
 
 import numpy as np
 
-from mpiddp.errors import AgreedError, HelpRequested, HostFault, UserError
-from mpiddp.failfast import EXIT_CRASH, EXIT_USER_ERROR, flush_logs
+from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR, AgreedError, HelpRequested, HostFault, UserError
+from mpiddp.log import flush_logs
 from mpiddp.topology import RankRecord, Topology, build_topology
 
 if TYPE_CHECKING:

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mpiddp.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.flags
+from mpiddp.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
 from mpiddp.errors import HelpRequested, UserError
 from mpiddp.globalbatch import GlobalBatchError, split
 
 __all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args",
            "parse_duration", "parse_into", "parser_for"]
 
-DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DATASETS = ("digits", "synthetic", "cifar10", "mnist", "imagefolder")
 ON_DISK_DATASETS = ("cifar10", "mnist", "imagefolder")
 DOWNLOADABLE = ("cifar10", "mnist")
@@ -32,17 +32,9 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-START_METHODS = ("forkserver", "spawn", "fork")
 PROGRESS = ("auto", "on", "off")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "signal", "signal-eval")
-MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"
-T = TypeVar("T")
 ALL_RANKS = -1
-
-
-class ConfigError(UserError):
-    """A bad flag or flag combination: reported as one line, exit status 2."""
 
 
 @dataclass(frozen=True)
@@ -89,15 +81,6 @@ def parse_duration(text: str) -> float:
 
 def _tags(text: str) -> tuple[str, ...]:
     return tuple(tag.strip() for tag in text.split(",") if tag.strip())
-
-
-def option(default: Any, *names: str, help: str, group: str, parse: type | Callable[[str], Any] = str,
-           choices: tuple[str, ...] = (), at_least: float | None = None, **argparse_options: Any) -> Any:
-    """A Config field that is also a command-line flag. `parse` turns the flag's text into the value; the
-    field's rules (choices, at_least) are checked on every Config, however it was built."""
-    metadata = {"names": names, "help": help, "group": group, "parse": parse, "choices": choices,
-                "at_least": at_least, "argparse": argparse_options}
-    return field(default=default, metadata=metadata)
 
 
 DATA, TRAINING, CHECKPOINTS, OUTPUTS, DISTRIBUTED = "data and model", "training", "checkpoints", "outputs", "distributed"
@@ -295,84 +278,11 @@ class Config:
         return out
 
 
-def check_declared(settings: Any) -> None:
-    """Every rule a dataclass built with `option` declares on its fields (Config, RunConfig)."""
-    for spec in dataclasses.fields(settings):
-        check_field(spec, getattr(settings, spec.name))
-
-
-def check_field(spec: dataclasses.Field, value: Any) -> None:
-    """The rules a field declares for itself, with the flag's name in the message."""
-    flag = spec.metadata["names"][0]
-    choices, at_least = spec.metadata["choices"], spec.metadata["at_least"]
-    if choices and value not in choices:
-        raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
-    if at_least is not None and value is not None and value < at_least:
-        raise ValueError(f"{flag} must be at least {at_least:g}, got {value}")
-
-
 # Flags that set another field to a fixed value (the classic scripts' spellings and negations).
 SHORTCUTS = (
     (("--use_syn", "--use-syn"), "dataset", "synthetic", "same as --dataset synthetic"),
     (("--no-progress",), "progress", "off", "same as --progress off"),
 )
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing and exiting, so the caller decides which rank speaks."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see --help)")
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        raise HelpRequested(message or "")
-
-    def print_help(self, file: Any = None) -> None:
-        raise HelpRequested(self.format_help())
-
-
-def parser_for(settings: type, prog: str, description: str) -> argparse.ArgumentParser:
-    """A command line derived from a dataclass whose fields were declared with `option` (flags, defaults and
-    help are written there only)."""
-    from mpiddp import __version__
-
-    parser = _Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"mpiddp {__version__}")
-    groups: dict[str, Any] = {}
-    for spec in dataclasses.fields(settings):
-        meta = spec.metadata
-        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-        options = dict(meta["argparse"])
-        env = options.pop("env", None)
-        default = os.environ.get(env, spec.default) if env else spec.default
-        if isinstance(spec.default, bool):
-            group.add_argument(*meta["names"], dest=spec.name, action="store_true", help=meta["help"])
-            continue
-        # Text stays text here; `parse` converts it afterwards so its ValueError message reaches the user intact.
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        group.add_argument(*meta["names"], dest=spec.name, default=shown, help=meta["help"], **options)
-        for names, target, value, text in SHORTCUTS:
-            if target == spec.name:
-                group.add_argument(*names, dest=target, action="store_const", const=value, help=text)
-    return parser
-
-
-def parse_into(settings: type[T], parser: argparse.ArgumentParser, argv: list[str] | None) -> T:
-    """Parse `argv` and build the dataclass; ConfigError (one line) for anything wrong, HelpRequested for --help."""
-    values = vars(parser.parse_args(argv))
-    values.pop("ignored_local_rank", None)
-    for spec in dataclasses.fields(settings):
-        text, parse = values[spec.name], spec.metadata["parse"]
-        if isinstance(text, str) and parse is not str:
-            try:
-                values[spec.name] = parse(text)
-            except ValueError as exc:
-                detail = str(exc) if parse not in (int, float) else f"invalid {parse.__name__} value: {text!r}"
-                raise ConfigError(detail if detail.startswith("--") else f"{spec.metadata['names'][0]}: {detail}") from None
-    try:
-        return settings(**values)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -384,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Other commands: `python -m mpiddp run [options] SCRIPT [args]` (your own script, torchrun's "
         "environment), `python -m mpiddp check [flags]` (under the same mpirun line: topology, versions, "
         "bandwidth, run dir, wandb) and `python -m mpiddp report RUN_DIR` (plots and a summary of a run).",
+        shortcuts=SHORTCUTS,
     )
     # Accepted for scripts written for torch.distributed.launch, which passes it; mpiddp takes the local rank from MPI.
     parser.add_argument("--local-rank", "--local_rank", dest="ignored_local_rank", default=None, help=argparse.SUPPRESS)

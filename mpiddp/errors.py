@@ -1,4 +1,11 @@
-"""Errors that are the user's to fix: reported as one line, never as a traceback."""
+"""Errors that are the user's to fix (reported as one line, never as a traceback), and every exit status of mpiddp."""
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_USER_ERROR = 2
+EXIT_STOPPED = 3  # a stop signal: every rank saved a snapshot at the same step; --resume continues
+EXIT_HANG = 4  # the hang watchdog fired
+EXIT_INTERRUPTED = 130
 
 
 class UserError(ValueError):

@@ -1,8 +1,7 @@
-"""Every exit status of mpiddp, and FailFast: any failure on any rank ends the whole job with one report."""
+"""FailFast: any failure on any rank ends the whole job with one report (the exit statuses live in mpiddp.errors)."""
 
 from __future__ import annotations
 
-import logging
 import socket
 import sys
 import traceback
@@ -11,19 +10,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from mpiddp.errors import AgreedError, ScriptError, ScriptExit, UserError
+# The exit statuses are re-exported here, where callers have always found them.
+from mpiddp.errors import (EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR,  # noqa: F401
+                           AgreedError, ScriptError, ScriptExit, UserError)
 from mpiddp.failure import FailureRecord, failure_path, write_first
+from mpiddp.log import flush_logs
 from mpiddp.topology import LauncherMismatch
 
 if TYPE_CHECKING:
     from mpiddp.collective import Dist
-
-EXIT_OK = 0
-EXIT_CRASH = 1
-EXIT_USER_ERROR = 2
-EXIT_STOPPED = 3  # a stop signal: every rank saved a snapshot at the same step; --resume continues
-EXIT_HANG = 4  # the hang watchdog fired
-EXIT_INTERRUPTED = 130
 
 
 class FailFast:
@@ -131,11 +126,6 @@ class FailFast:
         except Exception:
             # The store died with rank 0: that failure is the root cause (mpirun names it); this one follows.
             return False
-
-
-def flush_logs() -> None:
-    for handler in logging.getLogger().handlers:
-        handler.flush()
 
 
 def _report(text: str, to_stdout: bool = False) -> None:

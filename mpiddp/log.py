@@ -12,6 +12,12 @@ from typing import TextIO
 from mpiddp.topology import Topology
 
 
+def flush_logs() -> None:
+    """Write out what the log handlers hold, before a report or an exit that must follow the log lines."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
 def setup_logging(topo: Topology | None, level: str = "info") -> None:
     """Rank 0 logs at `level`; the other ranks only warnings and errors, each line naming its rank."""
     if topo is None:

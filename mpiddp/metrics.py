@@ -196,7 +196,7 @@ def build_summary(
     torch_version: str,
 ) -> dict[str, Any]:
     """summary.json from values every rank holds after the final gather (pure, so it is unit-tested)."""
-    from mpiddp import __version__
+    from mpiddp.version import __version__
     from mpiddp.steptime import Durations
 
     assert len(rank_durations) == topo.world_size

@@ -20,6 +20,8 @@ def code_hash() -> str:
     """A hash of mpiddp's own source files, so a host with an older checkout is caught."""
     digest = hashlib.sha256()
     package = Path(__file__).resolve().parent
+    while (package.parent / "__init__.py").exists():  # the whole package, from whichever folder of it this file is in
+        package = package.parent
     for path in sorted(package.rglob("*.py")):
         digest.update(path.relative_to(package).as_posix().encode())
         digest.update(path.read_bytes())
@@ -30,7 +32,7 @@ def fingerprint(settings: dict[str, Any], topo: Topology, extra: dict[str, str] 
     """What must be the same on every rank: versions, mpiddp's code, the settings, and `extra` (a script's hash)."""
     import torch
 
-    from mpiddp import __version__
+    from mpiddp.version import __version__
 
     shared = {k: v for k, v in settings.items() if k not in RANK_LOCAL_SETTINGS}
     return {

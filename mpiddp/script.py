@@ -30,7 +30,7 @@ from types import TracebackType
 
 from mpiddp import preflight
 from mpiddp.collective import Dist, Rendezvous
-from mpiddp.config import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
+from mpiddp.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.failfast import EXIT_HANG, FailFast
 from mpiddp.topology import Topology
@@ -206,7 +206,10 @@ def default_start_method(method: str) -> Iterator[str | None]:
 
 def _from_the_script(tb: TracebackType | None) -> TracebackType | None:
     """Skip the frames of mpiddp and runpy in front of the script's own, so the report starts in the user's code."""
-    here = str(Path(__file__).resolve().parent)
+    package = Path(__file__).resolve().parent
+    while (package.parent / "__init__.py").exists():  # all of mpiddp, from whichever folder of it this file is in
+        package = package.parent
+    here = str(package)
     while tb is not None and tb.tb_next is not None:
         filename = tb.tb_frame.f_code.co_filename
         if not (filename.startswith(here) or filename == runpy.__file__ or "<frozen runpy>" in filename):
