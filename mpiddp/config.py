@@ -10,16 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from mpiddp.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.flags
 from mpiddp.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
-from mpiddp.errors import HelpRequested, UserError
+from mpiddp.errors import HelpRequested
 from mpiddp.globalbatch import GlobalBatchError, split
 
 __all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args",

@@ -10,11 +10,9 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-
-import numpy as np
 
 from mpiddp.config import Config, wandb_mode
 from mpiddp.topology import Topology

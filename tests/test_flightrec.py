@@ -5,7 +5,6 @@ import json
 import pickle
 import threading
 import time
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 listening socket. Pure logic plus this machine's own kernel; no MPI."""
 
 import logging
-import socket
 from datetime import timedelta
 from types import SimpleNamespace
 
