@@ -6,11 +6,11 @@ Public API for your own scripts (importing mpiddp never initialises MPI):
     ddp.register_comm_hook(*mpiddp.comm_hook())   # MPI carries DDP's gradient all-reduce
 """
 
-from mpiddp.api import init
-from mpiddp.collective import Dist, Rendezvous
 from mpiddp.errors import AgreedError, UserError
-from mpiddp.topology import Topology
-from mpiddp.transport import comm_hook
+from mpiddp.job.api import init
+from mpiddp.job.collective import Dist, Rendezvous
+from mpiddp.job.topology import Topology
+from mpiddp.job.transport import comm_hook
 from mpiddp.version import __version__
 
 __all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "comm_hook", "init", "setup_logging"]
@@ -18,6 +18,6 @@ __all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__vers
 
 def setup_logging(dist: Dist, level: str = "info") -> None:
     """stdlib logging with a rank prefix on every line; rank 0 logs at `level`, the others warnings and errors."""
-    from mpiddp.log import setup_logging as configure
+    from mpiddp.job.log import setup_logging as configure
 
     configure(dist.topology, level)

@@ -8,18 +8,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpiddp import failure, preflight
-from mpiddp.bootstrap import connect, distributed
-from mpiddp.collective import Dist
-from mpiddp.config import Config, parse_args
+from mpiddp import failure
 from mpiddp.errors import UserError
-from mpiddp.failfast import EXIT_OK, EXIT_STOPPED, FailFast
 from mpiddp.failure import read_attempts
-from mpiddp.log import setup_logging
-from mpiddp.metrics import build_summary, make_run_logger, process_start_time
-from mpiddp.rundir import prepare_run_dir, write_json_atomic
-from mpiddp.startup import StartupClock, slowest_per_phase
-from mpiddp.stopping import Stopped, StopRequest
+from mpiddp.job import preflight
+from mpiddp.job.bootstrap import connect, distributed
+from mpiddp.job.collective import Dist
+from mpiddp.job.failfast import EXIT_OK, EXIT_STOPPED, FailFast
+from mpiddp.job.log import setup_logging
+from mpiddp.job.startup import StartupClock, slowest_per_phase
+from mpiddp.job.stopping import Stopped, StopRequest
+from mpiddp.trainer.config import Config, parse_args
+from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
+from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
 log = logging.getLogger("mpiddp")
 
@@ -28,8 +29,8 @@ COMMANDS = ("train", "run", "check", "report", "launch")
 
 def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
     """Collective: (this rank's loaders, input channels the model takes); a bad model or dataset stops every rank."""
-    from mpiddp.data import build_loaders, fetch, load_datasets
-    from mpiddp.models import check_arch, input_channels
+    from mpiddp.trainer.data import build_loaders, fetch, load_datasets
+    from mpiddp.trainer.models import check_arch, input_channels
 
     dist.agree(lambda: check_arch(cfg.model_name))
     fetch(cfg, dist)
@@ -40,7 +41,7 @@ def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
 def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[Path, Any] | None:
     """Collective: with --resume (or in a job the scheduler requeued), put the snapshot back into `state` on
     every rank; settings that cannot continue the run stop every rank, the others are listed."""
-    from mpiddp import checkpoint
+    from mpiddp.trainer import checkpoint
 
     mode = resume_mode(cfg, dist)
     if mode is None:
@@ -50,8 +51,8 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[P
         if dist.is_main:  # one line for the job
             log.warning("--resume: no snapshot in %s, starting from scratch", checkpoint_dir)
         return None
-    from mpiddp.optim import apply_on_resume
-    from mpiddp.state import schedule_position
+    from mpiddp.trainer.optim import apply_on_resume
+    from mpiddp.trainer.state import schedule_position
 
     path, snapshot = restored
     changes = dist.agree(lambda: snapshot.check_settings(cfg.to_dict()))
@@ -114,12 +115,12 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
 def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: StartupClock) -> dict[str, Any] | None:
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
     None when a resumed run had nothing left to train."""
-    from mpiddp import checkpoint
-    from mpiddp.saveclock import SaveClock, SaveCost
-    from mpiddp.snapshot import Snapshot
-    from mpiddp.state import TrainState, build_state, configure_torch
-    from mpiddp.train import Hooks, train
-    from mpiddp.watchdog import Watchdog
+    from mpiddp.job.watchdog import Watchdog
+    from mpiddp.trainer import checkpoint
+    from mpiddp.trainer.saveclock import SaveClock, SaveCost
+    from mpiddp.trainer.snapshot import Snapshot
+    from mpiddp.trainer.state import TrainState, build_state, configure_torch
+    from mpiddp.trainer.train import Hooks, train
 
     startup.mark("process_group")
     (job_started_at,) = dist.reduce([startup.started_at], "min")
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and args[0] in COMMANDS else "train"
     if command == "report":  # reads files; no MPI
-        from mpiddp import report
+        from mpiddp.tools import report
 
         return report.main(args)
     if command == "launch":  # the supervisor: outside MPI, it starts the launcher itself
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("interpreter_and_imports")
     if command == "run":  # the user's own script: its signals are its own, as under torchrun
         with FailFast() as guard:
-            from mpiddp.script import run_script
+            from mpiddp.job.script import run_script
 
             return run_script(args, guard)
     # Training, from the first moment: a scheduler's stop signal during start-up must not kill a rank.
@@ -280,7 +281,7 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
 
 def _check(cfg: Config, dist: Dist, guard: FailFast) -> int:
     """Collective: the `check` command; every rank returns the same status."""
-    from mpiddp.check import run_check
+    from mpiddp.tools.check import run_check
 
     with distributed(cfg, dist, guard) as placed:
         status, text = run_check(cfg, placed, Path(cfg.run_dir or cfg.runs_root))

@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from mpiddp import checkpoint
-from mpiddp.collective import solo_dist
 from mpiddp.errors import AgreedError, UserError
-from mpiddp.snapshot import Snapshot, rng_state
+from mpiddp.job.collective import solo_dist
+from mpiddp.trainer import checkpoint
+from mpiddp.trainer.snapshot import Snapshot, rng_state
 
 FAST = ("--no-progress", "--wandb", "disabled")
 
@@ -363,7 +363,7 @@ def test_settings_that_cannot_continue_a_snapshot_are_refused(run_job, tmp_path)
 @pytest.mark.mpi
 def test_a_changed_lr_on_resume_is_the_lr_that_trains(run_job, tmp_path):
     """Issue 19: `--epochs 2`, then `--epochs 4 --lr 0.5 --resume` logged the new lr and trained on 0.05's cosine."""
-    from mpiddp.optim import lr_factor
+    from mpiddp.trainer.optim import lr_factor
 
     run_dir = tmp_path / "run"
     first = run_job(2, "--epochs", "2", *FAST, run_dir=run_dir)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from mpiddp.collective import Dist, SoloTransport, agree_on, solo_dist
 from mpiddp.errors import AgreedError, HelpRequested, UserError
-from mpiddp.topology import RankRecord, build_topology
+from mpiddp.job.collective import Dist, SoloTransport, agree_on, solo_dist
+from mpiddp.job.topology import RankRecord, build_topology
 
 
 class PeersTransport(SoloTransport):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mpiddp import compression
-from mpiddp.config import Config, ConfigError, parse_args
-from mpiddp.models import build_model
+from mpiddp.job import compression
+from mpiddp.trainer.config import Config, ConfigError, parse_args
+from mpiddp.trainer.models import build_model
 
 pytestmark = pytest.mark.usefixtures("solo_group")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpiddp.config import Config, ConfigError, FaultInjection, HelpRequested, parse_args
+from mpiddp.trainer.config import Config, ConfigError, FaultInjection, HelpRequested, parse_args
 
 
 def test_defaults_parse_to_the_documented_job():
@@ -70,7 +70,7 @@ def test_config_is_json_ready():
 def test_every_setting_has_exactly_one_flag_with_help_and_its_default():
     import dataclasses
 
-    from mpiddp.config import build_parser
+    from mpiddp.trainer.config import build_parser
 
     text = build_parser().format_help()
     for spec in dataclasses.fields(Config):
@@ -97,13 +97,13 @@ def test_wandb_mode_lives_with_the_flag_so_check_never_reaches_into_the_trainer(
     import ast
     from pathlib import Path
 
-    from mpiddp.config import wandb_mode
+    from mpiddp.trainer.config import wandb_mode
 
     netrc = tmp_path / "netrc"
     assert wandb_mode("auto", {}, netrc) == "offline"
     netrc.write_text("machine api.wandb.ai login user password key\n")
     assert wandb_mode("auto", {}, netrc) == "online" and wandb_mode("auto", {"WANDB_MODE": "disabled"}, netrc) == "disabled"
     assert wandb_mode("offline", {"WANDB_API_KEY": "k"}, netrc) == "offline"
-    check = ast.parse((Path(__file__).resolve().parent.parent / "mpiddp" / "check.py").read_text())
+    check = ast.parse((Path(__file__).resolve().parent.parent / "mpiddp" / "tools" / "check.py").read_text())
     imported = {node.module for node in ast.walk(check) if isinstance(node, ast.ImportFrom)}
-    assert "mpiddp.metrics" not in imported  # a tool, not the trainer's metric log
+    assert "mpiddp.trainer.metrics" not in imported  # a tool, not the trainer's metric log

@@ -2,10 +2,10 @@
 
 import pytest
 
-from mpiddp.collective import Dist, SoloTransport
 from mpiddp.errors import AgreedError, UserError
-from mpiddp.failfast import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_USER_ERROR, FailFast
-from mpiddp.topology import LauncherMismatch, RankRecord, build_topology
+from mpiddp.job.collective import Dist, SoloTransport
+from mpiddp.job.failfast import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_USER_ERROR, FailFast
+from mpiddp.job.topology import LauncherMismatch, RankRecord, build_topology
 
 
 class RecordingTransport(SoloTransport):

@@ -126,10 +126,10 @@ def test_nccl_without_cuda_is_one_clear_error(run_job):
 def test_more_local_ranks_than_gpus_names_both_numbers(monkeypatch):
     import torch
 
-    from mpiddp.bootstrap import choose_device
-    from mpiddp.config import Config
     from mpiddp.errors import UserError
-    from mpiddp.topology import RankRecord, build_topology
+    from mpiddp.job.bootstrap import choose_device
+    from mpiddp.job.topology import RankRecord, build_topology
+    from mpiddp.trainer.config import Config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

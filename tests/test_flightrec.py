@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from mpiddp.bootstrap import flight_recorder_env
-from mpiddp.flightrec import describe_traces, load_trace, slim, trace_path, write_trace
-from mpiddp.watchdog import REQUEST_KEY, Watchdog
+from mpiddp.job.bootstrap import flight_recorder_env
+from mpiddp.job.flightrec import describe_traces, load_trace, slim, trace_path, write_trace
+from mpiddp.job.watchdog import REQUEST_KEY, Watchdog
 from test_launch_record import DictStore
 
 
@@ -175,7 +175,7 @@ def hang_watchdog(store, rank, tmp_path, trace, world_size=2):
 
 
 def test_the_hang_file_says_what_the_dumps_show(tmp_path, monkeypatch, capsys):
-    import mpiddp.watchdog as watchdog_module
+    import mpiddp.job.watchdog as watchdog_module
 
     monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
     store = DictStore()
@@ -219,7 +219,7 @@ def test_a_rank_asked_for_the_hang_report_gives_its_dump_and_stacks_and_keeps_go
 
 
 def test_reading_the_dumps_of_a_big_job_stops_at_its_time_budget(tmp_path, monkeypatch):
-    import mpiddp.watchdog as watchdog_module
+    import mpiddp.job.watchdog as watchdog_module
 
     monkeypatch.setattr(watchdog_module, "READ_DUMPS_S", -1.0)  # spent before the first file
     store = DictStore()
@@ -232,7 +232,7 @@ def test_enabling_the_recorder_sets_this_torchs_names_in_the_process(tmp_path, m
 
     import torch
 
-    from mpiddp.bootstrap import enable_flight_recorder
+    from mpiddp.job.bootstrap import enable_flight_recorder
 
     monkeypatch.setattr(os, "environ", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})  # the user's choice stays
     wanted = enable_flight_recorder(tmp_path)

@@ -6,12 +6,12 @@ import logging
 import pytest
 from torch.utils.data import DistributedSampler
 
-from mpiddp.collective import solo_dist
-from mpiddp.config import Config
-from mpiddp.data import SkippingSampler
 from mpiddp.globalbatch import split
-from mpiddp.snapshot import Snapshot, rng_state
-from mpiddp.state import build_state
+from mpiddp.job.collective import solo_dist
+from mpiddp.trainer.config import Config
+from mpiddp.trainer.data import SkippingSampler
+from mpiddp.trainer.snapshot import Snapshot, rng_state
+from mpiddp.trainer.state import build_state
 
 EPOCH, SEED = 3, 7
 

@@ -111,7 +111,7 @@ def test_check_measures_nccl(mpirun, tmp_path):
 
 
 def test_a_hang_on_nccl_leaves_flight_recorder_dumps_and_the_hang_file_names_the_collective(run_job, tmp_path):
-    from mpiddp.flightrec import load_trace
+    from mpiddp.job.flightrec import load_trace
 
     run_dir = tmp_path / "hang"
     # the last rank stalls after step 4 (its all-reduce done); every rank's watchdog fires 10 s later

@@ -439,7 +439,7 @@ def test_global_batch_split_keeps_it_exact():
 
 
 def test_config_for_world_derives_accumulation_from_the_global_batch():
-    from mpiddp.config import Config, ConfigError
+    from mpiddp.trainer.config import Config, ConfigError
 
     cfg = Config(batch_size=32, global_batch=64)
     assert (cfg.for_world(2).batch_size, cfg.for_world(2).grad_accum) == (32, 1)

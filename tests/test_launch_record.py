@@ -5,12 +5,12 @@ import threading
 
 import pytest
 
-from mpiddp.collective import Dist, SoloTransport
 from mpiddp.errors import AgreedError, UserError
-from mpiddp.failfast import EXIT_CRASH, EXIT_USER_ERROR, FailFast
 from mpiddp.failure import FAILURE_FILE, FailureRecord, read, write_first
-from mpiddp.topology import RankRecord, build_topology
-from mpiddp.watchdog import Watchdog, ranks_behind
+from mpiddp.job.collective import Dist, SoloTransport
+from mpiddp.job.failfast import EXIT_CRASH, EXIT_USER_ERROR, FailFast
+from mpiddp.job.topology import RankRecord, build_topology
+from mpiddp.job.watchdog import Watchdog, ranks_behind
 
 
 class RecordingTransport(SoloTransport):
@@ -166,7 +166,7 @@ class DictStore:
 @pytest.mark.parametrize("rank_1_answers", [True, False])
 def test_a_hang_leaves_one_file_with_the_ranks_behind_and_every_ranks_stacks(tmp_path, monkeypatch, capsys,
                                                                               rank_1_answers):
-    import mpiddp.watchdog as watchdog_module
+    import mpiddp.job.watchdog as watchdog_module
 
     monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
     store = DictStore()
@@ -225,7 +225,7 @@ def test_a_host_fault_is_recorded_by_rank_0_with_the_faulty_hosts_so_launch_leav
 
 
 def test_a_quiet_watchdog_is_judged_by_the_stores_counter_not_by_clocks_of_other_hosts(tmp_path, monkeypatch, capsys):
-    import mpiddp.watchdog as watchdog_module
+    import mpiddp.job.watchdog as watchdog_module
 
     monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
     store = DictStore()
@@ -295,7 +295,7 @@ def test_the_summary_lists_the_attempts_before_this_job_with_their_downtime(tmp_
 
 
 def test_report_shows_one_line_per_attempt(tmp_path, capsys, monkeypatch):
-    from mpiddp import report
+    from mpiddp.tools import report
 
     monkeypatch.setattr(report, "plot", lambda records, out_dir: [])  # the text is under test, not the plots
     write_metrics(tmp_path, RELAUNCH)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from mpiddp.data import HelperSafeLoader, PositionSeeded, SkippingSampler, _worker_init, prepare_forkserver
+from mpiddp.trainer.data import HelperSafeLoader, PositionSeeded, SkippingSampler, _worker_init, prepare_forkserver
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -3,8 +3,8 @@
 import io
 import logging
 
-from mpiddp.collective import solo_topology
-from mpiddp.log import NullProgress, ProgressBar, make_progress, progress_wanted, setup_logging
+from mpiddp.job.collective import solo_topology
+from mpiddp.job.log import NullProgress, ProgressBar, make_progress, progress_wanted, setup_logging
 
 
 def test_progress_bar_draws_count_rate_and_postfix():
@@ -49,7 +49,7 @@ def fake_proc(tmp_path, chain):
 def test_the_bar_follows_mpiruns_output_not_the_ranks_pty(tmp_path, monkeypatch):
     import os
 
-    from mpiddp.log import launcher_output_is_terminal
+    from mpiddp.job.log import launcher_output_is_terminal
 
     monkeypatch.setattr(os, "getppid", lambda: 100)
     to_file = fake_proc(tmp_path / "a", [(100, "prterun", 50, "/tmp/job.log"), (50, "bash", 1, "/dev/pts/0")])

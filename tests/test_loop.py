@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mpiddp.collective import solo_dist
-from mpiddp.config import Config
-from mpiddp.data import SkippingSampler, SyntheticBatches, build_loaders, load_datasets
-from mpiddp.metrics import NullLogger
-from mpiddp.models import build_model
-from mpiddp.state import TrainState, build_state
-from mpiddp.stopping import Stopped, StopRequest
-from mpiddp.train import Hooks, Meter, inject_fault, micro_batch_groups, train, train_step
+from mpiddp.job.collective import solo_dist
+from mpiddp.job.stopping import Stopped, StopRequest
+from mpiddp.trainer.config import Config
+from mpiddp.trainer.data import SkippingSampler, SyntheticBatches, build_loaders, load_datasets
+from mpiddp.trainer.metrics import NullLogger
+from mpiddp.trainer.models import build_model
+from mpiddp.trainer.state import TrainState, build_state
+from mpiddp.trainer.train import Hooks, Meter, inject_fault, micro_batch_groups, train, train_step
 
 pytestmark = pytest.mark.usefixtures("solo_group")
 
@@ -106,8 +106,8 @@ def test_a_stop_signal_during_start_up_stops_before_the_first_step_without_savin
 def test_a_slow_loader_or_device_shows_in_its_own_phase(monkeypatch):
     """Straggler drills in-process: each delay lands in the phase it hit, not in the other one. The step clock
     is a fake that only the injected delay moves, so the split is exact whatever else the machine is doing."""
-    from mpiddp import train as train_module
-    from mpiddp.config import FaultInjection
+    from mpiddp.trainer import train as train_module
+    from mpiddp.trainer.config import FaultInjection
 
     class StepClock:
         now = 1000.0
@@ -167,7 +167,7 @@ def test_meter_reduces_to_mean_loss_and_slowest_seconds():
 
 
 def test_fault_injection_hits_only_its_rank_and_step():
-    from mpiddp.config import FaultInjection
+    from mpiddp.trainer.config import FaultInjection
 
     fault = FaultInjection.parse("raise:1:3")
     inject_fault(fault, 0, 3)
@@ -200,7 +200,7 @@ def test_a_stop_during_evaluation_saves_the_epoch_without_evaluating_on():
 
 
 def test_download_happens_once_per_filesystem(tmp_path):
-    from mpiddp.data import fetch
+    from mpiddp.trainer.data import fetch
 
     calls = []
     cfg = Config(dataset="mnist", data_dir=str(tmp_path / "data"), download=True)
@@ -227,7 +227,7 @@ def test_a_vit_patch_that_does_not_divide_the_image_is_one_clear_error():
 
 
 def test_an_operation_without_a_deterministic_version_is_one_line_of_advice():
-    from mpiddp.train import nondeterministic_op
+    from mpiddp.trainer.train import nondeterministic_op
 
     # torch's own wording (the message of use_deterministic_algorithms(True)'s alert)
     error = RuntimeError(

@@ -6,11 +6,11 @@ import time
 import numpy as np
 import pytest
 
-from mpiddp.data import EvalShardSampler, digits_split
-from mpiddp.metrics import build_summary, process_start_time
-from mpiddp.steptime import Durations, StepDurations, StepTime
-from mpiddp.rundir import write_json_atomic
-from mpiddp.topology import RankRecord, build_topology
+from mpiddp.job.topology import RankRecord, build_topology
+from mpiddp.trainer.data import EvalShardSampler, digits_split
+from mpiddp.trainer.metrics import build_summary, process_start_time
+from mpiddp.trainer.rundir import write_json_atomic
+from mpiddp.trainer.steptime import Durations, StepDurations, StepTime
 
 REQUIRED = {
     "world_size", "num_hosts", "hosts", "backend", "device", "epochs", "train_loss", "eval_accuracy",
@@ -119,7 +119,7 @@ def test_atomic_write_failure_keeps_previous_file(tmp_path):
 
 
 def test_the_straggler_line_names_the_rank_and_what_slows_it():
-    from mpiddp.report import straggler_line
+    from mpiddp.tools.report import straggler_line
 
     slow_loader = [{"rank_step_time_s": [0.2, 0.2, 0.2], "rank_data_wait_s": [0.01, 0.01, 0.09],
                     "rank_compute_s": [0.1, 0.1, 0.1]}]
@@ -148,7 +148,7 @@ class FakeRun:
 def test_wandb_starts_in_the_background_and_gets_every_record_in_order():
     import threading
 
-    from mpiddp.metrics import WandbLogger
+    from mpiddp.trainer.metrics import WandbLogger
 
     may_start, run = threading.Event(), FakeRun()
     logger = WandbLogger(lambda: may_start.wait() and run, "abc123")
@@ -164,7 +164,7 @@ def test_wandb_starts_in_the_background_and_gets_every_record_in_order():
 
 
 def test_wandb_that_fails_to_start_or_to_log_never_stops_training(caplog):
-    from mpiddp.metrics import WandbLogger
+    from mpiddp.trainer.metrics import WandbLogger
 
     never_started = WandbLogger(lambda: None, "abc")
     never_started.log({"kind": "step", "step": 1, "loss": 1.0})

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from mpiddp.mpistart import btl_already_chosen, btl_chosen_in, parameter_files
+from mpiddp.job.mpistart import btl_already_chosen, btl_chosen_in, parameter_files
 
 
 def test_a_parameter_file_chooses_the_btls_only_with_a_btl_line():

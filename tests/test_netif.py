@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from mpiddp.errors import UserError
-from mpiddp.netif import Interface, Reach, interfaces_toward, local_interfaces, master_address, reach, resolve_ipv4
-from mpiddp.topology import RankRecord, build_topology
+from mpiddp.job.netif import Interface, Reach, interfaces_toward, local_interfaces, master_address, reach, resolve_ipv4
+from mpiddp.job.topology import RankRecord, build_topology
 
 LO = Interface("lo", "127.0.0.1", "255.0.0.0")
 DOCKER = Interface("docker0", "172.17.0.1", "255.255.0.0")  # the same address on every host
@@ -65,7 +65,7 @@ def settings(**overrides):
 
 
 def test_master_addr_sets_the_interface_per_host_and_iface_still_wins():
-    from mpiddp.bootstrap import choose_address
+    from mpiddp.job.bootstrap import choose_address
 
     topo = build_topology(0, [RankRecord(0, "nodea", 0, 0, 1), RankRecord(1, "nodeb", 1, 0, 1)])
     toward = ("10.77.0.1", [Reach(True, "eth0", None), Reach(False, "ens5", None)])
@@ -104,14 +104,14 @@ def store_listens_everywhere(port: int) -> bool:
 def test_the_log_says_where_the_store_listens(monkeypatch, caplog, torch_version):
     import torch
 
-    from mpiddp.bootstrap import _store_adopts_sockets, _Store
+    from mpiddp.job.bootstrap import _store_adopts_sockets, _Store
 
     if torch_version is not None:
         monkeypatch.setattr(torch, "__version__", torch_version)
     elif not _store_adopts_sockets(torch.__version__):
         pytest.skip(f"torch {torch.__version__} cannot bind the store to one address")
     store = _Store()
-    caplog.set_level(logging.INFO, logger="mpiddp.bootstrap")
+    caplog.set_level(logging.INFO, logger="mpiddp.job.bootstrap")
     _, port = store.open_on_main("127.0.0.1", 1, timedelta(seconds=10))
     try:
         told_every_interface = "listens on every interface" in caplog.text

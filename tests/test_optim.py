@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpiddp.optim import lr_factor
+from mpiddp.trainer.optim import lr_factor
 
 COMMON = dict(steps_per_epoch=10, total_steps=100, lr_step_epochs=3, lr_gamma=0.1)
 

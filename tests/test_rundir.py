@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from mpiddp.collective import solo_dist
 from mpiddp.errors import AgreedError
-from mpiddp.rundir import prepare_run_dir
+from mpiddp.job.collective import solo_dist
+from mpiddp.trainer.rundir import prepare_run_dir
 
 
 def test_default_run_dirs_never_collide(tmp_path, monkeypatch):
@@ -31,7 +31,7 @@ def test_an_unwritable_run_dir_is_one_agreed_error(tmp_path):
 def test_written_files_follow_the_umask_not_mkstemps_0600(tmp_path):
     import os
 
-    from mpiddp.rundir import UMASK, write_json_atomic
+    from mpiddp.trainer.rundir import UMASK, write_json_atomic
 
     write_json_atomic(tmp_path / "summary.json", {"a": 1})
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o666 & ~UMASK

@@ -3,12 +3,12 @@ agreement riding on the per-step stop reduction, where the loop saves, and the s
 
 import pytest
 
-from mpiddp.collective import solo_dist
-from mpiddp.config import Config, ConfigError, parse_args, parse_duration
-from mpiddp.report import snapshot_line
-from mpiddp.saveclock import SaveClock, SaveCost
-from mpiddp.stopping import StopRequest
-from mpiddp.train import train
+from mpiddp.job.collective import solo_dist
+from mpiddp.job.stopping import StopRequest
+from mpiddp.tools.report import snapshot_line
+from mpiddp.trainer.config import Config, ConfigError, parse_args, parse_duration
+from mpiddp.trainer.saveclock import SaveClock, SaveCost
+from mpiddp.trainer.train import train
 from test_collective import PeersTransport, dist_for
 from test_loop import hooks, job
 
@@ -145,7 +145,7 @@ def test_the_saving_cost_record_and_its_report_line():
 
 
 def test_report_shows_the_saving_cost_in_one_line():
-    from mpiddp.report import text_summary
+    from mpiddp.tools.report import text_summary
 
     summary = {"arch": "resnet18", "dataset": "synthetic", "world_size": 2, "num_hosts": 1, "backend": "gloo",
                "device": "cpu", "epochs": 1, "images_per_second": 300.0, "wall_time_s": 20.0,

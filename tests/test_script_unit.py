@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from mpiddp.config import ConfigError, HelpRequested
 from mpiddp.errors import ScriptError, ScriptExit, UserError
-from mpiddp.script import RunConfig, Target, execute, parse_run_args, split_argv
+from mpiddp.job.script import RunConfig, Target, execute, parse_run_args, split_argv
+from mpiddp.trainer.config import ConfigError, HelpRequested
 
 
 def test_options_end_at_the_script_name():
@@ -87,8 +87,8 @@ def test_an_exception_report_starts_in_the_users_code(tmp_path):
 
 
 def test_only_contiguous_rank_layouts_run_torchrun_scripts():
-    from mpiddp.script import check_contiguous
-    from mpiddp.topology import RankRecord, build_topology
+    from mpiddp.job.script import check_contiguous
+    from mpiddp.job.topology import RankRecord, build_topology
 
     def topology(hosts):  # world rank -> host name; a host's leader is its lowest rank
         leaders = {host: hosts.index(host) for host in hosts}
@@ -105,7 +105,7 @@ def test_only_contiguous_rank_layouts_run_torchrun_scripts():
 def test_one_gpu_per_rank_gives_every_rank_local_rank_0(monkeypatch):
     import torch
 
-    from mpiddp.script import virtual_local_rank, visible_gpus
+    from mpiddp.job.script import virtual_local_rank, visible_gpus
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert visible_gpus() == 0
@@ -119,7 +119,7 @@ def test_one_gpu_per_rank_gives_every_rank_local_rank_0(monkeypatch):
 def test_forkserver_becomes_the_default_without_fixing_it():
     import subprocess
 
-    start = "import multiprocessing as mp\nfrom mpiddp.script import default_start_method\n"
+    start = "import multiprocessing as mp\nfrom mpiddp.job.script import default_start_method\n"
     probes = [
         "with default_start_method('forkserver') as chosen:\n"
         "    assert chosen == 'forkserver' and mp.get_start_method(allow_none=True) is None\n"
@@ -137,8 +137,8 @@ def test_forkserver_becomes_the_default_without_fixing_it():
 
 
 def test_the_users_omp_num_threads_wins_over_the_fair_share():
-    from mpiddp.bootstrap import fair_thread_count, user_thread_count
-    from mpiddp.collective import solo_topology
+    from mpiddp.job.bootstrap import fair_thread_count, user_thread_count
+    from mpiddp.job.collective import solo_topology
 
     topo = solo_topology()
     assert fair_thread_count(RunConfig(), topo, {"OMP_NUM_THREADS": "1"}) == 1
@@ -152,8 +152,8 @@ def test_torchrun_variables_carry_the_restart_count_and_nccl_error_handling(monk
     import dataclasses
     import os
 
-    from mpiddp.bootstrap import export_environment
-    from mpiddp.collective import solo_topology
+    from mpiddp.job.bootstrap import export_environment
+    from mpiddp.job.collective import solo_topology
 
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -171,7 +171,7 @@ def test_torchrun_variables_carry_the_restart_count_and_nccl_error_handling(monk
 def test_the_exit_handler_learns_the_status_the_script_gave_sys_exit(monkeypatch):
     import threading
 
-    from mpiddp.api import _as_exit_code, _ExitStatus
+    from mpiddp.job.api import _as_exit_code, _ExitStatus
 
     assert [_as_exit_code(s) for s in (None, 0, 3, True, "bye")] == [0, 0, 3, 1, 1]
     monkeypatch.setattr(sys, "exit", sys.exit)  # restored afterwards

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpiddp import checkpoint
-from mpiddp.collective import solo_dist
-from mpiddp.config import Config
 from mpiddp.errors import UserError
-from mpiddp.snapshot import FORMAT_VERSION, Snapshot
-from mpiddp.state import build_state
+from mpiddp.job.collective import solo_dist
+from mpiddp.trainer import checkpoint
+from mpiddp.trainer.config import Config
+from mpiddp.trainer.snapshot import FORMAT_VERSION, Snapshot
+from mpiddp.trainer.state import build_state
 
 pytestmark = pytest.mark.usefixtures("solo_group")
 
@@ -193,7 +193,7 @@ def test_a_changed_seed_is_refused_in_one_line(tmp_path):
 def test_every_setting_is_run_local_refused_or_applied_on_resume():
     """A new flag must be placed: it may differ freely, it is refused, or a resume applies it (tested above, or
     taken from this job's flags when the job is built: data, model wrapping, communication, determinism)."""
-    from mpiddp.snapshot import INCOMPATIBLE_SETTINGS, RUN_LOCAL_SETTINGS
+    from mpiddp.trainer.snapshot import INCOMPATIBLE_SETTINGS, RUN_LOCAL_SETTINGS
 
     applied_to_optimizer = {"lr", "momentum", "weight_decay", "epochs", "warmup_epochs", "schedule", "lr_step_epochs",
                             "lr_gamma", "batch_size", "grad_accum", "global_batch"}  # global_batch: as the other two
@@ -242,7 +242,7 @@ def test_a_changed_setting_without_effect_says_so(tmp_path):
 
 def test_resume_sends_each_rank_only_its_own_state():
     """What rank 0 broadcasts at resume holds no rank's RNG or PowerSGD state; each rank gets its own by scatter."""
-    from mpiddp.snapshot import Snapshot
+    from mpiddp.trainer.snapshot import Snapshot
 
     feedback = [{"error": {"w": torch.full((1000,), float(rank))}} for rank in range(3)]
     rngs = [{"torch": torch.tensor([rank])} for rank in range(3)]

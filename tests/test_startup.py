@@ -1,6 +1,6 @@
 """The start-up breakdown: phase durations on one rank, the slowest rank per phase."""
 
-from mpiddp.startup import PHASES, StartupClock, slowest_per_phase
+from mpiddp.job.startup import PHASES, StartupClock, slowest_per_phase
 
 
 def test_each_phase_runs_from_the_end_of_the_previous_one_reached():

@@ -2,8 +2,8 @@
 
 import torch
 
-from mpiddp import steptime
-from mpiddp.steptime import StepClock, StepTime
+from mpiddp.trainer import steptime
+from mpiddp.trainer.steptime import StepClock, StepTime
 
 
 def test_phases_are_the_intervals_they_name(monkeypatch):

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from mpiddp.stopping import STOP_SIGNALS, StopRequest
+from mpiddp.job.stopping import STOP_SIGNALS, StopRequest
 
 
 @pytest.fixture

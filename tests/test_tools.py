@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from conftest import run_command
-from mpiddp.check import bus_bandwidth
+from mpiddp.tools.check import bus_bandwidth
 
 pytestmark = pytest.mark.mpi
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from mpiddp.netif import Interface, choose_network
 from mpiddp.errors import UserError
-from mpiddp.topology import RankRecord, TopologyError, build_topology, launcher_info, mismatch_message
+from mpiddp.job.netif import Interface, choose_network
+from mpiddp.job.topology import RankRecord, TopologyError, build_topology, launcher_info, mismatch_message
 
 
 def records_for(layout):
@@ -107,7 +107,7 @@ def test_no_common_network_is_a_clear_error():
 
 
 def test_srun_with_the_wrong_mpi_plugin_is_told_about_srun_mpi():
-    from mpiddp.topology import LauncherInfo, mismatch_message
+    from mpiddp.job.topology import LauncherInfo, mismatch_message
 
     info = LauncherInfo(4, 0, "SLURM_STEP_NUM_TASKS", "Slurm's srun")
     text = mismatch_message(info, "MPICH Version: 4.2.0", "/x/mpi4py/__init__.py", "/venv/bin/python")
@@ -116,7 +116,7 @@ def test_srun_with_the_wrong_mpi_plugin_is_told_about_srun_mpi():
 
 
 def test_requeue_count_comes_from_slurm():
-    from mpiddp.topology import launcher_restarts
+    from mpiddp.job.topology import launcher_restarts
 
     assert launcher_restarts({"SLURM_RESTART_COUNT": "2"}) == 2
     assert launcher_restarts({}) == 0 and launcher_restarts({"SLURM_RESTART_COUNT": "x"}) == 0
@@ -125,9 +125,9 @@ def test_requeue_count_comes_from_slurm():
 def test_gpu_binding_follows_what_each_rank_sees(monkeypatch):
     import torch
 
-    from mpiddp.bootstrap import choose_device, shared_gpus
-    from mpiddp.config import Config
     from mpiddp.errors import UserError
+    from mpiddp.job.bootstrap import choose_device, shared_gpus
+    from mpiddp.trainer.config import Config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
@@ -144,7 +144,7 @@ def test_gpu_binding_follows_what_each_rank_sees(monkeypatch):
 
 
 def test_nccl_keeps_its_own_interface_choice_unless_the_user_names_one():
-    from mpiddp.bootstrap import socket_interfaces
+    from mpiddp.job.bootstrap import socket_interfaces
 
     assert socket_interfaces("eth0", False, {}) == {"GLOO_SOCKET_IFNAME": "eth0"}
     assert socket_interfaces("eth0", True, {}) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
@@ -152,9 +152,9 @@ def test_nccl_keeps_its_own_interface_choice_unless_the_user_names_one():
 
 
 def test_a_host_that_lost_its_gpus_under_device_auto_is_named():
-    from mpiddp.bootstrap import same_device_everywhere
     from mpiddp.errors import HostFault
-    from mpiddp.topology import RankRecord, build_topology
+    from mpiddp.job.bootstrap import same_device_everywhere
+    from mpiddp.job.topology import RankRecord, build_topology
 
     records = [RankRecord(r, f"node{r}", r, 0, 1) for r in range(3)]
     with pytest.raises(HostFault, match="node1 has no usable CUDA GPU while other hosts have"):

@@ -18,11 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mpiddp
 from conftest import REPO, JobResult, job_env, rank_pid, run_command
-from mpiddp import compression
-from mpiddp.collective import GradientSupport, SoloTransport, solo_dist
-from mpiddp.config import Config, ConfigError, parse_args
 from mpiddp.errors import AgreedError
-from mpiddp.models import build_model
+from mpiddp.job import compression
+from mpiddp.job.collective import GradientSupport, SoloTransport, solo_dist
+from mpiddp.trainer.config import Config, ConfigError, parse_args
+from mpiddp.trainer.models import build_model
 
 FAST = ("--no-progress", "--wandb", "disabled")
 PROGRAMS = REPO / "tests" / "programs"

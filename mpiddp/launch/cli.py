@@ -81,7 +81,7 @@ def new_run_dir(runs_root: Path) -> Path:
 def job_global_batch(job: list[str], num_ranks: int) -> tuple[int, int] | None:
     """(samples per optimizer step, largest per-rank batch) of training flags `job` on `num_ranks` ranks; None when
     the flags do not parse (the first attempt says why, as a user error)."""
-    from mpiddp.config import HelpRequested, parse_args  # standard library only: no torch, no MPI
+    from mpiddp.trainer.config import HelpRequested, parse_args  # standard library only: no torch, no MPI
 
     try:
         cfg = parse_args(job[1:] if job[:1] == ["train"] else job)

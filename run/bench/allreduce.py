@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpiddp.bootstrap import connect, distributed
-from mpiddp.check import ALLREDUCE_SIZES, allreduce_bandwidth, bus_bandwidth
-from mpiddp.compression import GradientHook
-from mpiddp.config import Config
-from mpiddp.failfast import FailFast
+from mpiddp.job.bootstrap import connect, distributed
+from mpiddp.job.compression import GradientHook
+from mpiddp.job.failfast import FailFast
+from mpiddp.tools.check import ALLREDUCE_SIZES, allreduce_bandwidth, bus_bandwidth
+from mpiddp.trainer.config import Config
 
 DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 MIB = 1024 * 1024

@@ -12,11 +12,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
 
-from mpiddp import compression
-from mpiddp.bootstrap import connect, distributed
-from mpiddp.config import Config
-from mpiddp.failfast import FailFast
-from mpiddp.models import build_model
+from mpiddp.job import compression
+from mpiddp.job.bootstrap import connect, distributed
+from mpiddp.job.failfast import FailFast
+from mpiddp.trainer.config import Config
+from mpiddp.trainer.models import build_model
 
 STEPS = 4
 

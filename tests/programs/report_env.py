@@ -5,9 +5,9 @@ import sys
 
 import torch
 
-from mpiddp.bootstrap import connect, distributed
-from mpiddp.config import Config
-from mpiddp.failfast import FailFast
+from mpiddp.job.bootstrap import connect, distributed
+from mpiddp.job.failfast import FailFast
+from mpiddp.trainer.config import Config
 
 with FailFast() as guard:
     dist = connect(guard)

@@ -28,12 +28,12 @@ from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
-from mpiddp import preflight
-from mpiddp.collective import Dist, Rendezvous
-from mpiddp.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
 from mpiddp.errors import ScriptError, ScriptExit, UserError
-from mpiddp.failfast import EXIT_HANG, FailFast
-from mpiddp.topology import Topology
+from mpiddp.job import preflight
+from mpiddp.job.collective import Dist, Rendezvous
+from mpiddp.job.failfast import EXIT_HANG, FailFast
+from mpiddp.job.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
+from mpiddp.job.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -344,9 +344,9 @@ class FinishWatch:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
-    from mpiddp import api
-    from mpiddp.bootstrap import connect, enable_flight_recorder, open_rendezvous, set_threads, teardown
-    from mpiddp.log import setup_logging
+    from mpiddp.job import api
+    from mpiddp.job.bootstrap import connect, enable_flight_recorder, open_rendezvous, set_threads, teardown
+    from mpiddp.job.log import setup_logging
 
     dist = connect(guard)
     own, target = dist.agree(lambda: split_argv(argv))

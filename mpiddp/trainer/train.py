@@ -17,16 +17,16 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from mpiddp.collective import Dist
-from mpiddp.config import ALL_RANKS, Config, FaultInjection
-from mpiddp.data import Loaders
 from mpiddp.errors import UserError
-from mpiddp.log import make_progress, progress_wanted
-from mpiddp.metrics import RunLogger
-from mpiddp.saveclock import SaveClock
-from mpiddp.state import TrainState, optimizer_steps_per_epoch
-from mpiddp.steptime import StepClock, StepDurations, StepTime
-from mpiddp.stopping import Stopped, StopRequest
+from mpiddp.job.collective import Dist
+from mpiddp.job.log import make_progress, progress_wanted
+from mpiddp.job.stopping import Stopped, StopRequest
+from mpiddp.trainer.config import ALL_RANKS, Config, FaultInjection
+from mpiddp.trainer.data import Loaders
+from mpiddp.trainer.metrics import RunLogger
+from mpiddp.trainer.saveclock import SaveClock
+from mpiddp.trainer.state import TrainState, optimizer_steps_per_epoch
+from mpiddp.trainer.steptime import StepClock, StepDurations, StepTime
 
 log = logging.getLogger(__name__)
 

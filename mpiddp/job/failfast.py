@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 from mpiddp.errors import (EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR,  # noqa: F401
                            AgreedError, ScriptError, ScriptExit, UserError)
 from mpiddp.failure import FailureRecord, failure_path, write_first
-from mpiddp.log import flush_logs
-from mpiddp.topology import LauncherMismatch
+from mpiddp.job.log import flush_logs
+from mpiddp.job.topology import LauncherMismatch
 
 if TYPE_CHECKING:
-    from mpiddp.collective import Dist
+    from mpiddp.job.collective import Dist
 
 
 class FailFast:

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from mpiddp.collective import Dist
 from mpiddp.errors import UserError
-from mpiddp.rundir import write_atomic
-from mpiddp.snapshot import Snapshot
+from mpiddp.job.collective import Dist
+from mpiddp.trainer.rundir import write_atomic
+from mpiddp.trainer.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mpiddp.topology import mpi_library_version
+from mpiddp.job.topology import mpi_library_version
 
 SKIP_OFI_BTL = "^ofi"
 

@@ -62,7 +62,7 @@ def check_arch(name: str) -> None:
         return
     close = difflib.get_close_matches(name.lower(), names, n=5, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}?" if close else f"choose one of {', '.join(names[:12])}, ..."
-    raise UserError(f"unknown --arch {name!r}: {hint} (python -m mpiddp.models lists all {len(names)})")
+    raise UserError(f"unknown --arch {name!r}: {hint} (python -m mpiddp.trainer.models lists all {len(names)})")
 
 
 # Models whose training-mode forward returns a namedtuple with auxiliary heads: built without them.

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from mpiddp.collective import Dist, Rendezvous
-from mpiddp.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV
 from mpiddp.errors import ScriptExit
-from mpiddp.failfast import FailFast, flush_logs
+from mpiddp.job.collective import Dist, Rendezvous
+from mpiddp.job.failfast import FailFast, flush_logs
+from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV
 
 if TYPE_CHECKING:
-    from mpiddp.bootstrap import _Store
-    from mpiddp.script import FinishWatch
+    from mpiddp.job.bootstrap import _Store
+    from mpiddp.job.script import FinishWatch
 
 
 @dataclass
@@ -93,7 +93,7 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     global _initialised
     if _initialised is not None:
         return _initialised
-    from mpiddp.bootstrap import start_process_group
+    from mpiddp.job.bootstrap import start_process_group
 
     settings = InitSettings(device, backend, collective_timeout_s, master_addr=os.environ.get(MASTER_ADDR_ENV),
                             finish_timeout_s=finish_timeout_s)
@@ -105,8 +105,8 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
 def _bootstrap(settings: InitSettings) -> Session:
     """Plain `mpirun python script.py`: mpiddp's bootstrap, an exception hook that ends the whole job, and an
     exit handler that ends it the way `mpiddp run` does."""
-    from mpiddp.bootstrap import connect, open_rendezvous, set_threads
-    from mpiddp.script import FinishWatch
+    from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
+    from mpiddp.job.script import FinishWatch
 
     guard = FailFast()
     _abort_on_unhandled_exception(guard)
@@ -153,7 +153,7 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
     """The script ended on this rank. A non-zero sys.exit ends every rank now (the others may wait for this one
     in a collective); otherwise this rank waits, asleep and never in a blocking collective, until every rank
     ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
-    from mpiddp.bootstrap import teardown
+    from mpiddp.job.bootstrap import teardown
 
     if exit_status.status != 0 and dist.world_size > 1:
         script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mpiddp.config import Config, wandb_mode
-from mpiddp.topology import Topology
+from mpiddp.job.topology import Topology
+from mpiddp.trainer.config import Config, wandb_mode
 
 if TYPE_CHECKING:
-    from mpiddp.steptime import StepDurations
+    from mpiddp.trainer.steptime import StepDurations
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ def build_summary(
     torch_version: str,
 ) -> dict[str, Any]:
     """summary.json from values every rank holds after the final gather (pure, so it is unit-tested)."""
+    from mpiddp.trainer.steptime import Durations
     from mpiddp.version import __version__
-    from mpiddp.steptime import Durations
 
     assert len(rank_durations) == topo.world_size
     slowest = max(rank_seconds_after_warmup)

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpiddp.collective import Dist
 from mpiddp.errors import UserError
 from mpiddp.globalbatch import describe
-from mpiddp.state import TrainState
+from mpiddp.job.collective import Dist
+from mpiddp.trainer.state import TrainState
 
 log = logging.getLogger(__name__)
 

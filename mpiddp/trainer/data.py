@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
 
-from mpiddp.config import ON_DISK_DATASETS, Config
 from mpiddp.errors import UserError
-from mpiddp.collective import Dist
-from mpiddp.helper_signals import ignore_stop_signals, stop_signals_blocked
+from mpiddp.job.collective import Dist
+from mpiddp.job.helper_signals import ignore_stop_signals, stop_signals_blocked
+from mpiddp.trainer.config import ON_DISK_DATASETS, Config
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +160,11 @@ def _worker_init(worker_id: int) -> None:
 
 def prepare_forkserver() -> None:
     """Make the forkserver itself ignore stop signals (it forks every worker, and a dead one fails every later
-    worker start with BrokenPipeError): it imports mpiddp.forkserver_preload before anything else."""
+    worker start with BrokenPipeError): it imports mpiddp.job.forkserver_preload before anything else."""
     context = multiprocessing.get_context("forkserver")
     preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", ["__main__"]))  # type: ignore[attr-defined]
-    if "mpiddp.forkserver_preload" not in preload:
-        context.set_forkserver_preload([*preload, "mpiddp.forkserver_preload"])
+    if "mpiddp.job.forkserver_preload" not in preload:
+        context.set_forkserver_preload([*preload, "mpiddp.job.forkserver_preload"])
 
 
 class SyntheticBatches:

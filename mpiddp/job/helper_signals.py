@@ -6,7 +6,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# The signals that stop a run (mpiddp.stopping acts on them in the rank); here, so that the forkserver's preload
+# The signals that stop a run (mpiddp.job.stopping acts on them in the rank); here, so that the forkserver's preload
 # imports nothing else.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -8,9 +8,9 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from mpiddp.collective import Dist
 from mpiddp.errors import AgreedError
-from mpiddp.topology import Topology
+from mpiddp.job.collective import Dist
+from mpiddp.job.topology import Topology
 
 # Settings that may legitimately differ per rank (read from each rank's own environment).
 RANK_LOCAL_SETTINGS = ("master_addr",)

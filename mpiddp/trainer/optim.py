@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mpiddp.config import Config
+from mpiddp.trainer.config import Config
 
 
 def build_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

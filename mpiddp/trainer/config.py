@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpiddp.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.flags
-from mpiddp.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
 from mpiddp.errors import HelpRequested
 from mpiddp.globalbatch import GlobalBatchError, split
+from mpiddp.job.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.job.flags
+from mpiddp.job.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
 
 __all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args",
            "parse_duration", "parse_into", "parser_for"]

@@ -16,10 +16,10 @@ import signal
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from mpiddp.helper_signals import STOP_SIGNALS
+from mpiddp.job.helper_signals import STOP_SIGNALS
 
 if TYPE_CHECKING:
-    from mpiddp.collective import Dist
+    from mpiddp.job.collective import Dist
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from mpiddp.collective import Dist
-from mpiddp.failfast import EXIT_HANG
 from mpiddp.failure import FailureRecord, failure_path, write_first
-from mpiddp.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
+from mpiddp.job.collective import Dist
+from mpiddp.job.failfast import EXIT_HANG
+from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from mpiddp.topology import Topology
+from mpiddp.job.topology import Topology
 
 
 def flush_logs() -> None:

@@ -16,15 +16,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
-from mpiddp.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.errors import AgreedError, HostFault, UserError
-from mpiddp.failfast import FailFast
-from mpiddp.flightrec import TRACE_PREFIX
-from mpiddp.netif import (Interface, Reach, choose_network, interfaces_toward, local_interfaces, master_address,
+from mpiddp.job.collective import Dist, MpiTransport, Rendezvous, agree_on
+from mpiddp.job.failfast import FailFast
+from mpiddp.job.flightrec import TRACE_PREFIX
+from mpiddp.job.netif import (Interface, Reach, choose_network, interfaces_toward, local_interfaces, master_address,
                           reach, resolve_ipv4)
-from mpiddp.stopping import Stopped
-from mpiddp.mpistart import init_mpi
-from mpiddp.topology import (Topology, build_topology, check_launcher, gather_records, launcher_restarts,
+from mpiddp.job.mpistart import init_mpi
+from mpiddp.job.stopping import Stopped
+from mpiddp.job.topology import (Topology, build_topology, check_launcher, gather_records, launcher_restarts,
                              supervisor_failure_file)
 
 log = logging.getLogger(__name__)

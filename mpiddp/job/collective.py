@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal, NoReturn, Protocol, TypeVar
 import numpy as np
 
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR, AgreedError, HelpRequested, HostFault, UserError
-from mpiddp.log import flush_logs
-from mpiddp.topology import RankRecord, Topology, build_topology
+from mpiddp.job.log import flush_logs
+from mpiddp.job.topology import RankRecord, Topology, build_topology
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +82,7 @@ def _cuda_aware_mpi() -> bool:
     """Open MPI (and MVAPICH) say whether they were built and run CUDA-aware; other libraries do not say."""
     import ctypes
 
-    from mpiddp.mpistart import _loaded_library_dir
+    from mpiddp.job.mpistart import _loaded_library_dir
 
     library_dir = _loaded_library_dir("libmpi.so")
     # The process's global symbols, then the libmpi mpi4py loaded (it may be loaded without RTLD_GLOBAL).
@@ -244,7 +244,7 @@ class _AttemptScope:
     def refuse_inside(self, operation: str) -> None:
         assert self.running is None, (
             f"{operation} called inside a {self.running} attempt: attempts must not communicate, or a rank "
-            f"that fails before the collective deadlocks the others (see mpiddp/collective.py)"
+            f"that fails before the collective deadlocks the others (see mpiddp/job/collective.py)"
         )
 
 

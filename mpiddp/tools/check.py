@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 import numpy as np
 
-from mpiddp import preflight
-from mpiddp.collective import Dist
-from mpiddp.config import Config, wandb_mode
-from mpiddp.topology import Topology
+from mpiddp.job import preflight
+from mpiddp.job.collective import Dist
+from mpiddp.job.topology import Topology
+from mpiddp.trainer.config import Config, wandb_mode
 
 ALLREDUCE_SIZES = tuple(4 ** k * 1024 for k in range(0, 7))  # bytes per rank: 1 KiB .. 4 MiB
 MPI_BANDWIDTH_BYTES = 4 * 1024 * 1024

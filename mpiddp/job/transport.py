@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mpiddp.collective import Dist
+from mpiddp.job.collective import Dist
 
 if TYPE_CHECKING:
-    from mpiddp.compression import GradientHook
+    from mpiddp.job.compression import GradientHook
 
 HOOK_COMPRESSIONS = ("none", "fp16", "bf16")
 
@@ -19,8 +19,8 @@ def comm_hook(dist: Dist | None = None, compression: str = "none") -> tuple[Grad
     "fp16" or "bf16" sends half the bytes. `dist`: `mpiddp.init()`'s, or by default the job's own (under
     `python -m mpiddp run`, or after `mpiddp.init()`). CPU tensors; GPU tensors only with a CUDA-aware MPI
     started at a thread level that lets autograd's GPU thread call it (the hook raises otherwise, saying so)."""
-    from mpiddp import api
-    from mpiddp.compression import GradientHook, _run
+    from mpiddp.job import api
+    from mpiddp.job.compression import GradientHook, _run
 
     if compression not in HOOK_COMPRESSIONS:
         raise ValueError(f"compression must be one of {', '.join(HOOK_COMPRESSIONS)}, got {compression!r}")

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mpiddp import compression
-from mpiddp.collective import Dist
-from mpiddp.config import Config
+from mpiddp.job import compression
+from mpiddp.job.collective import Dist
+from mpiddp.trainer.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def schedule_position(epoch: int, batches_done: int, batches_per_epoch: int, gra
 
 def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batches_per_epoch: int) -> TrainState:
     """Collective (DDP broadcasts rank 0's weights): model, DDP wrapper, optimizer, schedule and scaler."""
-    from mpiddp.models import build_model
-    from mpiddp.optim import build_optimizer, build_scheduler
+    from mpiddp.trainer.models import build_model
+    from mpiddp.trainer.optim import build_optimizer, build_scheduler
 
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
     model = build_model(cfg.model_name, num_classes, channels, cfg.input_size)

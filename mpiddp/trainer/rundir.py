@@ -9,8 +9,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from mpiddp.collective import Dist
 from mpiddp.errors import UserError
+from mpiddp.job.collective import Dist
 from mpiddp.runname import new_timestamped_dir
 
 

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mpiddp.errors import UserError
 
 if TYPE_CHECKING:
-    from mpiddp.collective import Dist
+    from mpiddp.job.collective import Dist
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Tools beside and after a job: `check` (under mpirun) and `report RUN_DIR`."""

@@ -1,0 +1,1 @@
+"""The built-in training loop: config, data, models, optimiser, state, snapshots, checkpoints, metrics."""
