@@ -106,6 +106,18 @@ def test_the_analysis_reads_the_same_from_a_slim_copy_of_each_dump():
     assert slim("no dump") == "no dump"
 
 
+def test_a_slim_copy_keeps_how_far_a_group_got_when_many_collectives_are_in_flight():
+    """Before torch 2.8 (no pg_status) the newest completed entry is the only word on progress: 17 started
+    buckets must not push it out of the slim copy."""
+    busy = dump(*[entry(seq) for seq in range(1, 31)], *[entry(seq, "started") for seq in range(31, 48)])
+    peer = dump(*[entry(seq) for seq in range(1, 31)])
+    small = slim(busy)
+    assert len(small["entries"]) == 18 and max(e["collective_seq_id"] for e in small["entries"]
+                                              if e["state"] == "completed") == 30
+    assert describe_traces({0: small, 1: slim(peer)}, 2) == describe_traces({0: busy, 1: peer}, 2)
+    assert any("#31" in line for line in describe_traces({0: small, 1: slim(peer)}, 2))
+
+
 def test_the_recorders_own_counters_count_as_completed():
     """torch 2.8+ dumps pg_status; some backends never mark their entries completed (gloo's stay scheduled)."""
     gloo = {**dump(entry(1, "scheduled", op="gloo:all_reduce")), "pg_status": {"0": {

@@ -104,6 +104,8 @@ def test_command_lines():
     assert srun == ["srun", "--mpi=pmix", "--ntasks=2", "--nodes=2", "--nodelist=a,c", "--kill-on-bad-exit=1",
                     "--cpu-bind=none", "--exclude=b", "py", "-m", "mpiddp", "--epochs", "2"]
     assert "--mpi=pmi2" in build_command("srun", "srun", "mpich", hosts, 2, inner, {}, [], [], "py")
+    chosen = build_command("srun", "srun", "mpich", hosts, 2, inner, {}, [], ["--mpi=cray_shasta"], "py")
+    assert [arg for arg in chosen if arg.startswith("--mpi")] == ["--mpi=cray_shasta"]
     assert "-H" not in build_command("mpirun", "mpirun", "openmpi", [], 2, inner, {}, [], [], "py")
 
 
@@ -423,7 +425,7 @@ def test_policy_shrinks_to_the_slots_left_at_the_same_global_batch():
 def test_policy_refuses_below_min_np_and_a_global_batch_that_does_not_split():
     below = decide(Failure("killed", 137, (2,), ("c",)), THREE, [], 0, 3, 3, min_np=3)
     assert not below.retry and below.reason == "cannot relaunch without c: 2 slots left, fewer than --min-np 3"
-    odd = decide(Failure("killed", 137, (2,), ("c",)), THREE, [], 0, 3, 3, min_np=1, global_batch=(75, 25))
+    odd = decide(Failure("killed", 137, (2,), ("c",)), THREE, [], 0, 3, 3, min_np=2, global_batch=(75, 25))
     assert not odd.retry and odd.excluded == ["c"]
     assert odd.reason == "cannot continue on 2 ranks: the global batch 75 does not split over 2 ranks (75 is not a multiple of 2)"
 
@@ -469,3 +471,43 @@ def test_launcher_path_picks_the_mpi_and_its_flavour(tmp_path, mpich):
     assert (plan.launcher, plan.program, plan.flavour) == ("mpiexec", str(mpich / "bin" / "mpiexec"), "mpich")
     with pytest.raises(LaunchError, match="--launcher-path /no/mpiexec: no such file"):
         make_plan(["-np", "2", "--launcher-path", "/no/mpiexec", "--run-dir", str(tmp_path), "--", "run", "x.py"], {})
+
+
+def test_policy_shrinks_to_the_most_ranks_the_global_batch_splits_over():
+    hosts = [Host("a", 4), Host("b", 2), Host("c", 2)]
+    # 6 slots left, but 256 does not split over 6: 4 ranks (>= --min-np 4) keep it exactly
+    decision = decide(Failure("killed", 137, (6,), ()), hosts, [], 0, 3, 8, hosts, min_np=4, global_batch=(256, 32))
+    assert decision.retry and decision.num_ranks == 4 and decision.hosts == [Host("a", 4)]
+    assert "relaunching on 4 of 8 ranks without c" in decision.reason and "256 (32 per rank x 2 accumulation)" in decision.reason
+    odd = decide(Failure("killed", 137, (2,), ("c",)), THREE, [], 0, 3, 3, min_np=1, global_batch=(75, 25))
+    assert odd.retry and odd.num_ranks == 1 and "75 (25 per rank x 3 accumulation)" in odd.reason
+
+
+def test_a_failure_on_every_host_blames_none_of_them():
+    hosts = [Host("a", 2), Host("b", 2), Host("c", 2)]
+    everywhere = decide(Failure("exception", 1, (0, 1, 2, 3), ()), hosts, [], 0, 3, 4, hosts[:2])
+    assert everywhere.retry and everywhere.excluded == [] and everywhere.hosts == hosts[:2]
+    assert "no host to blame" in everywhere.reason
+    lone = decide(Failure("killed", 137, (0, 1), ()), [Host("n1", 2)], [], 0, 3, 2, [Host("n1", 2)])
+    assert lone.excluded == ["n1"]  # the only host: it is the one that failed
+
+
+def test_bad_launcher_inputs_are_one_line(tmp_path):
+    base = ["-np", "2", "--run-dir", str(tmp_path)]
+    with pytest.raises(LaunchError, match="--launcher-args .*No closing quotation"):
+        make_plan([*base, "--launcher-args", "x 'y", "--", "run", "x.py"], {})
+    not_executable = tmp_path / "mpiexec"
+    not_executable.write_text("#!/bin/sh\n")
+    with pytest.raises(LaunchError, match="not executable"):
+        make_plan([*base, "--launcher-path", str(not_executable), "--", "run", "x.py"], {})
+    with pytest.raises(HostListError, match="an entry has no host name"):
+        parse_host_option("a:2,:3")
+
+
+def test_a_launcher_that_cannot_be_started_is_one_line_and_no_relaunch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's own handlers
+    plan = Plan("run", ["run", "x.py"], tmp_path, 2, [], [], 3, "mpirun", str(tmp_path / "gone" / "mpirun"), "openmpi")
+    supervisor = Supervisor(plan, {})
+    assert supervisor.run() == 2
+    assert len(supervisor.attempts) == 1 and supervisor.attempts[0].cause == "user_error"
+    assert f"cannot start {tmp_path}/gone/mpirun: No such file or directory; not relaunched" in capsys.readouterr().err

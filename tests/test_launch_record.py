@@ -114,7 +114,9 @@ def test_the_hang_record_names_the_ranks_behind_and_their_hosts(tmp_path):
     assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [1], ["b"], 4)
     everyone = Watchdog(10, 0, 2, "rank 0/2 on a", None, lambda code: None, {0: "a", 1: "b"}, tmp_path / "all.json")
     everyone._record({0: progress[0], 1: progress[0]}, [0, 1])
-    assert read(tmp_path / "all.json").hosts == []  # all stuck at one step: no host stands out
+    everyone_record = read(tmp_path / "all.json")  # all stuck at one step: no host stands out, no rank blamed
+    assert (everyone_record.ranks, everyone_record.hosts) == ([], [])
+    assert "rank(s) 0, 1" in everyone_record.message
 
 
 def test_the_summary_learns_the_steps_lost_of_the_failure_before_it(tmp_path):

@@ -102,11 +102,26 @@ def slim(dump: dict[str, Any] | str, per_group: int = 16) -> dict[str, Any] | st
     if isinstance(dump, str):
         return dump
     kept: dict[Any, list[dict[str, Any]]] = {}
+    has_completed: set[str] = set()
+    skipped: dict[str, dict[str, Any]] = {}  # per group, the oldest entry left out so far
     for entry in reversed(dump["entries"]):  # oldest first in the dump
-        if isinstance(entry, dict):
-            group = kept.setdefault(str(entry.get("process_group")), [])
-            if len(group) < per_group:
-                group.append({key: value for key, value in entry.items() if key != "frames"})
+        if not isinstance(entry, dict):
+            continue
+        name = str(entry.get("process_group"))
+        group = kept.setdefault(name, [])
+        completed = entry.get("state") == "completed"
+        bare = {key: value for key, value in entry.items() if key != "frames"}
+        if len(group) < per_group:
+            group.append(bare)
+            has_completed.update([name] if completed else [])
+        elif completed and name not in has_completed:
+            # beyond the newest entries, the newest completed one and the collective after it (the one the rank
+            # waits in) still count: without torch 2.8's pg_status they are the only word on how far the group got
+            # when many collectives are in flight (DDP's buckets)
+            group.extend([bare, skipped[name]] if name in skipped else [bare])
+            has_completed.add(name)
+        elif name not in has_completed:
+            skipped[name] = bare
     entries = [entry for group in kept.values() for entry in reversed(group)]  # the order does not matter
     return {**{key: value for key, value in dump.items() if key != "entries"}, "entries": entries}
 

@@ -222,7 +222,7 @@ class Watchdog:
         hosts = list(dict.fromkeys(self.host_of_rank[r] for r in blamed if r in self.host_of_rank))
         steps = [p["step"] for p in progress.values()]
         write_first(self.failure_file, FailureRecord(
-            "hang", behind, hosts, f"no progress for {self.timeout_s:g} s (--hang-timeout) on rank(s) "
+            "hang", blamed, hosts, f"no progress for {self.timeout_s:g} s (--hang-timeout) on rank(s) "
             f"{', '.join(map(str, behind))}{f'; stacks in {hang_file}' if hang_file else ''}",
             step=min(steps) if steps else self.step))
 

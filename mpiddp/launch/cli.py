@@ -132,6 +132,12 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     given = args.launcher_path
     if given and not Path(given).is_file():
         raise LaunchError(f"--launcher-path {given}: no such file")
+    if given and not os.access(given, os.X_OK):
+        raise LaunchError(f"--launcher-path {given}: not executable (give mpirun, mpiexec or srun)")
+    try:
+        extra = [arg for text in args.launcher_args for arg in shlex.split(text)]
+    except ValueError as exc:  # an unbalanced quote
+        raise LaunchError(f"--launcher-args {' '.join(args.launcher_args)!r}: {exc}") from None
     # MPICH or Open MPI: the given launcher's own word, unless it is srun (then the mpirun that belongs to this MPI)
     judged = given if given and Path(given).name != "srun" else mpirun
     flavour = mpi_flavour(version_text(judged))
@@ -139,7 +145,7 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     program = given or (mpirun if launcher == "mpirun" else find_program(launcher) or launcher)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
-                extra=[arg for text in args.launcher_args for arg in shlex.split(text)], min_np=args.min_np,
+                extra=extra, min_np=args.min_np,
                 global_batch=global_batch, host_strikes=args.host_strikes)
 
 

@@ -51,8 +51,9 @@ def build_command(launcher: str, program: str, flavour: str, hosts: list[Host], 
     which adds to that: `-genvlist` would replace it, and the ranks on other hosts would lose PATH and the rest."""
     job = [python, "-m", "mpiddp", *inner]
     if launcher == "srun":
-        plugin = "pmi2" if flavour == "mpich" else "pmix"
-        command = [program, f"--mpi={plugin}", f"--ntasks={num_ranks}", f"--nodes={len(hosts)}",
+        chosen = any(arg.startswith("--mpi") for arg in extra)  # the user's plugin (SRUN_MPI in run/slurm.sbatch)
+        plugin = [] if chosen else [f"--mpi={'pmi2' if flavour == 'mpich' else 'pmix'}"]
+        command = [program, *plugin, f"--ntasks={num_ranks}", f"--nodes={len(hosts)}",
                    f"--nodelist={','.join(h.name for h in hosts)}", "--kill-on-bad-exit=1", "--cpu-bind=none"]
         if excluded:
             command.append(f"--exclude={','.join(excluded)}")

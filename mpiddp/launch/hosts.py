@@ -61,7 +61,9 @@ def parse_host_option(text: str) -> list[Host]:
         if not item:
             continue
         name, _, count = item.partition(":")
-        pairs.append((name, _count(count, f"-H {text}") if count else 1))
+        if not name.strip():
+            raise HostListError(f"-H {text}: an entry has no host name (give host:slots,host:slots)")
+        pairs.append((name.strip(), _count(count, f"-H {text}") if count else 1))
     if not pairs:
         raise HostListError("-H names no host: give -H host:slots,host:slots")
     return _merge(pairs)

@@ -49,6 +49,8 @@ def blamed(failure: Failure, hosts: list[Host], placed: list[Host]) -> list[str]
     an FQDN) where the host list may have a short name or an IP, so its ranks are mapped through the attempt's own
     placement; without ranks (or placement), names are compared by short name."""
     by_rank = hosts_of(placed, failure.ranks) if failure.ranks else []
+    if len(placed) > 1 and len(by_rank) == len(placed):
+        return []  # every host failed alike (the same crash everywhere, a job-wide hang): none stands out
     if by_rank:
         return by_rank
     return [h.name for h in hosts if any(same_host(h.name, name) for name in failure.hosts)]
@@ -100,15 +102,22 @@ def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_us
         if slots < min_np:
             return stop(f"cannot relaunch without {', '.join(now_excluded)}: {slots} slots left, fewer than "
                         f"--min-np {min_np}", now_excluded)
-        shrunk = f"relaunching on {slots} of {num_ranks} ranks {without}({failure.kind}; no spare host, --min-np {min_np})"
+        ranks, kept_batch = slots, ""
         if global_batch is not None:
             total, largest = global_batch
-            try:
-                per_rank, accumulation = split(total, slots, largest)
-            except GlobalBatchError as error:
-                return stop(f"cannot continue on {slots} ranks: {error}", now_excluded)
-            shrunk += f" at the same global batch {total} ({per_rank} per rank x {accumulation} accumulation)"
-        return Decision(True, place(remaining, slots)[0], now_excluded, shrunk, slots, strikes)
+            # the most ranks, from every slot left down to --min-np, over which the global batch splits exactly
+            for ranks in range(slots, min_np - 1, -1):
+                try:
+                    per_rank, accumulation = split(total, ranks, largest)
+                    break
+                except GlobalBatchError as error:
+                    refusal = error
+            else:
+                return stop(f"cannot continue on {slots} ranks: {refusal}", now_excluded)
+            kept_batch = f" at the same global batch {total} ({per_rank} per rank x {accumulation} accumulation)"
+        shrunk = (f"relaunching on {ranks} of {num_ranks} ranks {without}({failure.kind}; no spare host, "
+                  f"--min-np {min_np}){kept_batch}")
+        return Decision(True, place(remaining, ranks)[0], now_excluded, shrunk, ranks, strikes)
     if newly:
         reason = f"relaunching {without}({failure.kind})"
     elif kept:

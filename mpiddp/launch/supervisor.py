@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from mpiddp import failure
+from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import build_command
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, diagnose
@@ -193,6 +194,11 @@ class Supervisor:
                 say(stopped)
                 return EXIT_STOPPED
             attempt, output = self._attempt(number, hosts_now, excluded)
+            if attempt.cause_source == "supervisor":
+                attempt.decision = "not relaunched: fix the launcher (--launcher-path, PATH) and launch again"
+                self._save()
+                say(f"attempt {number}: {attempt.message}; {attempt.decision}")
+                return EXIT_USER_ERROR
             self._count_steps_lost()
             if attempt.status == 0 or self.stop_signal:
                 attempt.decision = "finished" if attempt.status == 0 else (
@@ -248,8 +254,13 @@ class Supervisor:
         # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
         # stop on as `child_stop`.
         # Both streams are read: Hydra prints which process died on stdout. Each is passed on to its own stream.
-        self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        try:
+            self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        except OSError as exc:  # not there (any more), not executable: nothing ran, a relaunch would fail alike
+            attempt.status, attempt.ended_at, attempt.cause_source = EXIT_USER_ERROR, time.time(), "supervisor"
+            attempt.cause, attempt.message = "user_error", f"cannot start {command[0]}: {exc.strerror or exc}"
+            return attempt, ""
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
         assert self.child.stdout is not None and self.child.stderr is not None
