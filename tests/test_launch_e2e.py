@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, job_env, mpich_env, run_command
+from conftest import REPO, job_env, mpich_env, rank_pid, run_command
 from fakehosts import FakeHosts, running_fake_hosts
 
 pytestmark = pytest.mark.mpi
@@ -127,22 +127,6 @@ def test_a_hang_is_explained_in_one_file(run_job):
     assert record["kind"] == "hang" and record["ranks"] == [1] and hang_file.name in record["message"]
 
 
-def rank_process_on(hosts, name, rank):
-    """The pid of world rank `rank` inside fake host `name` (found by its environment)."""
-    from pathlib import Path
-
-    pids = subprocess.run(["ip", "netns", "pids", hosts.prefix + name], capture_output=True, text=True).stdout.split()
-    for pid in pids:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"mpiddp" in cmdline:
-            return int(pid)
-    pytest.fail(f"no process of rank {rank} on {name}")
-
-
 def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_spare(hosts, tmp_path):
     run_dir = tmp_path / "run"
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
@@ -158,7 +142,7 @@ def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_s
             seen.append(line)
             if "saved " in line and "snapshot-epoch0002.pt" in line:
                 break
-        os.kill(rank_process_on(hosts, "nodeb", 1), signal.SIGSTOP)  # alive but silent, as a wedged GPU or NFS
+        os.kill(rank_pid(run_dir, 1), signal.SIGSTOP)  # rank 1 runs on nodeb; alive but silent, as a wedged GPU or NFS
         output, _ = process.communicate(timeout=300)
     finally:
         if process.poll() is None:

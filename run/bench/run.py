@@ -297,6 +297,8 @@ def relaunch_comparisons(repeats: int, work: Path) -> list[dict]:
 def relaunch_once(cluster, work: Path, fault: str) -> dict:
     """One supervised run that fails once (`kill`: rank 1 SIGKILLs itself in step 30, after the epoch-1
     snapshot; `hang`: rank 1 is SIGSTOPped once the epoch-1 snapshot is saved) and finishes on the spare."""
+    from conftest import rank_pids  # the tests' lookup of a job's rank processes
+
     run_dir = Path(tempfile.mkdtemp(dir=work))
     flags = (("--epochs", "3", "--inject-fault", "kill:1:30") if fault == "kill"
              else ("--epochs", "4", "--hang-timeout", str(HANG_TIMEOUT)))
@@ -313,7 +315,7 @@ def relaunch_once(cluster, work: Path, fault: str) -> dict:
     for line in job.stdout:
         seen.append(line)
         if fault == "hang" and "saved " in line and "snapshot-epoch0001.pt" in line:
-            os.kill(rank_pid_on(cluster, "nodeb", 1), signal.SIGSTOP)  # alive but silent, as a wedged GPU
+            os.kill(rank_pids(run_dir)[1], signal.SIGSTOP)  # rank 1 runs on nodeb; alive but silent, as a wedged GPU
             fault = "stopped"
     job.wait()
     ended = time.time()
@@ -323,20 +325,6 @@ def relaunch_once(cluster, work: Path, fault: str) -> dict:
     first = json.loads((run_dir / "attempts.json").read_text())["attempts"][0]
     return {"downtime_s": first["downtime_s"], "phases_s": first["downtime_phases"], "cause": first["cause"],
             "failed_hosts": first["failed_hosts"], "steps_lost": first["steps_lost"], "wall_s": ended - launched}
-
-
-def rank_pid_on(cluster, host: str, rank: int) -> int:
-    """The pid of world rank `rank` inside fake host `host` (told by the rank variable Open MPI gives it)."""
-    pids = subprocess.run(["ip", "netns", "pids", cluster.prefix + host], capture_output=True, text=True).stdout.split()
-    for pid in pids:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"mpiddp" in cmdline:
-            return int(pid)
-    sys.exit(f"no process of rank {rank} on {host}")
 
 
 def downtime_row(name: str, runs: list[dict], target: str) -> dict:
