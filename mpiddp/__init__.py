@@ -4,20 +4,45 @@ Public API for your own scripts (importing mpiddp never initialises MPI):
     dist = mpiddp.init()          # collective: bootstrap once, process group up, typed Dist back
     mpiddp.setup_logging(dist)    # rank-prefixed logging: rank 0 at INFO, the others at WARNING
     ddp.register_comm_hook(*mpiddp.comm_hook())   # MPI carries DDP's gradient all-reduce
+
+The names load on first use (PEP 562): `import mpiddp` alone, or `python -m mpiddp launch`, loads no numpy,
+mpi4py or torch.
 """
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from mpiddp.errors import AgreedError, UserError
-from mpiddp.job.api import init
-from mpiddp.job.collective import Dist, Rendezvous
-from mpiddp.job.topology import Topology
-from mpiddp.job.transport import comm_hook
 from mpiddp.version import __version__
+
+if TYPE_CHECKING:
+    from mpiddp.job.api import init
+    from mpiddp.job.collective import Dist, Rendezvous
+    from mpiddp.job.topology import Topology
+    from mpiddp.job.transport import comm_hook
 
 __all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "comm_hook", "init", "setup_logging"]
 
+_LAZY = {"init": "mpiddp.job.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
+         "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # once loaded, an ordinary attribute
+        return value
+    raise AttributeError(f"module 'mpiddp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 def setup_logging(dist: Dist, level: str = "info") -> None:
-    """stdlib logging with a rank prefix on every line; rank 0 logs at `level`, the others warnings and errors."""
+    """stdlib logging with a rank prefix on every line; rank 0 at `level`, the others warnings and errors."""
     from mpiddp.job.log import setup_logging as configure
 
     configure(dist.topology, level)

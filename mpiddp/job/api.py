@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mpiddp.errors import ScriptExit
-from mpiddp.job.collective import Dist, Rendezvous
+from mpiddp.job.collective import Dist, Rendezvous, set_current
 from mpiddp.job.failfast import FailFast, flush_logs
 from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV
 
@@ -71,11 +71,13 @@ def attach(session: Session) -> None:
     """`mpiddp run` hands its bootstrap to the script's `init()` (internal)."""
     global _session
     _session = session
+    set_current(session.dist)
 
 
 def detach() -> None:
     global _session, _initialised
     _session = _initialised = None
+    set_current(None)
 
 
 def init(device: str = "auto", backend: str = "auto", collective_timeout_s: float = 600.0,
@@ -99,6 +101,7 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
                             finish_timeout_s=finish_timeout_s)
     session = _session or _bootstrap(settings)
     _initialised = start_process_group(settings, session.dist, session.rendezvous, session.store, session.num_threads)
+    set_current(_initialised)
     return _initialised
 
 

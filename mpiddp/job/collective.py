@@ -432,6 +432,21 @@ class Dist:
         os._exit(code)
 
 
+_current: Dist | None = None  # the job's own Dist while a script runs under `mpiddp run` or after `mpiddp.init()`
+
+
+def set_current(dist: Dist | None) -> None:
+    """Whoever starts the job's Dist names it here (internal): helpers such as `comm_hook()` find it without
+    knowing who started the job."""
+    global _current
+    _current = dist
+
+
+def current() -> Dist | None:
+    """The job's own Dist, or None outside a job."""
+    return _current
+
+
 def solo_topology(hostname: str = "localhost") -> Topology:
     return build_topology(0, [RankRecord(0, hostname, 0, 0, 1)], "none (single process)")
 

@@ -19,13 +19,13 @@ def comm_hook(dist: Dist | None = None, compression: str = "none") -> tuple[Grad
     "fp16" or "bf16" sends half the bytes. `dist`: `mpiddp.init()`'s, or by default the job's own (under
     `python -m mpiddp run`, or after `mpiddp.init()`). CPU tensors; GPU tensors only with a CUDA-aware MPI
     started at a thread level that lets autograd's GPU thread call it (the hook raises otherwise, saying so)."""
-    from mpiddp.job import api
+    from mpiddp.job.collective import current
     from mpiddp.job.compression import GradientHook, _run
 
     if compression not in HOOK_COMPRESSIONS:
         raise ValueError(f"compression must be one of {', '.join(HOOK_COMPRESSIONS)}, got {compression!r}")
     if dist is None:
-        dist = api._initialised or (api._session.dist if api._session is not None else None)
+        dist = current()
     if dist is None:
         raise RuntimeError("mpiddp.comm_hook() needs mpiddp's job: run the script under `python -m mpiddp run`, "
                            "or call mpiddp.init() first (or pass its Dist)")
