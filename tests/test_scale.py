@@ -6,6 +6,7 @@ watchdog, the finish watch and the failure report. Measured on a real 32-rank jo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -80,12 +81,15 @@ def test_rank_0_holds_one_store_connection_per_rank_while_the_watchdogs_run(mpir
             process.wait()
     output = "".join(seen) + output
     on_store = [s for s in sockets if port in s[:2]]
+    print(f"rank 0 of {WORLD} holds {len(on_store)} TCP sockets on the store, {len(sockets)} in all")
     assert len(on_store) <= WORLD + SLACK, (len(on_store), len(sockets))
-    # besides the store: gloo's full mesh (one connection to each peer, and its listener) and the launcher's
-    assert len(sockets) - len(on_store) <= WORLD + SLACK, (len(on_store), len(sockets))
+    # besides the store: gloo's full mesh on CPU (one connection to each peer, and its listener; NCCL has no
+    # such mesh) and the launcher's own (PMIx); measured 34 on the store and 35 besides it at 32 ranks
+    assert len(sockets) - len(on_store) <= WORLD + 2 * SLACK, (len(on_store), len(sockets))
     # the watchdogs still tell who hangs, through the one shared connection
     assert process.returncode == 4, output[-4000:]
-    assert "ranks behind: 1 at step 7" in output, output[-4000:]
+    record = json.loads((run_dir / "failure.json").read_text())
+    assert record["kind"] == "hang" and record["ranks"] == [1], (record, output[-4000:])
     deadline = time.monotonic() + 30
     while rank_pids(run_dir):
         assert time.monotonic() < deadline, "a rank outlived the job"

@@ -357,11 +357,12 @@ def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | Non
     address, interface_per_host = _agree_on_address(settings, dist)
     store, address, port = _rendezvous(settings, dist, address)
     export_environment(dist.topology, address, port)
+    rendezvous = Rendezvous(address, port, interface_per_host, store)
     if guard is not None:
-        # The one connection, with a short wait of its own, so reporting a failure never hangs on the store.
-        client = store.store
-        guard.claim_report = lambda: add_within(client, "mpiddp/failures", 1, REPORT_CLAIM_S) == 1
-    return Rendezvous(address, port, interface_per_host, store), store
+        # The one connection (looked up when needed: once closed, rank 0's store must be free to go), with a
+        # short wait of its own, so reporting a failure never hangs on the store.
+        guard.claim_report = lambda: add_within(rendezvous.client(), "mpiddp/failures", 1, REPORT_CLAIM_S) == 1
+    return rendezvous, store
 
 
 def set_threads(settings: NetworkSettings, topo: Topology) -> int:
