@@ -282,6 +282,8 @@ class FinishWatch:
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join(timeout=5)
+        if not self.thread.is_alive():  # let go of the rank's one connection (rank 0: the store), so teardown closes it
+            self.store = None
 
     def _watch(self) -> None:
         store = self.store
