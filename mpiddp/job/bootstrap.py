@@ -24,10 +24,13 @@ from mpiddp.job.netif import (Interface, Reach, choose_network, interfaces_towar
                           reach, resolve_ipv4)
 from mpiddp.job.mpistart import init_mpi
 from mpiddp.job.stopping import Stopped
+from mpiddp.job.storeload import add_within
 from mpiddp.job.topology import (Topology, build_topology, check_launcher, gather_records, launcher_restarts,
                              supervisor_failure_file)
 
 log = logging.getLogger(__name__)
+
+REPORT_CLAIM_S = 2.0  # the most a failing rank waits for the store to say whether its report is the first
 
 
 def connect(guard: FailFast | None = None) -> Dist:
@@ -348,18 +351,18 @@ def enable_flight_recorder(trace_dir: Path | None) -> dict[str, str]:
 
 
 def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | None = None) -> tuple[Rendezvous, _Store]:
-    """Collective: agree on the address, open rank 0's store on a kernel-chosen port, connect every rank,
-    export torchrun's variables. `guard` gets a way to claim the one full failure report."""
-    import torch.distributed as tdist
-
+    """Collective: agree on the address, open rank 0's store on a kernel-chosen port, connect every rank (one
+    connection each, which the Rendezvous hands on), export torchrun's variables. `guard` gets a way to claim the
+    one full failure report."""
     address, interface_per_host = _agree_on_address(settings, dist)
     store, address, port = _rendezvous(settings, dist, address)
     export_environment(dist.topology, address, port)
+    rendezvous = Rendezvous(address, port, interface_per_host, store)
     if guard is not None:
-        # A separate client with a short timeout, so reporting a failure can never hang on the store.
-        reporter = tdist.TCPStore(address, port, dist.world_size, False, timeout=timedelta(seconds=2))
-        guard.claim_report = lambda: reporter.add("mpiddp/failures", 1) == 1
-    return Rendezvous(address, port, interface_per_host), store
+        # The one connection (looked up when needed: once closed, rank 0's store must be free to go), with a
+        # short wait of its own, so reporting a failure never hangs on the store.
+        guard.claim_report = lambda: add_within(rendezvous.client(), "mpiddp/failures", 1, REPORT_CLAIM_S) == 1
+    return rendezvous, store
 
 
 def set_threads(settings: NetworkSettings, topo: Topology) -> int:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol, TypeVar
 
 import numpy as np
 
@@ -291,6 +291,14 @@ class Rendezvous:
     master_addr: str
     master_port: int
     interface_per_host: dict[str, str] = field(default_factory=dict)
+    opened: Any = field(default=None, repr=False, compare=False)  # the bootstrap's holder of this rank's store
+
+    def client(self) -> Any:
+        """This rank's one connection to rank 0's store (on rank 0, the store itself), shared by the process group
+        and mpiddp's watcher threads: another connection would cost rank 0 one more socket for every rank."""
+        store = getattr(self.opened, "store", None)
+        assert store is not None, "the rendezvous store is not open"
+        return store
 
 
 @dataclass(frozen=True)

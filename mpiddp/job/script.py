@@ -24,7 +24,6 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
@@ -33,6 +32,7 @@ from mpiddp.job import preflight
 from mpiddp.job.collective import Dist, Rendezvous
 from mpiddp.job.failfast import EXIT_HANG, FailFast
 from mpiddp.job.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
+from mpiddp.job.storeload import paced_interval
 from mpiddp.job.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -265,12 +265,8 @@ class FinishWatch:
     @classmethod
     def for_job(cls, timeout_s: float, dist: Dist, rendezvous: Rendezvous,
                 setting: str = "--finish-timeout {}") -> FinishWatch:
-        store = None
-        if timeout_s > 0 and dist.world_size > 1:
-            import torch.distributed as tdist
-
-            store = tdist.TCPStore(rendezvous.master_addr, rendezvous.master_port, dist.world_size, False,
-                                   timeout=timedelta(seconds=10))
+        """A watch on this rank's one connection to the rendezvous store (none when it is turned off)."""
+        store = rendezvous.client() if timeout_s > 0 and dist.world_size > 1 else None
         return cls(timeout_s, dist, store, setting)
 
     def start(self) -> FinishWatch:
@@ -286,13 +282,16 @@ class FinishWatch:
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join(timeout=5)
+        if not self.thread.is_alive():  # let go of the rank's one connection (rank 0: the store), so teardown closes it
+            self.store = None
 
     def _watch(self) -> None:
         store = self.store
         assert store is not None
         first_seen: float | None = None
         reported: float | None = None
-        interval = min(2.0, max(0.2, self.timeout_s / 10))
+        # one request per interval from every rank, paced so that rank 0's store serves a fixed rate at any scale
+        interval = paced_interval(min(2.0, max(0.2, self.timeout_s / 10)), self.dist.world_size, 1, self.timeout_s)
         while not self.stopped.wait(interval):
             try:
                 if self.done.is_set():

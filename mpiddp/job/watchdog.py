@@ -17,7 +17,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from mpiddp.failure import FailureRecord, failure_path, write_first
 from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
 from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
+from mpiddp.job.storeload import paced_interval, store_rate
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ CLOCK_KEY = "mpiddp/progress-clock"
 STALE_INTERVALS = 3  # a rank whose watchdog missed this many of its reports is stopped or gone
 GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their stacks too
 REQUEST_KEY = "mpiddp/hang-request"  # set by the rank that writes the hang file: every watchdog answers
+STACKS_COUNT_KEY = "mpiddp/stacks-given"  # how many ranks have put their stacks in the store
+REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advance the clock, publish, look for a request
 READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight-recorder dumps
 
 
@@ -43,7 +45,8 @@ class Watchdog:
                  failure_file: Path | None = None, run_dir: Path | None = None,
                  trace: Callable[[], bytes] | None = None) -> None:
         self.timeout_s = timeout_s
-        self.interval = min(5.0, max(0.5, timeout_s / 10))
+        # paced by the world's size, so that rank 0's store never serves more than a fixed rate of reports
+        self.interval = paced_interval(min(5.0, max(0.5, timeout_s / 10)), world_size, REQUESTS_PER_INTERVAL, timeout_s)
         self.run_dir = run_dir  # where the hang file goes (None: stderr only)
         self.trace = trace  # this rank's flight-recorder dump (NCCL), written to the run dir when the job hangs
         self.answered = False  # this rank gave its stacks (and dump) for the hang file
@@ -60,14 +63,11 @@ class Watchdog:
 
     @classmethod
     def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
-        """A watchdog with its own connection to the rendezvous store (none when it is turned off)."""
+        """A watchdog on this rank's one connection to the rendezvous store (none when it is turned off)."""
         store = None
         if timeout_s > 0:
-            import torch.distributed as tdist
-
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
-            store = tdist.TCPStore(dist.rendezvous.master_addr, dist.rendezvous.master_port, dist.world_size,
-                                   False, timeout=timedelta(seconds=10))
+            store = dist.rendezvous.client()
         topo = dist.topology
         host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
         return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
@@ -75,6 +75,9 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
+            if self.rank == 0:
+                log.info("hang watchdog: each rank reports every %.1f s (%.0f requests/s to rank 0's store)",
+                         self.interval, store_rate(self.world_size, REQUESTS_PER_INTERVAL, self.interval))
             self.thread.start()
         return self
 
@@ -120,6 +123,7 @@ class Watchdog:
             idle = time.monotonic() - self.last_beat
             self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label} (its own watchdog had not fired: asked "
                            f"for the hang report, {idle:.0f} s after its last progress)\n{own_stacks()}")
+            self.store.add(STACKS_COUNT_KEY, 1)
         except Exception:  # the store is gone: the job is ending anyway
             pass
 
@@ -130,12 +134,15 @@ class Watchdog:
         stacks = own_stacks()
         first, progress, behind = False, {}, []
         hang_file = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt" if self.run_dir else None
+        counted = self.answered  # asked before it fired: its stacks are in the store and counted already
         try:
             if not self.answered:
                 self.answered = True
                 self._dump_trace()  # before the abort, and before the stacks that the hang file's writer waits for
             # before claiming the report, so the rank that writes the hang file finds these stacks too
             self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label}\n{stacks}")
+            if not counted:
+                self.store.add(STACKS_COUNT_KEY, 1)
             first = self.store.add("mpiddp/hang-reports", 1) == 1
             if first:  # the first rank to fire describes the job, and asks every rank for its stacks and dump
                 self.store.set(REQUEST_KEY, self.label)
@@ -158,16 +165,15 @@ class Watchdog:
 
     def _write_hang_file(self, path: Path, lines: list[str], behind: list[int], deadline: float) -> None:
         """One file with the ranks behind, their hosts, and every rank's stacks, gathered through the store."""
-        keys = {rank: f"mpiddp/stacks/{rank}" for rank in range(self.world_size)}
         stacks: dict[int, str] = {}
         try:
-            while True:  # polling the store with a deadline: a stopped or dead rank never answers
-                for rank, key in keys.items():
-                    if rank not in stacks and self.store.check([key]):
-                        stacks[rank] = self.store.get(key).decode(errors="replace")
-                if len(stacks) == self.world_size or time.monotonic() > deadline:
-                    break
+            # one counter polled with a deadline (a stopped or dead rank never answers), every rank's key read once
+            while self.store.add(STACKS_COUNT_KEY, 0) < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.2)
+            for rank in range(self.world_size):
+                key = f"mpiddp/stacks/{rank}"
+                if self.store.check([key]):
+                    stacks[rank] = self.store.get(key).decode(errors="replace")
         except Exception as exc:  # the store went away: write what arrived
             lines = [*lines, f"(gathering stacks stopped: {exc})"]
         text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines,
