@@ -18,6 +18,7 @@ from typing import Any
 from mpiddp.contract import GLOBAL_BATCH_ENV
 from mpiddp.errors import HelpRequested
 from mpiddp.globalbatch import GlobalBatchError, split
+from mpiddp.runname import DEFAULT_RUNS_ROOT
 from mpiddp.job.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.job.flags
 from mpiddp.job.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
 
@@ -34,7 +35,6 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 PROGRESS = ("auto", "on", "off")
 FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "signal", "signal-eval")
 ALL_RANKS = -1
-DEFAULT_RUNS_ROOT = "runs"
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,8 @@ class Config:
     wandb_group: str | None = option(None, "--wandb-group", group=OUTPUTS, help="wandb group")
     wandb_tags: tuple[str, ...] = option((), "--wandb-tags", group=OUTPUTS, parse=_tags, help="comma-separated wandb tags")
     run_dir: str | None = option(None, "--run-dir", group=OUTPUTS,
-                                 help="where metrics.jsonl and summary.json go (default: runs/<timestamp>)")
+                                 help="where metrics.jsonl and summary.json go (default: runs/<timestamp>; under "
+                                 "launch, launch's run dir unless --runs-root is given)")
     runs_root: str = option(DEFAULT_RUNS_ROOT, "--runs-root", group=OUTPUTS, help="parent of the default run directory")
     log_every: int = option(10, "--log-every", group=OUTPUTS, parse=int, at_least=1, help="steps between metric lines")
     throughput_warmup_steps: int = option(5, "--throughput-warmup-steps", group=OUTPUTS, parse=int, at_least=0,
