@@ -301,16 +301,16 @@ class Supervisor:
         if self.plan.run_dir.resolve() == before.resolve():
             return
         say(f"training writes to {self.plan.run_dir} (its own flags): launch's records follow it there")
-        try:
-            os.replace(before / failure.FAILURE_FILE, self.failure_file)
-        except OSError:  # none (the job failed without a record, or succeeded)
-            pass
+        for name in (failure.FAILURE_FILE, JOB_RECORD_FILE):
+            try:
+                os.replace(before / name, self.plan.run_dir / name)
+            except OSError:  # none (no failure record: the job succeeded, or died without one)
+                pass
         self.earlier, self.launch = earlier_launches(self.plan.run_dir)
         for attempt in self.attempts:
             attempt.launch = self.launch
         self._save()
-        for name in (ATTEMPTS_FILE, JOB_RECORD_FILE):
-            (before / name).unlink(missing_ok=True)
+        (before / ATTEMPTS_FILE).unlink(missing_ok=True)
         if self.plan.made_run_dir:
             try:
                 before.rmdir()  # only when empty: nothing else of the job's is ever deleted
