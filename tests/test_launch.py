@@ -29,13 +29,19 @@ def test_importing_launch_starts_no_mpi_and_no_torch_distributed():
     assert out.strip() == "[]"
 
 
-def test_the_launch_layer_never_imports_trainer_job_torch_or_numpy():
+def test_the_launch_layer_never_imports_trainer_job_torch_or_numpy(tmp_path):
     """launch learns what it needs from the job's records and the environment, never from trainer code."""
     import re
 
     forbidden = re.compile(r"^\s*(?:from|import)\s+(mpiddp\.trainer|mpiddp\.job|torch|numpy|mpi4py)\b", re.M)
     for path in sorted((REPO / "mpiddp" / "launch").glob("*.py")):
         assert not forbidden.findall(path.read_text()), path
+    # and not at run time either: a plan with --min-np used to parse the training flags with trainer.config
+    code = ("import sys; from mpiddp.launch.cli import make_plan;"
+            "make_plan(['-np', '2', '--min-np', '1', '--run-dir', sys.argv[1], '--', '--epochs', '1'], {});"
+            "print([m for m in sys.modules if m.startswith(('mpiddp.trainer', 'torch'))])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stderr
 
 
 def test_hostfile_in_open_mpi_and_mpich_form():
