@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mpiddp import failure
+from mpiddp.contract import JobRecord, default_checkpoint_dir, write_job_record
 from mpiddp.errors import UserError
 from mpiddp.failure import read_attempts
 from mpiddp.job import preflight
@@ -18,7 +19,7 @@ from mpiddp.job.failfast import EXIT_OK, EXIT_STOPPED, FailFast
 from mpiddp.job.log import setup_logging
 from mpiddp.job.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest
-from mpiddp.trainer.config import Config, parse_args
+from mpiddp.trainer.config import DEFAULT_RUNS_ROOT, Config, parse_args
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
@@ -46,7 +47,9 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[P
     mode = resume_mode(cfg, dist)
     if mode is None:
         return None
-    restored = checkpoint.restore(mode, checkpoint_dir, cfg.model_name, dist)
+    # A relaunch of a rollback (`--resume PATH`): the newest snapshot this launch saved since, else PATH again.
+    relaunched = dist.topology.launch_id if dist.topology.restarts > 0 else ""
+    restored = checkpoint.restore(mode, checkpoint_dir, cfg.model_name, dist, relaunched)
     if restored is None:
         if dist.is_main:  # one line for the job
             log.warning("--resume: no snapshot in %s, starting from scratch", checkpoint_dir)
@@ -76,7 +79,8 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[P
 
 
 def resume_mode(cfg: Config, dist: Dist) -> str | None:
-    """'auto', a snapshot path, or None (a fresh run). A requeued job resumes by itself."""
+    """'auto', a snapshot path, or None (a fresh run). A requeued or relaunched job resumes by itself: with the
+    user's snapshot path, `checkpoint.restore` prefers what this launch has saved since."""
     if cfg.resume:
         return cfg.resume
     if dist.topology.restarts > 0:
@@ -124,7 +128,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
 
     startup.mark("process_group")
     (job_started_at,) = dist.reduce([startup.started_at], "min")
-    checkpoint_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+    checkpoint_dir = checkpoint_dir_of(cfg, run_dir)
     if resume_mode(cfg, dist) is None:  # before anything is loaded or written
         dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
     configure_torch(cfg)
@@ -197,6 +201,10 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     return summary
 
 
+def checkpoint_dir_of(cfg: Config, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else default_checkpoint_dir(run_dir)
+
+
 def file_size(path: Path) -> int:
     """Bytes in `path` (0 if it cannot be read: a size is for the record, never a reason to fail)."""
     try:
@@ -242,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(command: str, args: list[str], startup: StartupClock, stop: StopRequest) -> int:
     with FailFast() as guard:
         dist = connect(guard)
-        cfg = dist.agree(lambda: parse_args(args).for_world(dist.world_size))  # --global-batch on this many ranks
+        given, cfg = dist.agree(lambda: parse_for_world(args, dist.world_size))
         setup_logging(dist.topology, cfg.log_level)
         topo = dist.topology
         log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_description)
@@ -251,7 +259,10 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
             return _check(cfg, dist, guard)
         log.info("config: %s", cfg.to_dict())
         log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
-        run_dir = prepare_run_dir(cfg.run_dir, cfg.runs_root, dist)
+        run_dir = prepare_run_dir(cfg.run_dir or launch_run_dir(cfg, topo), cfg.runs_root, dist)
+        if topo.job_record:  # under `launch`: where this job writes, and its global batch
+            dist.from_main(lambda: tell_launch(Path(topo.job_record), run_dir, checkpoint_dir_of(cfg, run_dir), cfg,
+                                               given.batch_size, topo.world_size))
         if not topo.failure_file:  # the supervisor manages the file it named; here the record is ours to reset
             dist.from_main(lambda: failure.clear_stale(run_dir))
         guard.set_run_dir(run_dir)
@@ -277,6 +288,27 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
                  ", ".join(f"{phase} {entry['seconds']:.2f} s (rank {entry['rank']})"
                            for phase, entry in summary["startup_s"].items()))
     return EXIT_OK
+
+
+def parse_for_world(args: list[str], world_size: int) -> tuple[Config, Config]:
+    """(the flags as given, the config on `world_size` ranks: --global-batch derives the per-rank split)."""
+    given = parse_args(args)
+    return given, given.for_world(world_size)
+
+
+def launch_run_dir(cfg: Config, topo: Any) -> str | None:
+    """Under `launch`, training writes into launch's run dir unless its own --run-dir (checked by the caller) or a
+    --runs-root other than the default names another place: launch then learns it from the job record."""
+    return (topo.launch_run_dir or None) if cfg.runs_root == DEFAULT_RUNS_ROOT else None
+
+
+def tell_launch(path: Path, run_dir: Path, checkpoint_dir: Path, cfg: Config, max_per_rank: int,
+                world_size: int) -> None:
+    """Rank 0: the job record (mpiddp.contract) that `launch` reads instead of parsing this job's flags."""
+    record = JobRecord(str(run_dir), str(checkpoint_dir.resolve()), world_size,
+                       cfg.batch_size * world_size * cfg.grad_accum, max_per_rank)
+    if not write_job_record(path, record):
+        log.warning("cannot write %s: launch will not know this job's run dir or global batch", path)
 
 
 def _check(cfg: Config, dist: Dist, guard: FailFast) -> int:

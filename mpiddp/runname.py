@@ -7,6 +7,8 @@ from pathlib import Path
 
 from mpiddp.errors import UserError
 
+DEFAULT_RUNS_ROOT = "runs"  # training's --runs-root default, and launch's
+
 
 def new_timestamped_dir(runs_root: Path) -> Path:
     """A new directory named after the time; mkdir without exist_ok, so two jobs in one second never share one."""

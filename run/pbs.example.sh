@@ -15,6 +15,6 @@ slots=$(wc -l < "${PBS_NODEFILE:?not inside a PBS job}")
 hosts=$(sort -u "$PBS_NODEFILE" | wc -l)
 np="${NP:-$(( slots - slots / hosts ))}"          # all hosts but one; NP=... to choose
 run_dir="runs/${RUN_NAME:-${PBS_JOBNAME:-mpiddp}}"
-command=(python -m mpiddp launch -np "$np" --max-restarts "${MAX_RESTARTS:-3}" --host-strikes "${HOST_STRIKES:-1}" -- --run-dir "$run_dir" --resume "$@")
+command=(python -m mpiddp launch -np "$np" --max-restarts "${MAX_RESTARTS:-3}" --host-strikes "${HOST_STRIKES:-1}" --run-dir "$run_dir" -- --run-dir "$run_dir" --resume "$@")
 echo "+ ${command[*]}" >&2
 exec "${command[@]}"

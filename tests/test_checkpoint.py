@@ -1,5 +1,7 @@
 """Snapshots: atomic collective saves, exact resume, resharding on a new world size, and clear load errors."""
 
+import dataclasses
+import hashlib
 import math
 import os
 
@@ -38,8 +40,13 @@ def job(directory, solo, snapshots, keep_last, parent=None):
     return parent
 
 
-def name(epoch, batches_done=0):
-    return checkpoint.snapshot_name(epoch, batches_done)
+def name(epoch, batches_done=0, revision=0):
+    return checkpoint.snapshot_name(epoch, batches_done, revision)
+
+
+def rev(epoch, batches_done=0):
+    """The name a rollback's snapshot gets where the abandoned one of the same position is still on disk."""
+    return checkpoint.snapshot_name(epoch, batches_done, 1)
 
 
 def test_save_rotates_and_points_latest(tmp_path, solo):
@@ -61,24 +68,26 @@ def test_a_save_after_a_rollback_keeps_itself_and_rotates_only_its_lineage(tmp_p
     # A job resumed from epoch 2 (--resume PATH) saves its epoch 3 with --keep-last 2: by name, the new epoch 3 was
     # the oldest but two and went, leaving `latest` naming a missing file.
     third = checkpoint.save(tmp_path, snapshot(3, mark=33), solo, 2, tmp_path / name(2))
-    assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0003.pt"
-    assert names(tmp_path) == ["snapshot-epoch0002.pt", "snapshot-epoch0003.pt",  # the lineage's newest 2
-                               "snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]  # the abandoned future, untouched
-    assert checkpoint.read_lineage(tmp_path) == ["snapshot-epoch0002.pt", "snapshot-epoch0003.pt"]
+    assert (tmp_path / "latest").read_text().strip() == "snapshot-epoch0003-r1.pt"
+    assert names(tmp_path) == [name(2), name(3), rev(3),  # the lineage's newest 2, beside the abandoned epoch 3
+                               name(4), name(5)]  # the abandoned future, untouched
+    assert checkpoint.read_lineage(tmp_path) == [name(2), rev(3)]
     path, found = checkpoint.resolve("auto", tmp_path)
-    assert path.name == "snapshot-epoch0003.pt" and found.model["w"][0] == 33
-    # The new lineage goes on over the abandoned names; rotation follows it.
+    assert path.name == rev(3) and found.model["w"][0] == 33
+    # The new lineage goes on beside the abandoned names; rotation follows it.
     checkpoint.save(tmp_path, snapshot(4, mark=44), solo, 2, third)
-    assert names(tmp_path) == ["snapshot-epoch0003.pt", "snapshot-epoch0004.pt", "snapshot-epoch0005.pt"]
+    assert names(tmp_path) == [name(3), rev(3), name(4), rev(4), name(5)]
     assert checkpoint.resolve("auto", tmp_path)[1].model["w"][0] == 44
+    assert [checkpoint.load(tmp_path / name(e)).model["w"][0] for e in (3, 4)] == [3, 4]
 
 
 def test_a_lowered_keep_last_never_deletes_the_new_snapshot(tmp_path, solo):
     job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 6)], keep_last=5)
     second = checkpoint.save(tmp_path, snapshot(2, mark=22), solo, 5, tmp_path / name(1))  # a rollback to epoch 1
     checkpoint.save(tmp_path, snapshot(3, mark=33), solo, 1, second)  # then, in a later job, --keep-last 1
-    assert (tmp_path / "snapshot-epoch0003.pt").is_file() and not (tmp_path / "snapshot-epoch0002.pt").exists()
-    assert checkpoint.read_lineage(tmp_path) == ["snapshot-epoch0003.pt"]
+    assert (tmp_path / rev(3)).is_file() and not (tmp_path / rev(2)).exists()
+    assert (tmp_path / name(2)).is_file()  # abandoned by the rollback, never rotated
+    assert checkpoint.read_lineage(tmp_path) == [rev(3)]
     assert checkpoint.resolve("auto", tmp_path)[1].model["w"][0] == 33
 
 
@@ -86,7 +95,7 @@ def test_a_lowered_keep_last_never_deletes_the_new_snapshot(tmp_path, solo):
 def test_auto_after_a_rollback_never_picks_the_abandoned_future(tmp_path, solo, damage):
     job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 6)], keep_last=5)
     checkpoint.save(tmp_path, snapshot(3, mark=33), solo, 5, tmp_path / name(2))  # resumed from epoch 2
-    head = tmp_path / "snapshot-epoch0003.pt"
+    head = tmp_path / rev(3)
     if damage == "missing":
         head.unlink()
     else:
@@ -109,11 +118,13 @@ def test_an_explicit_resume_of_an_abandoned_snapshot_continues_it_not_the_rollba
     # lineage rotation then deleted epochs 1 and 2 and kept the abandoned 3.
     sixth = job(tmp_path, solo, [snapshot(6)], keep_last=2, parent=tmp_path / name(5))
     assert checkpoint.read_lineage(tmp_path) == [name(5), name(6)]
-    assert names(tmp_path) == [name(e) for e in range(1, 7)]  # nothing of the rollback's lineage is rotated
+    assert names(tmp_path) == [name(1), name(2), name(3), rev(3), name(4), name(5), name(6)]  # nothing rotated
     job(tmp_path, solo, [snapshot(7)], keep_last=2, parent=sixth)
     assert checkpoint.read_lineage(tmp_path) == [name(6), name(7)]
-    assert names(tmp_path) == [name(e) for e in (1, 2, 3, 4, 6, 7)]  # epoch 5, its real parent, rotated away
-    assert checkpoint.load(tmp_path / name(3)).model["w"][0] == 33  # the abandoned rollback, untouched
+    # epoch 5, its real parent, rotated away
+    assert names(tmp_path) == [name(1), name(2), name(3), rev(3), name(4), name(6), name(7)]
+    assert checkpoint.load(tmp_path / rev(3)).model["w"][0] == 33  # the abandoned rollback, untouched
+    assert checkpoint.load(tmp_path / name(3)).model["w"][0] == 3  # and the future it abandoned, too
     assert checkpoint.resolve("auto", tmp_path)[1].epoch == 7
 
 
@@ -124,9 +135,10 @@ def test_a_snapshot_resumed_from_another_directory_starts_a_new_lineage(tmp_path
     # --resume elsewhere/snapshot-epoch0003.pt --checkpoint-dir here: by name, the new epoch 4 continued here's
     # epochs 1-3 (another run's), and rotation deleted them.
     job(here, solo, [snapshot(4), snapshot(5), snapshot(6)], keep_last=2, parent=elsewhere / name(3))
-    assert checkpoint.read_lineage(here) == [name(5), name(6)]
-    assert names(here) == [name(e) for e in (1, 2, 3, 5, 6)]  # here's epoch 3 is not the parent, only its name
-    assert [checkpoint.load(here / name(e)).model["w"][0] for e in (1, 2, 3)] == [11, 12, 13]
+    assert checkpoint.read_lineage(here) == [rev(5), name(6)]
+    # here's epoch 3 is not the parent, only its name; here's 4 and 5 are another run's, never overwritten
+    assert names(here) == [name(1), name(2), name(3), name(4), name(5), rev(5), name(6)]
+    assert [checkpoint.load(here / name(e)).model["w"][0] for e in (1, 2, 3, 4, 5)] == [11, 12, 13, 14, 15]
     assert names(elsewhere) == [name(e) for e in range(1, 4)]
     assert checkpoint.resolve("auto", here)[1].model["w"][0] == 6
 
@@ -155,10 +167,43 @@ def test_a_rollback_then_several_saves_rotate_only_the_rollbacks_lineage(tmp_pat
     assert checkpoint.read_lineage(tmp_path) == [name(2), name(2, 7)]
     assert names(tmp_path) == [name(2), name(2, 4), name(2, 7), name(3), name(4)]
     last = job(tmp_path, solo, [snapshot(e, mark=10 * e) for e in (3, 4, 5)], keep_last=2, parent=stop)
-    assert checkpoint.read_lineage(tmp_path) == [name(4), name(5)]
-    assert names(tmp_path) == [name(2, 4), name(4), name(5)]  # the abandoned stop snapshot, never rotated
+    assert checkpoint.read_lineage(tmp_path) == [rev(4), name(5)]
+    # the abandoned stop snapshot and epochs 3 and 4, never rotated nor overwritten
+    assert names(tmp_path) == [name(2, 4), name(3), name(4), rev(4), name(5)]
     path, found = checkpoint.resolve("auto", tmp_path)
     assert path == last and found.model["w"][0] == 50
+
+
+def md5s(directory):
+    return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in checkpoint.list_snapshots(directory)}
+
+
+def test_a_rollback_never_overwrites_the_abandoned_snapshots(tmp_path, solo):
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 4)], keep_last=5)
+    before = md5s(tmp_path)
+    # --resume snapshot-epoch0001.pt, then epochs 2 and 3 again (another data order, other weights)
+    job(tmp_path, solo, [snapshot(2, mark=22), snapshot(3, mark=33)], keep_last=5, parent=tmp_path / name(1))
+    after = md5s(tmp_path)
+    assert {n: after[n] for n in before} == before  # "left on disk", as they were
+    assert set(after) - set(before) == {rev(2), rev(3)}
+    assert checkpoint.read_lineage(tmp_path) == [name(1), rev(2), rev(3)]
+    assert checkpoint.resolve("auto", tmp_path)[1].model["w"][0] == 33
+    job(tmp_path, solo, [snapshot(2, mark=222)], keep_last=5, parent=tmp_path / name(1))  # and once more
+    assert checkpoint.latest_name(tmp_path) == name(2, 0, 2) and md5s(tmp_path)[rev(2)] == after[rev(2)]
+
+
+def test_a_relaunch_resumes_what_its_launch_saved_not_the_rollback_path(tmp_path, solo):
+    job(tmp_path, solo, [snapshot(epoch) for epoch in range(1, 4)], keep_last=5)  # an earlier launch's
+    rollback = tmp_path / name(1)
+    # attempt 0 of launch L resumed the user's --resume .../epoch0001 and failed before saving: its relaunch
+    # takes the user's path again (`latest` names the abandoned epoch 3, another launch's)
+    assert checkpoint.resolve_relaunch(str(rollback), tmp_path, "L")[0] == rollback
+    saved = dataclasses.replace(snapshot(2, mark=22), launch_id="L")
+    job(tmp_path, solo, [saved], keep_last=5, parent=rollback)  # attempt 0 saved its epoch 2, then failed
+    path, found = checkpoint.resolve_relaunch(str(rollback), tmp_path, "L")
+    assert path.name == rev(2) and found.model["w"][0] == 22 and found.launch_id == "L"
+    assert checkpoint.resolve_relaunch(str(rollback), tmp_path, "another")[0] == rollback  # a new launch: the path
+    assert checkpoint.resolve_relaunch(str(rollback), tmp_path, "")[0] == rollback  # not under launch
 
 
 def test_latest_moves_only_after_every_rank_heard_the_save(tmp_path, solo, monkeypatch):

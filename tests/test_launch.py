@@ -1,5 +1,7 @@
 """The launch layer, in-process: host lists from every source, launcher command lines, the restart policy."""
 
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +18,8 @@ from mpiddp.launch.hosts import (Host, HostListError, discover, expand_nodelist,
                                  parse_host_option, parse_hostfile, place)
 from mpiddp.launch.policy import decide
 from mpiddp.launch import supervisor
-from mpiddp.launch.supervisor import Attempt, Plan, Supervisor, drop_option, inner_for, ranks_on, write_attempts
+from mpiddp.launch.supervisor import (Attempt, Plan, Supervisor, earlier_launches, follow_job, job_exports, ranks_on,
+                                      write_attempts)
 
 
 def test_importing_launch_starts_no_mpi_and_no_torch_distributed():
@@ -24,6 +27,21 @@ def test_importing_launch_starts_no_mpi_and_no_torch_distributed():
             "print([m for m in ('mpi4py', 'torch.distributed') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_launch_layer_never_imports_trainer_job_torch_or_numpy(tmp_path):
+    """launch learns what it needs from the job's records and the environment, never from trainer code."""
+    import re
+
+    forbidden = re.compile(r"^\s*(?:from|import)\s+(mpiddp\.trainer|mpiddp\.job|torch|numpy|mpi4py)\b", re.M)
+    for path in sorted((REPO / "mpiddp" / "launch").glob("*.py")):
+        assert not forbidden.findall(path.read_text()), path
+    # and not at run time either: a plan with --min-np used to parse the training flags with trainer.config
+    code = ("import sys; from mpiddp.launch.cli import make_plan;"
+            "make_plan(['-np', '2', '--min-np', '1', '--run-dir', sys.argv[1], '--', '--epochs', '1'], {});"
+            "print([m for m in sys.modules if m.startswith(('mpiddp.trainer', 'torch'))])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stderr
 
 
 def test_hostfile_in_open_mpi_and_mpich_form():
@@ -244,14 +262,68 @@ def test_diagnosis_prefers_a_killed_rank_over_a_consequent_exception_record():
     assert diagnose(1, None, "").kind == "exit"
 
 
-def test_training_resumes_after_a_failure_and_a_script_keeps_its_arguments(tmp_path):
-    plan = Plan("train", ["--epochs", "2", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
-    assert inner_for(plan, 0, None) == ["--epochs", "2", "--resume"]
-    assert inner_for(plan, 1, None) == ["--epochs", "2", "--resume", "auto"]
+def test_launch_tells_the_job_through_the_environment_and_never_rewrites_its_flags(tmp_path):
+    from mpiddp import contract
+
+    plan = Plan("train", ["--epochs", "2", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi",
+                min_np=1)
+    exports = job_exports(plan, 1, "L1")
+    assert exports[contract.RESTART_COUNT_ENV] == "1" and exports[contract.LAUNCH_ID_ENV] == "L1"
+    assert exports[contract.RUN_DIR_ENV] == str(tmp_path.resolve())
+    assert exports[contract.JOB_RECORD_ENV] == str(tmp_path.resolve() / "job.json")
+    assert contract.GLOBAL_BATCH_ENV not in exports  # unknown until the job recorded it
+    record = contract.JobRecord(str(tmp_path / "elsewhere"), str(tmp_path / "ck"), 2, 96, 16)
+    followed = follow_job(plan, record)
+    assert followed.run_dir == tmp_path / "elsewhere" and followed.global_batch == (96, 16)
+    assert job_exports(followed, 2, "L1")[contract.GLOBAL_BATCH_ENV] == "96"
+    assert follow_job(plan, None) == plan
     script = Plan("run", ["run", "s.py", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
-    assert inner_for(script, 2, None) == ["run", "s.py", "--resume"]
-    assert drop_option(["--resume", "x", "--a"], "--resume") == ["--a"]
-    assert drop_option(["--resume", "--epochs", "3", "--resume"], "--resume") == ["--epochs", "3"]
+    assert contract.RUN_DIR_ENV not in job_exports(script, 2, "L1")
+
+
+@pytest.mark.parametrize("flags", [["--run-d", "mydir"], ["--run-dir=mydir", "--resu", "x.pt"],
+                                   ["--checkpoint", "ck", "--resume"], ["--runs-root", "elsewhere"]])
+def test_launch_passes_the_job_flags_through_unread(tmp_path, flags):
+    """The training parser takes abbreviations: launch used to miss `--run-d` and add its own --run-dir, so the
+    job wrote elsewhere. Now the flags go through untouched, and the job's own parser decides."""
+    plan = make_plan(["-np", "2", "--run-dir", str(tmp_path / "launch"), "--", *flags], {})
+    assert plan.inner == flags and plan.global_batch is None
+
+
+def test_the_jobs_own_run_dir_flag_wins_over_launchs(tmp_path):
+    from types import SimpleNamespace
+
+    from mpiddp.main import launch_run_dir
+    from mpiddp.trainer.config import parse_args
+
+    topo = SimpleNamespace(launch_run_dir=str(tmp_path / "launch"))
+    given = parse_args(["--run-d", "mydir"])
+    assert given.run_dir == "mydir"  # the caller takes it first: `cfg.run_dir or launch_run_dir(...)`
+    assert launch_run_dir(parse_args([]), topo) == str(tmp_path / "launch")
+    assert launch_run_dir(parse_args(["--runs-r", "elsewhere"]), topo) is None  # a new directory under it
+    assert launch_run_dir(parse_args([]), SimpleNamespace(launch_run_dir="")) is None  # not under launch
+
+
+def test_the_global_batch_of_a_shrunk_relaunch_comes_from_the_environment(monkeypatch):
+    from mpiddp import contract
+    from mpiddp.trainer.config import parse_args
+
+    monkeypatch.setenv(contract.GLOBAL_BATCH_ENV, "96")
+    assert parse_args(["--batch-size", "16"]).for_world(1).grad_accum == 6
+    assert parse_args(["--global-b", "32"]).global_batch == 32  # the user's flag wins
+
+
+def test_attempts_of_earlier_launches_in_the_run_dir_are_kept(tmp_path):
+    first = [Attempt(0, ["a"], ["mpirun"], 1.0, status=1), Attempt(1, ["a"], ["mpirun"], 2.0, status=0)]
+    assert write_attempts(tmp_path / "attempts.json", first)
+    earlier, launch = earlier_launches(tmp_path)
+    assert launch == 1 and [a["number"] for a in earlier] == [0, 1]
+    again = [Attempt(0, ["a"], ["mpirun"], 3.0, status=None, launch=launch)]
+    assert write_attempts(tmp_path / "attempts.json", again, earlier)
+    data = json.loads((tmp_path / "attempts.json").read_text())
+    assert data["restarts"] == 2 and [(a["launch"], a["number"]) for a in data["attempts"]] == [(0, 0), (0, 1), (1, 0)]
+    assert earlier_launches(tmp_path)[1] == 2
+    assert earlier_launches(tmp_path / "none") == ([], 0)
 
 
 def test_help_needs_no_job(capsys):
@@ -263,9 +335,9 @@ def test_help_needs_no_job(capsys):
 
 def test_plan_from_the_command_line(tmp_path):
     plan = make_plan(["-H", "a:1,b:1,c:1", "-np", "2", "--exclude", "a", "--launcher", "mpirun",
-                      "--", "--epochs", "1", "--runs-root", str(tmp_path)], {})
+                      "--run-dir", str(tmp_path / "r"), "--", "--epochs", "1"], {})
     assert plan.mode == "train" and plan.num_ranks == 2 and plan.excluded == ["a"]
-    assert plan.run_dir.parent == tmp_path and plan.inner[-2:] == ["--run-dir", str(plan.run_dir)]
+    assert plan.run_dir == tmp_path / "r" and plan.inner == ["--epochs", "1"] and not plan.made_run_dir
     given = make_plan(["-np", "2", "--run-dir", str(tmp_path / "r"), "--", "run", "x.py"], {})
     assert given.mode == "run" and given.run_dir == tmp_path / "r" and given.inner == ["run", "x.py"]
     for bad, message in ((["-np", "2", "--epochs"], "after `--`"), (["-np", "2", "--", "check"], "not `check`"),
@@ -293,24 +365,6 @@ def test_exception_record_outranks_the_launcher_killing_the_other_ranks():
             "slurmstepd: error: *** STEP 5.0 ON nodeb CANCELLED AT 2026-11-23T10:00:00 ***\n"
             "srun: error: nodeb: task 1: Terminated\n")
     assert killed_by_signal(srun) == ((0,), ("nodea",), 9)
-
-
-def test_an_explicit_resume_path_holds_until_a_snapshot_is_saved(tmp_path):
-    checkpoints = tmp_path / "ck"
-    checkpoints.mkdir()
-    (checkpoints / "latest").write_text("snap-9.pt\n")  # the newer snapshot the rollback abandons
-    inner = ["--epochs", "2", "--checkpoint-dir", str(checkpoints), "--resume", "snap-5.pt"]
-    plan = Plan("train", inner, tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
-    at_start = supervisor.latest_pointer(plan)
-    assert at_start == "snap-9.pt\n"
-    assert inner_for(plan, 1, at_start) == inner  # attempt 0 died before its first save
-    (checkpoints / "latest").write_text("snap-6.pt\n")
-    assert inner_for(plan, 2, at_start) == [*inner[:4], "--resume", "auto"]
-    default = Plan("train", ["--resume=snap-5.pt"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
-    assert inner_for(default, 1, None) == ["--resume=snap-5.pt"]  # no RUN_DIR/checkpoints/latest yet
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "latest").write_text("snap-6.pt\n")
-    assert inner_for(default, 1, None) == ["--resume", "auto"]
 
 
 def test_policy_maps_the_failed_ranks_through_the_placement():
@@ -451,18 +505,16 @@ def test_config_for_world_derives_accumulation_from_the_global_batch():
         cfg.for_world(3)
 
 
-def test_plan_with_min_np_carries_the_global_batch_to_every_attempt(tmp_path):
-    base = ["-H", "a:1,b:1", "-np", "2", "--min-np", "1", "--launcher", "mpirun", "--"]
-    plan = make_plan([*base, "train", "--batch-size", "16", "--grad-accum", "3", "--run-dir", str(tmp_path)], {})
-    assert plan.min_np == 1 and plan.global_batch == (96, 16) and plan.inner[-2:] == ["--global-batch", "96"]
-    given = make_plan([*base, "--global-batch", "128", "--run-dir", str(tmp_path)], {})
-    assert given.global_batch == (128, 32) and given.inner.count("--global-batch") == 1
+def test_plan_with_min_np_learns_the_global_batch_from_the_job(tmp_path):
+    base = ["-H", "a:1,b:1", "-np", "2", "--min-np", "1", "--launcher", "mpirun", "--run-dir", str(tmp_path), "--"]
+    plan = make_plan([*base, "train", "--batch-size", "16", "--grad-accum", "3"], {})
+    assert plan.min_np == 1 and plan.global_batch is None and plan.inner == ["train", "--batch-size", "16",
+                                                                            "--grad-accum", "3"]
     script = make_plan([*base, "run", "x.py"], {})
     assert script.min_np == 1 and script.global_batch is None and script.inner == ["run", "x.py"]
-    assert make_plan(base[:4] + base[6:] + ["--epochs", "1", "--run-dir", str(tmp_path)], {}).global_batch is None
     for bad in ("0", "3"):
         with pytest.raises(LaunchError, match=rf"--min-np must be in \[1, -np 2\], got {bad}"):
-            make_plan([*base[:5], bad, *base[6:], "--epochs", "1", "--run-dir", str(tmp_path)], {})
+            make_plan([*base[:5], bad, *base[6:], "--epochs", "1"], {})
 
 
 def test_launcher_path_picks_the_mpi_and_its_flavour(tmp_path, mpich):
@@ -511,3 +563,45 @@ def test_a_launcher_that_cannot_be_started_is_one_line_and_no_relaunch(tmp_path,
     assert supervisor.run() == 2
     assert len(supervisor.attempts) == 1 and supervisor.attempts[0].cause == "user_error"
     assert f"cannot start {tmp_path}/gone/mpirun: No such file or directory; not relaunched" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--launcher", "srun", "-np", "2"], "--launcher srun runs inside a Slurm allocation"),
+    (["-H", "localhost:\u00b2"], "slot count '\u00b2' is not a number"),
+    (["-np", "0"], "-np must be at least 1, got 0"),
+    (["-np", "-3"], "-np must be at least 1, got -3"),
+    (["-H", "a:1,b:1", "--exclude", "a,b"], "--exclude a,b leaves none of the 2 hosts from -H"),
+    (["-H", "a:1,b:1", "-np", "1", "--exclude", "b,a"], "--exclude b,a leaves none of the 2 hosts"),
+    (["-H", "a b:2"], "'a b' is not a host name"),
+])
+def test_bad_inputs_to_launch_are_one_clear_line(tmp_path, argv, message):
+    with pytest.raises((LaunchError, HostListError), match=re.escape(message)):
+        make_plan([*argv, "--run-dir", str(tmp_path), "--", "--epochs", "1"], {})
+
+
+def test_launcher_args_may_start_with_a_dash(tmp_path):
+    for given in (["--launcher-args", "--oversubscribe"], ["--launcher-args=--oversubscribe"]):
+        plan = make_plan(["-np", "2", *given, "--launcher-args", "--mca btl tcp,self", "--run-dir", str(tmp_path),
+                          "--", "run", "x.py"], {})
+        assert plan.extra == ["--oversubscribe", "--mca", "btl", "tcp,self"]
+
+
+def test_host_lists_refuse_what_is_not_a_host_or_a_number():
+    with pytest.raises(HostListError, match=r"the range '3-1' runs backwards"):
+        expand_nodelist("n[3-1]")
+    with pytest.raises(HostListError, match="is not a number"):
+        parse_hostfile("nodea slots=\u00b2\n")
+    with pytest.raises(HostListError, match="cannot read the Slurm node list"):
+        expand_nodelist("n[\u00b2-3]")
+    with pytest.raises(HostListError, match="'no de' is not a host name"):
+        from_pbs("no de\n")
+    assert parse_host_option("node-1.example.org:2,10.0.0.5,gpu_7:1") == [
+        Host("node-1.example.org", 2), Host("10.0.0.5", 1), Host("gpu_7", 1)]
+
+
+def test_a_bad_launch_input_is_one_line_on_stderr_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mpiddp", "launch", "-H", "localhost:\u00b2", "--run-dir",
+                           str(tmp_path), "--", "--epochs", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["mpiddp launch: error: -H localhost:\u00b2: slot count '\u00b2' is not a number"]
+    assert not (tmp_path / "attempts.json").exists()

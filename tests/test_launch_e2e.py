@@ -60,7 +60,8 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     assert first["hosts"] == ["nodea", "nodeb"] and second["hosts"] == ["nodea", "nodec"]
     assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], ["nodeb"])
     assert first["status"] != 0 and "without nodeb" in first["decision"]
-    assert second["status"] == 0 and second["cause"] is None and "--resume" in second["command"]
+    # the same flags: the relaunched job resumes by itself (its restart count), launch never rewrites them
+    assert second["status"] == 0 and second["cause"] is None and "--resume" not in second["command"]
     # killed inside step 30 (the last step in metrics.jsonl is 29), resumed from the epoch-1 snapshot at step 22
     assert (first["failed_at_step"], first["resumed_at_step"], first["steps_lost"]) == (29, 22, 7)
     assert_downtime(first)
@@ -77,7 +78,8 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
 
 def test_a_bad_flag_is_one_attempt_and_exit_2(tmp_path):
     run_dir = tmp_path / "run"
-    job = run_command(launch_command("-np", "2", "--", "--run-dir", str(run_dir), "--epochs", "0", *FAST),
+    # the job fails before it could say where it writes: launch's records stay in launch's own --run-dir
+    job = run_command(launch_command("-np", "2", "--run-dir", str(run_dir), "--", "--epochs", "0", *FAST),
                       run_dir, timeout=120, env=job_env())
     assert job.returncode == 2, job.output[-3000:]
     record = attempts(run_dir)
@@ -253,4 +255,52 @@ def test_mpich_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, 
     first, second = record["attempts"]
     assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], ["nodeb"]), first
     assert first["hosts"] == ["nodea", "nodeb"] and second["hosts"] == ["nodea", "nodec"]
-    assert second["command"][0] == str(mpich / "bin" / "mpiexec") and "--resume" in second["command"]
+    assert second["command"][0] == str(mpich / "bin" / "mpiexec") and "--resume" not in second["command"]
+
+
+def test_abbreviated_training_flags_keep_the_users_run_dir_and_checkpoint_dir(tmp_path):
+    """launch used to read `--run-d` as no --run-dir and add its own: the job then wrote elsewhere. launch reads
+    no flag of the job now: the job's parser decides, and its record tells launch where it writes."""
+    mydir, checkpoints = tmp_path / "mydir", tmp_path / "ck"
+    command = launch_command("-np", "2", "--", "--run-d", str(mydir), "--checkpoint", str(checkpoints),
+                             "--epochs", "1", *FAST)
+    job = run_command(command, mydir, timeout=180, env=job_env(PYTHONPATH=str(REPO)), cwd=tmp_path)
+    assert job.returncode == 0, job.output[-5000:]
+    assert job.summary["checkpoint_dir"] == str(checkpoints) and list(checkpoints.glob("snapshot-*.pt"))
+    record = attempts(mydir)  # launch's records followed the job into its run dir
+    assert len(record["attempts"]) == 1 and record["attempts"][0]["status"] == 0
+    assert json.loads((mydir / "job.json").read_text())["run_dir"] == str(mydir)
+    assert list((tmp_path / "runs").iterdir()) == []  # the directory launch made for itself, empty, is gone
+    # A requeue or a resubmission in the same run dir keeps the earlier launch's attempts after it
+    again = run_command(launch_command("-np", "2", "--run-dir", str(mydir), "--", "--resume", "--epochs", "2", *FAST),
+                        mydir, timeout=180, env=job_env(PYTHONPATH=str(REPO)), cwd=tmp_path)
+    assert again.returncode == 0, again.output[-5000:]
+    assert [(a["launch"], a["number"], a["status"]) for a in attempts(mydir)["attempts"]] == [(0, 0, 0), (1, 0, 0)]
+    assert attempts(mydir)["restarts"] == 1
+
+
+def test_a_relaunch_after_a_rollback_resumes_what_this_launch_saved(tmp_path):
+    """Attempt 0 of a rollback (--resume .../snapshot-epoch0001.pt) saves its epoch 2 and fails: the relaunch
+    resumes that new snapshot, not the user's path again, and the abandoned epoch-2 snapshot stays as it was."""
+    import hashlib
+
+    run_dir = tmp_path / "run"
+    first = run_command(launch_command("-np", "2", "--max-restarts", "0", "--", "--run-dir", str(run_dir),
+                                       "--epochs", "2", *FAST), run_dir, timeout=180, env=job_env())
+    assert first.returncode == 0, first.output[-5000:]
+    checkpoints = run_dir / "checkpoints"
+    abandoned = {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in checkpoints.glob("snapshot-*.pt")}
+    assert set(abandoned) == {"snapshot-epoch0001.pt", "snapshot-epoch0002.pt"}
+    # 22 steps per epoch: attempt 0 resumes at step 22, saves epoch 2 at step 44, and rank 0 raises at step 50
+    rollback = run_command(launch_command("-np", "2", "--max-restarts", "1", "--", "--run-dir", str(run_dir),
+                                          "--resume", str(checkpoints / "snapshot-epoch0001.pt"), "--epochs", "3",
+                                          *FAST, "--inject-fault", "raise:0:50", "--log-every", "1"),
+                           run_dir, timeout=300, env=job_env())
+    assert rollback.returncode != 0  # the relaunch meets the same injected fault at step 50
+    starts = [r for r in rollback.metrics if r["kind"] == "start"][-2:]
+    assert [r["step"] for r in starts] == [22, 44], starts
+    assert starts[1]["resumed_from"].endswith("snapshot-epoch0002-r1.pt")
+    earlier, attempt0, attempt1 = attempts(run_dir)["attempts"]
+    assert (earlier["launch"], attempt0["launch"], attempt1["launch"]) == (0, 1, 1)
+    assert attempt0["resumed_at_step"] == 44 and attempt0["steps_lost"] == attempt0["failed_at_step"] - 44 < 7
+    assert {name: hashlib.md5((checkpoints / name).read_bytes()).hexdigest() for name in abandoned} == abandoned

@@ -26,7 +26,7 @@ from mpiddp.job.mpistart import init_mpi
 from mpiddp.job.stopping import Stopped
 from mpiddp.job.storeload import add_within
 from mpiddp.job.topology import (Topology, build_topology, check_launcher, gather_records, launcher_restarts,
-                             supervisor_failure_file)
+                             supervisor_settings)
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,8 @@ def connect(guard: FailFast | None = None) -> Dist:
     records, mpi_library = gather_records(comm)
     topology = agree_on(transport, lambda: build_topology(transport.rank, records, mpi_library))
     # Rank 0's view of the launcher's restart count is the job's (every rank must decide alike).
-    restarts, failure_file = transport.bcast((launcher_restarts(os.environ), supervisor_failure_file(os.environ)))
-    dist = Dist(dataclasses.replace(topology, restarts=restarts, mpi_settings=mpi_settings, failure_file=failure_file),
-                transport)
+    restarts, supervised = transport.bcast((launcher_restarts(os.environ), supervisor_settings(os.environ)))
+    dist = Dist(dataclasses.replace(topology, restarts=restarts, mpi_settings=mpi_settings, **supervised), transport)
     if guard is not None:
         guard.dist = dist
     return dist

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import field
 from typing import Any, TypeVar
 
+from mpiddp.contract import MASTER_ADDR_ENV  # noqa: F401 - re-exported
 from mpiddp.errors import HelpRequested, UserError
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 START_METHODS = ("forkserver", "spawn", "fork")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"
 T = TypeVar("T")
 
 

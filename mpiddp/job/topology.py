@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from mpiddp.contract import FAILURE_FILE_ENV, JOB_RECORD_ENV, LAUNCH_ID_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV
 from mpiddp.errors import UserError
 
 
@@ -52,6 +53,9 @@ class Topology:
     mpi_settings: str = ""  # what mpiddp set for MPI before starting it (mpistart), '' when nothing
     restarts: int = 0  # the scheduler requeued this job this many times (then training resumes by itself)
     failure_file: str = ""  # where the supervisor (`launch`) reads why the job failed; '' for RUN_DIR/failure.json
+    launch_id: str = ""  # which `launch` runs this job ('' when none): a relaunch prefers the snapshots it saved
+    launch_run_dir: str = ""  # launch's run dir: training's default when its flags name none
+    job_record: str = ""  # where training tells `launch` its run dir and global batch ('' when not supervised)
 
     @property
     def is_main(self) -> bool:
@@ -190,13 +194,14 @@ def mismatch_message(info: LauncherInfo, mpi_library: str, mpi4py_file: str, pyt
 def launcher_restarts(env: Mapping[str, str]) -> int:
     """How many times the scheduler has restarted this job (Slurm's requeue keeps the job id and counts here),
     or the supervisor (`python -m mpiddp launch` counts its relaunches in MPIDDP_RESTART_COUNT)."""
-    values = (env.get("SLURM_RESTART_COUNT", "0"), env.get("MPIDDP_RESTART_COUNT", "0"))
+    values = (env.get("SLURM_RESTART_COUNT", "0"), env.get(RESTART_COUNT_ENV, "0"))
     return max(int(value) if value.isdigit() else 0 for value in values)
 
 
-def supervisor_failure_file(env: Mapping[str, str]) -> str:
-    """The failure record's path the supervisor asked for (MPIDDP_FAILURE_FILE), '' when not supervised."""
-    return env.get("MPIDDP_FAILURE_FILE", "")
+def supervisor_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """What `launch` told the job through the environment (mpiddp.contract), as Topology's fields; '' when unset."""
+    return {"failure_file": env.get(FAILURE_FILE_ENV, ""), "launch_id": env.get(LAUNCH_ID_ENV, ""),
+            "launch_run_dir": env.get(RUN_DIR_ENV, ""), "job_record": env.get(JOB_RECORD_ENV, "")}
 
 
 def mpi_library_version() -> str:

@@ -13,7 +13,7 @@ from mpiddp.launch.command import LAUNCHERS, choose_launcher, find_program, mpi_
 from mpiddp.launch.hosts import HostListError, discover, place
 from mpiddp.errors import UserError
 from mpiddp.launch.supervisor import Plan, Supervisor, say
-from mpiddp.runname import new_timestamped_dir
+from mpiddp.runname import DEFAULT_RUNS_ROOT, new_timestamped_dir
 
 EXIT_USER_ERROR = 2
 USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] "
@@ -47,9 +47,11 @@ def parser() -> argparse.ArgumentParser:
                                           "beside this python, else on PATH); an MPI's own launcher is judged by "
                                           "its --version")
     p.add_argument("--launcher-args", action="append", default=[],
-                   help="extra arguments for the launcher, one string (shell-split), e.g. '--mca btl tcp,self'")
-    p.add_argument("--run-dir", help="where failure.json and attempts.json go (training: its --run-dir; "
-                                     "default: a new directory under runs/)")
+                   help="extra arguments for the launcher, one string (shell-split), e.g. '--mca btl tcp,self' "
+                        "or --oversubscribe (a value that starts with '-' is taken as it is)")
+    p.add_argument("--run-dir", help="where failure.json and attempts.json go, and training's outputs unless its "
+                                     "own --run-dir or --runs-root names another place, which launch then follows "
+                                     "(default: a new directory under runs/)")
     return p
 
 
@@ -59,16 +61,21 @@ def split_job(argv: list[str]) -> tuple[list[str], list[str]]:
             parser().parse_args(argv)  # prints the help and exits 0
         raise LaunchError(f"give the job after `--`: {USAGE}")
     at = argv.index("--")
-    return argv[:at], argv[at + 1:]
+    return attach_launcher_args(argv[:at]), argv[at + 1:]
 
 
-def option_value(argv: list[str], name: str) -> str | None:
-    for index, arg in enumerate(argv):
-        if arg == name and index + 1 < len(argv):
-            return argv[index + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+def attach_launcher_args(own: list[str]) -> list[str]:
+    """`--launcher-args --oversubscribe` as `--launcher-args=--oversubscribe`: its value is other flags, which
+    argparse would otherwise take for one of launch's own and report "expected one argument"."""
+    out, index = [], 0
+    while index < len(own):
+        if own[index] == "--launcher-args" and index + 1 < len(own):
+            out.append(f"--launcher-args={own[index + 1]}")
+            index += 2
+            continue
+        out.append(own[index])
+        index += 1
+    return out
 
 
 def new_run_dir(runs_root: Path) -> Path:
@@ -76,18 +83,6 @@ def new_run_dir(runs_root: Path) -> Path:
         return new_timestamped_dir(runs_root)
     except UserError as exc:
         raise LaunchError(str(exc)) from None
-
-
-def job_global_batch(job: list[str], num_ranks: int) -> tuple[int, int] | None:
-    """(samples per optimizer step, largest per-rank batch) of training flags `job` on `num_ranks` ranks; None when
-    the flags do not parse (the first attempt says why, as a user error)."""
-    from mpiddp.trainer.config import HelpRequested, parse_args  # standard library only: no torch, no MPI
-
-    try:
-        cfg = parse_args(job[1:] if job[:1] == ["train"] else job)
-    except (ValueError, HelpRequested):  # a ConfigError or --help: the job reports them itself
-        return None
-    return cfg.global_batch or cfg.batch_size * num_ranks * cfg.grad_accum, cfg.batch_size
 
 
 def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
@@ -105,6 +100,10 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     hosts, source = discover(args.hostfile, args.host_option, env)
     excluded = [name.strip() for name in args.exclude.split(",") if name.strip()]
     free = [h for h in hosts if h.name not in excluded]
+    if args.num_ranks is not None and args.num_ranks < 1:
+        raise LaunchError(f"-np must be at least 1, got {args.num_ranks}")
+    if hosts and not free:
+        raise LaunchError(f"--exclude {args.exclude} leaves none of the {len(hosts)} hosts from {source}")
     num_ranks = args.num_ranks if args.num_ranks is not None else sum(h.slots for h in free)
     if num_ranks < 1:
         raise LaunchError("give -np N (the number of ranks): no host list to count slots from")
@@ -114,20 +113,14 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
         used, spares = place(free, num_ranks)  # fails now, not after the first failure
         say(f"hosts from {source}: {len(used)} in use, {len(spares)} spare"
             f"{', excluded ' + ','.join(excluded) if excluded else ''}")
-    inner_dir = option_value(job, "--run-dir") if mode == "train" else None
-    if args.run_dir and inner_dir and Path(args.run_dir).resolve() != Path(inner_dir).resolve():
-        raise LaunchError(f"--run-dir {args.run_dir} (launch) and --run-dir {inner_dir} (training) differ: give one")
-    run_dir = Path(inner_dir or args.run_dir or new_run_dir(Path(option_value(job, "--runs-root") or "runs")))
+    # Never parsed from the job's flags: the job takes this directory from the environment unless its own flags
+    # name another, and then says so in its record (mpiddp.contract), which the supervisor follows.
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(Path(DEFAULT_RUNS_ROOT))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise LaunchError(f"cannot create the run directory {run_dir} ({exc.strerror or exc}): "
                           f"give a writable --run-dir") from None
-    if mode == "train" and inner_dir is None:
-        job = [*job, "--run-dir", str(run_dir)]  # every attempt writes to, and resumes from, the same place
-    global_batch = job_global_batch(job, num_ranks) if mode == "train" and args.min_np is not None else None
-    if global_batch is not None and option_value(job, "--global-batch") is None:
-        job = [*job, "--global-batch", str(global_batch[0])]  # a shrunk attempt keeps it: the job derives --grad-accum
     mpirun = find_program("mpirun") or "mpirun"
     given = args.launcher_path
     if given and not Path(given).is_file():
@@ -142,11 +135,14 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     judged = given if given and Path(given).name != "srun" else mpirun
     flavour = mpi_flavour(version_text(judged))
     launcher = choose_launcher(args.launcher, env, flavour)
+    if launcher == "srun" and not hosts:  # inside an allocation the hosts come from it: this is outside one
+        raise LaunchError("--launcher srun runs inside a Slurm allocation (sbatch, salloc): none here, and no "
+                          "--hostfile or -H; use --launcher mpirun, or launch from within the allocation")
     program = given or (mpirun if launcher == "mpirun" else find_program(launcher) or launcher)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
-                extra=extra, min_np=args.min_np,
-                global_batch=global_batch, host_strikes=args.host_strikes)
+                extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
+                made_run_dir=not args.run_dir)
 
 
 def main(argv: list[str]) -> int:

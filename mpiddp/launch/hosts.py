@@ -12,6 +12,11 @@ class HostListError(ValueError):
     """A host list that cannot be read: one line saying what to fix."""
 
 
+# A host name or address as launchers take it: ASCII letters, digits, '.', '-', '_' (no spaces, no shell syntax)
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_NUMBER = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -22,6 +27,8 @@ def _merge(pairs: list[tuple[str, int]]) -> list[Host]:
     """Hosts in order of first mention; a host named twice gets the slots of both (PBS names it once per slot)."""
     slots: dict[str, int] = {}
     for name, count in pairs:
+        if not _HOST_NAME.fullmatch(name):
+            raise HostListError(f"{name!r} is not a host name (letters, digits, '.', '-' and '_' only)")
         if count < 1:
             raise HostListError(f"host {name!r} has {count} slots: give at least 1")
         slots[name] = slots.get(name, 0) + count
@@ -29,7 +36,7 @@ def _merge(pairs: list[tuple[str, int]]) -> list[Host]:
 
 
 def _count(text: str, what: str) -> int:
-    if not text.isdigit():
+    if not _NUMBER.fullmatch(text):
         raise HostListError(f"{what}: slot count {text!r} is not a number")
     return int(text)
 
@@ -92,8 +99,10 @@ def expand_nodelist(text: str) -> list[str]:
         prefix, ranges, suffix = match.groups()
         for item in ranges.split(","):
             low, _, high = item.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
+            if not _NUMBER.fullmatch(low) or (high and not _NUMBER.fullmatch(high)):
                 raise HostListError(f"cannot read the Slurm node list {text!r} at {item!r}")
+            if high and int(high) < int(low):
+                raise HostListError(f"cannot read the Slurm node list {text!r}: the range {item!r} runs backwards")
             width = len(low)
             for number in range(int(low), int(high or low) + 1):
                 # the rest may hold more brackets: rack[1-2]-node[01-02]

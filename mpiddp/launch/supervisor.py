@@ -1,7 +1,9 @@
 """The supervisor: run the launcher, watch it, and after a failure relaunch without the bad host until done.
 
-It runs outside MPI (never imports mpi4py or torch.distributed) and talks to the job through three things only:
-the exit status, the failure record RUN_DIR/failure.json, and (as a fallback) the launcher's own output.
+It runs outside MPI (never imports mpi4py or torch.distributed) and never parses the job's flags. It talks to the
+job through the environment it sets (mpiddp.contract), the exit status, the records the job writes (RUN_DIR/job.json:
+where training writes and its global batch; RUN_DIR/failure.json: why it failed), and (as a fallback) the
+launcher's own output.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
 from mpiddp import failure
+from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
+                             RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record, write_text_atomic)
 from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import build_command
@@ -27,11 +32,8 @@ from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import decide, same_host
 
-FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # read by the job's topology only
-RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # the job exports it to scripts as TORCHELASTIC_RESTART_COUNT
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
-CHECKPOINT_OPTIONS = ("--checkpoint-dir", "--model_dir")
 OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
 
 
@@ -40,8 +42,8 @@ class Plan:
     """What the user asked for, resolved: every attempt is built from it."""
 
     mode: str  # "train" or "run"
-    inner: list[str]  # what follows `python -m mpiddp`, with the run dir made explicit for training
-    run_dir: Path
+    inner: list[str]  # what follows `python -m mpiddp`, as the user gave it (never parsed)
+    run_dir: Path  # launch's records; training's outputs too, unless its job record names another directory
     num_ranks: int
     hosts: list[Host]  # every host known, spares included (empty: the launcher places the ranks)
     excluded: list[str]
@@ -53,11 +55,12 @@ class Plan:
     min_np: int | None = None  # with no spare left, continue on fewer ranks, down to this many
     global_batch: tuple[int, int] | None = None  # training with --min-np: (samples per step, largest per-rank batch)
     host_strikes: int = 1  # a host is left out on its N-th blamed failure
+    made_run_dir: bool = False  # launch created run_dir: removed if training writes elsewhere and leaves it empty
 
 
 @dataclass
 class Attempt:
-    number: int
+    number: int  # within its launch
     hosts: list[str]
     command: list[str]
     started_at: float
@@ -77,58 +80,42 @@ class Attempt:
     last_step_at: float | None = None  # when training last made progress (metrics.jsonl), else the failure's time
     downtime_s: float | None = None  # last_step_at -> the next attempt's first finished step (training)
     downtime_phases: dict[str, float] = field(default_factory=dict)  # those seconds per failure.DOWNTIME_PHASES
+    launch: int = 0  # which `launch` in this run dir made it: a requeue or a resubmission adds its attempts after
 
 
-def inner_for(plan: Plan, number: int, latest_at_start: str | None) -> list[str]:
-    """The job's arguments for attempt `number`: training resumes from the newest snapshot after a failure.
-    A `--resume PATH` of the user's (a rollback) stays until a snapshot has been saved since the launch began
-    (`latest` changed from `latest_at_start`): before that, `latest` still names the abandoned newer snapshot."""
-    if plan.mode != "train" or number == 0:
-        return list(plan.inner)
-    given = resume_value(plan.inner)
-    if given not in (None, "auto") and latest_pointer(plan) == latest_at_start:
-        return list(plan.inner)
-    return [*drop_option(plan.inner, "--resume"), "--resume", "auto"]
+def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
+    """What attempt `number` tells the job through the environment (names in mpiddp.contract); the launcher
+    forwards them to every host. Training takes its run dir from here unless its own flags name another."""
+    exports = {FAILURE_FILE_ENV: str(plan.run_dir / failure.FAILURE_FILE), RESTART_COUNT_ENV: str(number),
+               LAUNCH_ID_ENV: launch_id}
+    if plan.mode == "train":
+        exports[RUN_DIR_ENV] = str(plan.run_dir.resolve())
+        exports[JOB_RECORD_ENV] = str(plan.run_dir.resolve() / JOB_RECORD_FILE)
+        if plan.min_np is not None and plan.global_batch is not None:  # the job derives its split on fewer ranks
+            exports[GLOBAL_BATCH_ENV] = str(plan.global_batch[0])
+    return exports
 
 
-def resume_value(argv: list[str]) -> str | None:
-    """--resume's value in argv: None without it, "auto" when bare."""
-    value = None
-    for index, arg in enumerate(argv):
-        if arg.startswith("--resume="):
-            value = arg.split("=", 1)[1]
-        elif arg == "--resume":
-            following = argv[index + 1] if index + 1 < len(argv) else "-"
-            value = "auto" if following.startswith("-") else following
-    return value
+def follow_job(plan: Plan, record: JobRecord | None) -> Plan:
+    """The plan after the job said where it writes and what its global batch is (a failure then reads that run dir)."""
+    if record is None:
+        return plan
+    batch = (record.global_batch, record.max_per_rank_batch) if plan.min_np is not None else plan.global_batch
+    return replace(plan, run_dir=Path(record.run_dir), global_batch=batch)
 
 
-def latest_pointer(plan: Plan) -> str | None:
-    """The content of the training's CHECKPOINT_DIR/latest (which snapshot `--resume auto` takes), or None."""
-    directory = plan.run_dir / "checkpoints"  # the job's default, as mpiddp.main
-    for index, arg in enumerate(plan.inner):
-        for name in CHECKPOINT_OPTIONS:
-            if arg == name and index + 1 < len(plan.inner):
-                directory = Path(plan.inner[index + 1])
-            elif arg.startswith(name + "="):
-                directory = Path(arg.split("=", 1)[1])
+def earlier_launches(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """(the attempts of earlier launches in `run_dir`'s attempts.json, this launch's number)."""
     try:
-        return (directory / "latest").read_text()
-    except OSError:
-        return None
-
-
-def drop_option(argv: list[str], name: str) -> list[str]:
-    """argv without `name VALUE`, `name=VALUE` or a bare `name` (--resume's value is optional)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip and not arg.startswith("-"):
-            skip = False
-            continue
-        skip = arg == name
-        if not skip and not arg.startswith(name + "="):
-            out.append(arg)
-    return out
+        data = json.loads((run_dir / ATTEMPTS_FILE).read_text())
+    except (OSError, ValueError):
+        return [], 0
+    attempts = data.get("attempts") if isinstance(data, dict) else None
+    if not isinstance(attempts, list):
+        return [], 0
+    earlier = [a for a in attempts if isinstance(a, dict)]
+    numbers = [a.get("launch", 0) for a in earlier]
+    return earlier, max([n for n in numbers if isinstance(n, int)], default=-1) + 1
 
 
 def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
@@ -161,8 +148,10 @@ class Supervisor:
         self.child: subprocess.Popen[str] | None = None
         self.stop_signal = 0
         self.interrupts = 0
-        # what CHECKPOINT_DIR/latest held when the launch began: a user's --resume PATH holds until it moves
-        self.latest_at_start = latest_pointer(plan)
+        # A relaunch resumes by itself (its restart count); with the user's --resume PATH, the job prefers the
+        # snapshots this launch saved, which record this id.
+        self.launch_id = uuid.uuid4().hex[:12]
+        self.earlier, self.launch = earlier_launches(plan.run_dir)
         self.num_ranks = plan.num_ranks  # the next attempt's: fewer after a shrink (--min-np)
 
     @property
@@ -194,6 +183,7 @@ class Supervisor:
                 say(stopped)
                 return EXIT_STOPPED
             attempt, output = self._attempt(number, hosts_now, excluded)
+            self._follow_job()
             if attempt.cause_source == "supervisor":
                 attempt.decision = "not relaunched: fix the launcher (--launcher-path, PATH) and launch again"
                 self._save()
@@ -237,16 +227,17 @@ class Supervisor:
 
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
         num_ranks = self.num_ranks
-        exports = {FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
+        exports = job_exports(self.plan, number, self.launch_id)
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
-                                inner_for(self.plan, number, self.latest_at_start), exports, excluded, self.plan.extra)
+                                list(self.plan.inner), exports, excluded, self.plan.extra)
         try:
             self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
         except FileNotFoundError:
             pass
+        (self.plan.run_dir / JOB_RECORD_FILE).unlink(missing_ok=True)  # nor an earlier job's record describe it
         attempt = Attempt(number, [h.name for h in hosts], command, time.time(), num_ranks=num_ranks,
-                          excluded_hosts=list(excluded))
+                          excluded_hosts=list(excluded), launch=self.launch)
         self.attempts.append(attempt)
         self._save()  # listed as it starts: the job reads when it was launched (its downtime) and the restarts
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
@@ -302,21 +293,45 @@ class Supervisor:
         before.downtime_s, before.downtime_phases = failure.downtime(
             before.last_step_at, before.ended_at, latest.started_at, failure.read_metrics(self.plan.run_dir))
 
+    def _follow_job(self) -> None:
+        """Read the job record the attempt wrote: a training whose own flags named another run dir moves launch's
+        records there (this attempt's failure record included), and --min-np learns the global batch."""
+        before = self.plan.run_dir
+        self.plan = follow_job(self.plan, read_job_record(before / JOB_RECORD_FILE))
+        if self.plan.run_dir.resolve() == before.resolve():
+            return
+        say(f"training writes to {self.plan.run_dir} (its own flags): launch's records follow it there")
+        for name in (failure.FAILURE_FILE, JOB_RECORD_FILE):
+            try:
+                os.replace(before / name, self.plan.run_dir / name)
+            except OSError:  # none (no failure record: the job succeeded, or died without one)
+                pass
+        self.earlier, self.launch = earlier_launches(self.plan.run_dir)
+        for attempt in self.attempts:
+            attempt.launch = self.launch
+        self._save()
+        (before / ATTEMPTS_FILE).unlink(missing_ok=True)
+        if self.plan.made_run_dir:
+            try:
+                before.rmdir()  # only when empty: nothing else of the job's is ever deleted
+            except OSError:
+                pass
+
     def _save(self) -> None:
-        write_attempts(self.plan.run_dir / ATTEMPTS_FILE, self.attempts)
+        write_attempts(self.plan.run_dir / ATTEMPTS_FILE, self.attempts, self.earlier)
 
 
-def write_attempts(path: Path, attempts: list[Attempt]) -> bool:
-    """Write attempts.json; a failure to write is a warning (False), never the end of supervision."""
+def write_attempts(path: Path, attempts: list[Attempt], earlier: list[dict[str, Any]] | None = None) -> bool:
+    """Write attempts.json: the attempts of earlier launches in this run dir (a requeue, a resubmission), then
+    this launch's. A failure to write is a warning (False), never the end of supervision."""
+    listed = [*(earlier or []), *(asdict(a) for a in attempts)]
     data: dict[str, Any] = {
-        "restarts": max(0, len(attempts) - 1),
+        "restarts": max(0, len(listed) - 1),
         "excluded_hosts": attempts[-1].excluded_hosts if attempts else [],
-        "attempts": [asdict(a) for a in attempts],
+        "attempts": listed,
     }
-    temporary = path.with_name(f".{path.name}.tmp")
     try:
-        temporary.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(temporary, path)
+        write_text_atomic(path, json.dumps(data, indent=1) + "\n")
     except OSError as exc:
         say(f"warning: cannot write {path} ({exc.strerror or exc}); the attempts go unrecorded")
         return False

@@ -101,7 +101,8 @@ def attempt_lines(data: dict[str, Any]) -> list[str]:
         hosts = ", ".join(attempt.get("hosts") or []) or "the default hosts"
         count = attempt.get("num_ranks")
         ranks_used = f" ({count} rank{'' if count == 1 else 's'})" if count else ""
-        parts = [f"  attempt {attempt.get('number')} on {hosts}{ranks_used}: "]
+        launch = f"launch {attempt['launch']}, " if attempt.get("launch") else ""  # a requeue's or resubmission's
+        parts = [f"  {launch}attempt {attempt.get('number')} on {hosts}{ranks_used}: "]
         if attempt.get("status") is None:
             parts.append("running (or the supervisor was killed)")
         elif attempt.get("cause") is None:

@@ -22,18 +22,30 @@ LATEST = "latest"
 # The snapshots of the lineage that `latest` continues, oldest first, one name a line: each line's parent is the
 # line before it. Rotation deletes only from here, so a rollback's abandoned future is never what decides.
 LINEAGE = "lineage"
-_SNAPSHOT = re.compile(r"^snapshot-epoch(\d{4,})(?:-batch(\d+))?\.pt$")
+_SNAPSHOT = re.compile(r"^snapshot-epoch(\d{4,})(?:-batch(\d+))?(?:-r(\d+))?\.pt$")
 
 
-def snapshot_name(epoch: int, batches_done: int = 0) -> str:
-    """`epoch` completed epochs, plus `batches_done` batches of the next one for a stopped run."""
-    return f"snapshot-epoch{epoch:04d}-batch{batches_done:06d}.pt" if batches_done else f"snapshot-epoch{epoch:04d}.pt"
+def snapshot_name(epoch: int, batches_done: int = 0, revision: int = 0) -> str:
+    """`epoch` completed epochs, plus `batches_done` batches of the next one for a stopped run; `revision` > 0
+    when a rollback reaches a position whose snapshot is still on disk (never overwritten: see `free_name`)."""
+    name = f"snapshot-epoch{epoch:04d}-batch{batches_done:06d}" if batches_done else f"snapshot-epoch{epoch:04d}"
+    return f"{name}-r{revision}.pt" if revision else f"{name}.pt"
 
 
-def snapshot_key(name: str) -> tuple[int, int] | None:
-    """(completed epochs, batches of the next one): the order of training progress; None for other names."""
+def snapshot_key(name: str) -> tuple[int, int, int] | None:
+    """(completed epochs, batches of the next one, revision): the order of training progress, and among the
+    snapshots of one position the order they were saved in; None for other names."""
     m = _SNAPSHOT.match(name)
-    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+    return (int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0)) if m else None
+
+
+def free_name(directory: Path, epoch: int, batches_done: int) -> str:
+    """The first name for this position that no file has: after a rollback, the abandoned snapshot of the same
+    position stays on disk as it was (the README promises they are left), and the new one gets the next revision."""
+    revision = 0
+    while (directory / snapshot_name(epoch, batches_done, revision)).exists():
+        revision += 1
+    return snapshot_name(epoch, batches_done, revision)
 
 
 def list_snapshots(directory: Path) -> list[Path]:
@@ -79,6 +91,7 @@ def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     path = directory / snapshot_name(snapshot.epoch, snapshot.batches_done)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        path = directory / free_name(directory, snapshot.epoch, snapshot.batches_done)
         payload = snapshot.to_payload()
         write_atomic(path, lambda out: torch.save(payload, out))
     except (OSError, RuntimeError) as exc:
@@ -196,9 +209,20 @@ def refuse_reuse(directory: Path) -> None:
         )
 
 
-def find_for(resume: str, directory: Path, arch: str) -> tuple[Path, Snapshot] | None:
+def resolve_relaunch(resume: str, directory: Path, launch_id: str) -> tuple[Path, Snapshot] | None:
+    """A relaunch by `launch` `launch_id`: the newest snapshot (`auto`) when this launch saved it, since the job's
+    own `--resume PATH` (a rollback) is where the launch began, not where its last attempt got to; else `resume`."""
+    if resume != "auto" and launch_id:
+        newest = resolve("auto", directory)
+        if newest is not None and newest[1].launch_id == launch_id:
+            log.info("relaunched: resuming %s, which this launch saved, instead of --resume %s", newest[0], resume)
+            return newest
+    return resolve(resume, directory)
+
+
+def find_for(resume: str, directory: Path, arch: str, launch_id: str = "") -> tuple[Path, Snapshot] | None:
     """Rank 0's part of `restore`: resolve, and refuse a snapshot of another model."""
-    found = resolve(resume, directory)
+    found = resolve_relaunch(resume, directory, launch_id)
     if found is not None and found[1].arch != arch:
         raise UserError(
             f"snapshot {found[0]} holds a {found[1].arch!r} model but this run builds {arch!r}: "
@@ -207,17 +231,19 @@ def find_for(resume: str, directory: Path, arch: str) -> tuple[Path, Snapshot] |
     return found
 
 
-def restore(resume: str, directory: Path, arch: str, dist: Dist) -> tuple[Path, Snapshot] | None:
+def restore(resume: str, directory: Path, arch: str, dist: Dist,
+            launch_id: str = "") -> tuple[Path, Snapshot] | None:
     """Collective: rank 0 finds and checks the snapshot, every rank receives it (no shared filesystem needed):
     the shared part by broadcast, and of the per-rank part (RNG, PowerSGD's error feedback, as large as the
-    gradients) only its own, so a rank's memory at resume does not grow with the number of ranks.
+    gradients) only its own, so a rank's memory at resume does not grow with the number of ranks. `launch_id`:
+    this job is a relaunch by that `launch` (see `resolve_relaunch`).
 
     Raises the same AgreedError on every rank when the snapshot is missing, unreadable or for another model.
     """
     per_rank: list[tuple[Any, Any]] = []
 
     def load_and_split() -> tuple[Path, Snapshot] | None:
-        found = find_for(resume, directory, arch)
+        found = find_for(resume, directory, arch, launch_id)
         if found is None:
             return None
         path, snapshot = found

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpiddp.contract import GLOBAL_BATCH_ENV
 from mpiddp.errors import HelpRequested
 from mpiddp.globalbatch import GlobalBatchError, split
+from mpiddp.runname import DEFAULT_RUNS_ROOT
 from mpiddp.job.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.job.flags
 from mpiddp.job.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
 
@@ -125,9 +127,10 @@ class Config:
     grad_accum: int = option(1, "--grad-accum", group=TRAINING, parse=int, at_least=1,
                              help="micro-batches per optimizer step")
     global_batch: int | None = option(
-        None, "--global-batch", group=TRAINING, parse=int, at_least=1,
+        None, "--global-batch", group=TRAINING, parse=int, at_least=1, env=GLOBAL_BATCH_ENV,
         help="samples per optimizer step, kept on any number of ranks: --grad-accum is derived from it (and "
-        "--batch-size lowered only where needed to keep it exact); a world size it does not divide is refused")
+        "--batch-size lowered only where needed to keep it exact); a world size it does not divide is refused "
+        f"(env {GLOBAL_BATCH_ENV}, which launch --min-np sets for a relaunch on fewer ranks)")
     amp: str = option("off", "--amp", group=TRAINING, choices=AMP_MODES,
                       help=f"autocast: {', '.join(AMP_MODES)} (fp16 uses a GradScaler)")
     grad_compression: str = option(
@@ -173,8 +176,9 @@ class Config:
     wandb_group: str | None = option(None, "--wandb-group", group=OUTPUTS, help="wandb group")
     wandb_tags: tuple[str, ...] = option((), "--wandb-tags", group=OUTPUTS, parse=_tags, help="comma-separated wandb tags")
     run_dir: str | None = option(None, "--run-dir", group=OUTPUTS,
-                                 help="where metrics.jsonl and summary.json go (default: runs/<timestamp>)")
-    runs_root: str = option("runs", "--runs-root", group=OUTPUTS, help="parent of the default run directory")
+                                 help="where metrics.jsonl and summary.json go (default: runs/<timestamp>; under "
+                                 "launch, launch's run dir unless --runs-root is given)")
+    runs_root: str = option(DEFAULT_RUNS_ROOT, "--runs-root", group=OUTPUTS, help="parent of the default run directory")
     log_every: int = option(10, "--log-every", group=OUTPUTS, parse=int, at_least=1, help="steps between metric lines")
     throughput_warmup_steps: int = option(5, "--throughput-warmup-steps", group=OUTPUTS, parse=int, at_least=0,
                                           help="first steps left out of images/s")

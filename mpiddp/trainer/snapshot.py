@@ -86,6 +86,7 @@ class Snapshot:
     wandb_run_id: str | None = None
     # Every rank's gradient-communication state (PowerSGD's error feedback and warm start), in rank order.
     communication: list[dict[str, Any] | None] = field(default_factory=list)
+    launch_id: str = ""  # the `launch` whose job saved it ('' outside launch): its relaunches prefer it
     format: int = FORMAT_VERSION
 
     @classmethod
@@ -108,6 +109,7 @@ class Snapshot:
             config=config,
             wandb_run_id=wandb_run_id,
             communication=communication if any(communication) else [],
+            launch_id=dist.topology.launch_id,
         )
 
     def split_per_rank(self, world_size: int) -> tuple[Snapshot, list[tuple[Any, Any]]]:

@@ -1,0 +1,78 @@
+"""What `launch` and the job tell each other, stdlib only: the environment the supervisor sets for every attempt
+(the only place these names are spelled), and the job record the job writes back into the run directory.
+
+`launch` never parses the job's flags, as torchrun's agent never reads its script's: it says where it keeps its
+records and how many times it relaunched through the environment, and learns the job's real run directory and
+global batch from the record (RUN_DIR/job.json), as it learns why a job failed from failure.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # where the job records why it failed
+RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # relaunches so far: > 0 and training resumes by itself
+LAUNCH_ID_ENV = "MPIDDP_LAUNCH_ID"  # one `launch`: a relaunch resumes a snapshot this launch saved, if any
+RUN_DIR_ENV = "MPIDDP_RUN_DIR"  # launch's run dir: training's default, unless its --run-dir/--runs-root say else
+JOB_RECORD_ENV = "MPIDDP_JOB_RECORD"  # where the job writes its JobRecord at start-up
+GLOBAL_BATCH_ENV = "MPIDDP_GLOBAL_BATCH"  # --global-batch's default: a shrunk attempt (--min-np) keeps the batch
+MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"  # --master-addr's default (set by the user, not by launch)
+JOB_RECORD_FILE = "job.json"
+CHECKPOINTS_FOLDER = "checkpoints"  # RUN_DIR/checkpoints: the default checkpoint dir
+
+
+def default_checkpoint_dir(run_dir: Path) -> Path:
+    """Where snapshots go without --checkpoint-dir (the one place that says so)."""
+    return run_dir / CHECKPOINTS_FOLDER
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What a training job tells `launch` at start-up (global rank 0 writes it, every attempt anew)."""
+
+    run_dir: str
+    checkpoint_dir: str
+    world_size: int
+    global_batch: int  # samples per optimizer step: per-rank batch x ranks x accumulation
+    max_per_rank_batch: int  # --batch-size as given: a shrunk attempt never goes above it
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobRecord:
+        values = {f.name: data[f.name] for f in fields(cls)}
+        for name in ("world_size", "global_batch", "max_per_rank_batch"):
+            if not isinstance(values[name], int) or isinstance(values[name], bool) or values[name] < 1:
+                raise ValueError(f"{name} is {values[name]!r}")
+        return cls(**{**values, "run_dir": str(values["run_dir"]), "checkpoint_dir": str(values["checkpoint_dir"])})
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write-then-rename: a reader sees the old file or the new one, never half of one. Raises OSError."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_job_record(path: Path, record: JobRecord) -> bool:
+    """Global rank 0: write the record; False (never raises) when it cannot: the record informs, it never stops."""
+    try:
+        write_text_atomic(path, json.dumps(asdict(record), indent=1) + "\n")
+    except OSError:
+        return False
+    return True
+
+
+def read_job_record(path: Path) -> JobRecord | None:
+    """The record, or None when there is none (a job that failed before writing it, a script) or it is unreadable."""
+    try:
+        return JobRecord.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
