@@ -176,7 +176,10 @@ class Membership:
         return self._failed_ranks()
 
     def _failed_ranks(self) -> tuple[int, ...]:
-        group = self._watch_comm.Get_failed()
+        try:
+            group = self._watch_comm.Get_failed()
+        except NotImplementedError:  # an MPI without MPI_Comm_get_failed: recover() learns the set from Shrink
+            return ()
         try:
             ranks = self._mpi.Group.Translate_ranks(group, list(range(group.Get_size())), self.comm.Get_group())
         finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed
+from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
 from mpiddp.job.mpistart import init_mpi
 
 out_dir, steps, victim, at_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -26,12 +26,12 @@ blocking = "--no-async" in sys.argv[5:]
 numel = next((int(arg.split("=")[1]) for arg in sys.argv[5:] if arg.startswith("--numel=")), 1024)
 world, _ = init_mpi()
 start_rank = world.Get_rank()
-members = Membership(world, collective_timeout_s=120)
-reason = members.check_ulfm()
+reason = check_ulfm()
 if reason is not None:
     if start_rank == 0:
         print(f"refused: {reason}", flush=True)
     sys.exit(0)
+members = Membership(world, collective_timeout_s=120)
 members.start_process_group()
 alive = list(range(world.Get_size()))  # start ranks of the members, in rank order
 record = open(out_dir / f"rank{start_rank}.jsonl", "a", buffering=1)
