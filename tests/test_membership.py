@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, find_mpirun, job_env, mpich_env
-from mpiddp.job.membership import new_rank_of, recovery_refusal, store_address, survivors, ulfm_refusal
+from mpiddp.job import membership
+from mpiddp.job.membership import (MembersLost, Membership, new_rank_of, recovery_refusal, store_address,
+                                   survivors, ulfm_refusal)
 
 PROGRAM = REPO / "tests" / "programs" / "membership_loop.py"
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
@@ -60,6 +62,60 @@ def test_store_address_follows_gloos_interface_else_leaves_loopback():
     assert store_address({"GLOO_SOCKET_IFNAME": "eth1"}, interfaces) == "192.168.1.5"
     assert store_address({}, interfaces) == "10.0.0.5"
     assert store_address({}, [("lo", "127.0.0.1")]) == "127.0.0.1"
+
+
+class FakeWork:
+    """A torch work that completes after `polls` polls, with `error` raised by wait() when set."""
+
+    def __init__(self, polls: int, error: Exception | None = None) -> None:
+        self.polls, self.error = polls, error
+
+    def is_completed(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def watching(reports: list[tuple[int, ...] | None]) -> Membership:
+    """A Membership without MPI whose failure watch answers `reports` in turn (then the last one forever)."""
+    members = Membership.__new__(Membership)
+    members.poll_s = 0.0
+    members._lost = None
+    answers = iter(reports)
+    last: list[tuple[int, ...] | None] = [None]
+
+    def failed() -> tuple[int, ...] | None:
+        last[0] = next(answers, last[0])
+        return last[0]
+
+    members.failed = failed  # type: ignore[method-assign]
+    return members
+
+
+def test_wait_returns_when_the_collective_completes_and_nobody_failed():
+    watching([None, None, None]).wait(FakeWork(polls=3))
+
+
+def test_wait_raises_members_lost_when_mpi_reports_a_failure_first():
+    with pytest.raises(MembersLost) as lost:
+        watching([None, (2,)]).wait(FakeWork(polls=100))
+    assert lost.value.ranks == (2,)
+
+
+def test_a_torch_error_becomes_members_lost_once_mpi_confirms():
+    with pytest.raises(MembersLost) as lost:
+        watching([None, None, (0,)]).wait(FakeWork(polls=0, error=RuntimeError("Connection closed by peer")))
+    assert lost.value.ranks == (0,)
+
+
+def test_a_torch_error_without_a_failure_in_mpi_stays_what_it_was(monkeypatch):
+    monkeypatch.setattr(membership, "GLOO_ERROR_GRACE_S", 0.05)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        watching([None]).wait(FakeWork(polls=0, error=RuntimeError("Connection closed by peer")))
 
 
 # ---- end-to-end: real kills ------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ class Membership:
         self._watch: Any = None
         self._lost: float | None = None  # time.time() when the watch reported a failure (until recovered)
         self._store: Any = None  # this rank's rendezvous store after a recovery (the server on the new rank 0)
-        self._graveyard: list[Any] = []  # old process groups: never destroyed (see _rebuild_process_group)
+        self._graveyard: list[Any] = []  # old process groups: never destroyed (see _retire_default_group)
         self._arm()
 
     def _dup(self, comm: Any) -> Any:
