@@ -1,12 +1,12 @@
 """Run under `mpirun --with-ft ulfm`: N ranks sum a tensor with gloo all-reduces in a loop through Membership.
 
-usage: membership_loop.py OUT_DIR STEPS VICTIM AT_STEP [--no-async] [--numel=N]
+usage: membership_loop.py OUT_DIR STEPS VICTIM AT_STEP [--no-async] [--numel=N] [--poll-s=S]
 Each rank writes OUT_DIR/rank<R>.jsonl (R: its rank at start): one line per completed step (pid, world size,
 the sum it got, the sum it expected) and one per recovery. The VICTIM rank, at step AT_STEP, writes
 OUT_DIR/victim (its pid) and then waits, without joining the all-reduce, for the test to SIGKILL it; its
 peers write OUT_DIR/waiting.<R> once they wait in that all-reduce. VICTIM -1: nobody stops (the no-failure
 benchmark). With --no-async the loop uses plain blocking all-reduces (the benchmark's baseline; no recovery).
---numel: the tensor's length (1024 floats by default).
+--numel: the tensor's length (1024 floats by default); --poll-s: Membership's longest sleep between polls.
 """
 
 import json
@@ -24,6 +24,7 @@ from mpiddp.job.mpistart import init_mpi
 out_dir, steps, victim, at_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 blocking = "--no-async" in sys.argv[5:]
 numel = next((int(arg.split("=")[1]) for arg in sys.argv[5:] if arg.startswith("--numel=")), 1024)
+poll_s = next((float(arg.split("=")[1]) for arg in sys.argv[5:] if arg.startswith("--poll-s=")), None)
 world, _ = init_mpi()
 start_rank = world.Get_rank()
 reason = check_ulfm()
@@ -31,7 +32,7 @@ if reason is not None:
     if start_rank == 0:
         print(f"refused: {reason}", flush=True)
     sys.exit(0)
-members = Membership(world, collective_timeout_s=120)
+members = Membership(world, collective_timeout_s=120, **({"poll_s": poll_s} if poll_s is not None else {}))
 members.start_process_group()
 alive = list(range(world.Get_size()))  # start ranks of the members, in rank order
 record = open(out_dir / f"rank{start_rank}.jsonl", "a", buffering=1)
