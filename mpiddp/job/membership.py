@@ -8,9 +8,9 @@ private duplicate of the communicator, with a tag no message carries. Nothing ev
 pending any-source receive with MPI_ERR_PROC_FAILED(_PENDING) as soon as any member fails, so it is a failure
 detector that is posted once, costs one MPI_Test per poll and adds no message to the job's traffic (an
 Ibarrier or Iallreduce per collective would add a collective to every step; MPI_Comm_get_failed alone is a
-local query that need not drive MPI's progress engine). The rendezvous store is rebuilt too: the new rank 0 of the shrunk communicator
-opens a fresh TCPStore and broadcasts its address over MPI, so the death of the rank that held the first store
-(rank 0) is survived like any other.
+local query that need not drive MPI's progress engine). The rendezvous store is rebuilt too: the new rank 0
+of the shrunk communicator opens a fresh TCPStore and broadcasts its address over MPI, so the death of the rank
+that held the first store (rank 0) is survived like any other.
 """
 
 from __future__ import annotations
