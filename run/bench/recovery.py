@@ -1,0 +1,152 @@
+"""In-job recovery (mpiddp/job/membership.py) on one host: a rank SIGKILLed while its peers wait in a gloo
+all-reduce, timed from the kill to the first all-reduce completed on the shrunk group, with its phases; and
+what the failure watch costs when nothing fails (async all-reduce + polling against plain blocking ones,
+interleaved). Writes run/bench/results/only-recovery.json.
+
+usage: python run/bench/recovery.py [--repeats 5] [--sizes 3,4] [--steps 400]
+Every run is `mpirun --with-ft ulfm` of tests/programs/membership_loop.py; ranks are oversubscribed when the
+host has fewer cores than ranks (the JSON says how many cores there were).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAM = REPO / "tests" / "programs" / "membership_loop.py"
+RESULT = REPO / "run" / "bench" / "results" / "only-recovery.json"
+
+
+def mpirun() -> str:
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.exists() else "mpirun"
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    return env
+
+
+def launch(out_dir: Path, np: int, steps: int, victim: int, at_step: int, *extra: str) -> subprocess.Popen:
+    out_dir.mkdir(parents=True)
+    command = [mpirun(), "-np", str(np), "--with-ft", "ulfm", sys.executable, str(PROGRAM), str(out_dir),
+               str(steps), str(victim), str(at_step), *extra]
+    return subprocess.Popen(command, cwd=REPO, env=environment(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def lines(out_dir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def one_recovery(work: Path, np: int, victim: int = 1, at_step: int = 20) -> dict:
+    """Kill `victim` once every peer waits in the all-reduce; seconds from the kill to each milestone."""
+    job = launch(work, np, at_step + 10, victim, at_step)
+    peers = [rank for rank in range(np) if rank != victim]
+    deadline = time.monotonic() + 180
+    while not ((work / "victim").exists() and all((work / f"waiting.{r}").exists() for r in peers)):
+        if job.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            raise RuntimeError(f"no kill point reached:\n{job.communicate()[0][-2000:]}")
+        time.sleep(0.002)
+    killed = time.time()
+    os.kill(int((work / "victim").read_text()), signal.SIGKILL)
+    status = finished(job, work, peers)
+    recoveries, firsts = [], []
+    for rank in peers:
+        records = lines(work, rank)
+        recoveries.append(next(r for r in records if r.get("recovered")))
+        firsts.append(next(r["at"] for r in records if r.get("pid") and r["step"] == at_step))
+    return {
+        "detect_s": max(r["detected_at"] for r in recoveries) - killed,  # the last survivor to learn it
+        "agree_and_shrink_s": max(r["phases"]["agree_and_shrink"] for r in recoveries),
+        "process_group_s": max(r["phases"]["process_group"] for r in recoveries),
+        "kill_to_first_allreduce_s": max(firsts) - killed,
+        "mpirun_exit": status,
+    }
+
+
+def finished(job: subprocess.Popen, work: Path, peers: list[int]) -> int | str:
+    """mpirun's exit status once every survivor wrote its last record; when the survivors then hang in
+    MPI_Finalize (Open MPI's ULFM waits on the dead rank in the finalize fence now and then, open-mpi/ompi#11404)
+    the job is ended and that is what the run records."""
+    deadline = time.monotonic() + 120
+    while not all((work / f"rank{r}.jsonl").exists() and '"done"' in (work / f"rank{r}.jsonl").read_text()
+                  for r in peers):
+        if job.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    try:
+        output = job.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        job.terminate()  # mpirun forwards it to its ranks
+        try:
+            job.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.communicate()
+        return "hung in MPI_Finalize (open-mpi/ompi#11404): ended"
+    if job.returncode != 0:
+        raise RuntimeError(f"mpirun exited {job.returncode}:\n{output[-2000:]}")
+    return job.returncode
+
+
+def no_failure_cost(work: Path, np: int, steps: int, pairs: int, numel: int) -> dict:
+    """Seconds per all-reduce, async+watch (two poll caps) vs blocking, runs interleaved (a, b, c, a, b, c...)."""
+    variants = {"blocking": ("--no-async",), "async_watched": (), "async_watched_poll_100us": ("--poll-s=0.0001",)}
+    per_step: dict[str, list[float]] = {name: [] for name in variants}
+    for pair in range(pairs):
+        for name, extra in variants.items():
+            out = work / f"{name}-{numel}-{pair}"
+            job = launch(out, np, steps, -1, -1, f"--numel={numel}", *extra)
+            output = job.communicate(timeout=300)[0]
+            if job.returncode != 0:
+                raise RuntimeError(f"mpirun exited {job.returncode}:\n{output[-2000:]}")
+            times = [r["at"] for r in lines(out, 0) if r.get("pid")]
+            per_step[name].append((times[-1] - times[steps // 10]) / (len(times) - 1 - steps // 10))  # no warm-up
+    medians = {name: statistics.median(values) for name, values in per_step.items()}
+    return {"numel": numel, "ranks": np, "steps": steps, "pairs": pairs,
+            "seconds_per_allreduce": medians, "runs": per_step,
+            "overhead_pct": {name: 100 * (medians[name] / medians["blocking"] - 1) for name in variants}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", default="3,4")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--pairs", type=int, default=3)
+    args = parser.parse_args(argv)
+    result: dict = {"host": platform.node(), "cores": os.cpu_count(), "recovery": {}, "no_failure": [],
+                    "note": "one host, ranks oversubscribed on the cores given; kill -> first all-reduce on the "
+                            "shrunk group measured from the killer's clock (same host)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for np in (int(n) for n in args.sizes.split(",")):
+            runs = [one_recovery(Path(tmp) / f"kill-{np}-{i}", np) for i in range(args.repeats)]
+            result["recovery"][str(np)] = {
+                "runs": runs,
+                "median": {key: statistics.median(run[key] for run in runs) for key in runs[0] if key.endswith("_s")},
+                "finalize_hangs": sum(run["mpirun_exit"] != 0 for run in runs),
+            }
+            print(np, "ranks:", json.dumps(result["recovery"][str(np)]["median"]), flush=True)
+        for numel in (1024, 1 << 20):
+            result["no_failure"].append(no_failure_cost(Path(tmp), 3, args.steps, args.pairs, numel))
+            print(json.dumps(result["no_failure"][-1]["seconds_per_allreduce"]), flush=True)
+    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {RESULT}")
+
+
+if __name__ == "__main__":
+    main()
