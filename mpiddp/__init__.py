@@ -6,14 +6,33 @@ Public API for your own scripts (importing mpiddp never initialises MPI):
     ddp.register_comm_hook(*mpiddp.comm_hook())   # MPI carries DDP's gradient all-reduce
 """
 
-from mpiddp.errors import AgreedError, UserError
-from mpiddp.job.api import init
-from mpiddp.job.collective import Dist, Rendezvous
-from mpiddp.job.topology import Topology
-from mpiddp.job.transport import comm_hook
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from mpiddp.version import __version__
 
+if TYPE_CHECKING:
+    from mpiddp.errors import AgreedError, UserError
+    from mpiddp.job.api import init
+    from mpiddp.job.collective import Dist, Rendezvous
+    from mpiddp.job.topology import Topology
+    from mpiddp.job.transport import comm_hook
+
 __all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "comm_hook", "init", "setup_logging"]
+
+# Lazy (PEP 562): `python -m mpiddp` imports this package before its first line runs, and that line installs the
+# stop handlers; a numpy or torch import here would be a window in which a scheduler's SIGTERM kills a rank.
+_PUBLIC = {"AgreedError": "mpiddp.errors", "UserError": "mpiddp.errors", "init": "mpiddp.job.api",
+           "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective", "Topology": "mpiddp.job.topology",
+           "comm_hook": "mpiddp.job.transport"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'mpiddp' has no attribute {name!r}")
 
 
 def setup_logging(dist: Dist, level: str = "info") -> None:

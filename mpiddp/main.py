@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mpiddp import failure
+from mpiddp.commands import split_command
 from mpiddp.errors import UserError
 from mpiddp.failure import read_attempts
 from mpiddp.job import preflight
@@ -23,8 +24,6 @@ from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
 log = logging.getLogger("mpiddp")
-
-COMMANDS = ("train", "run", "check", "report", "launch")
 
 
 def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
@@ -213,9 +212,9 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
         raise UserError(f"writing {path} failed ({exc.strerror or exc}); the snapshots are intact") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    command = args.pop(0) if args and args[0] in COMMANDS else "train"
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """`stop`: training's stop request when `python -m mpiddp` installed it already, as its first line."""
+    command, args = split_command(list(sys.argv[1:] if argv is None else argv))
     if command == "report":  # reads files; no MPI
         from mpiddp.tools import report
 
@@ -232,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_script(args, guard)
     # Training, from the first moment: a scheduler's stop signal during start-up must not kill a rank.
-    stop = StopRequest().install() if command == "train" else StopRequest()
+    if stop is None:
+        stop = StopRequest().install() if command == "train" else StopRequest()
     try:
         return _main(command, args, startup, stop)
     finally:
@@ -290,5 +290,5 @@ def _check(cfg: Config, dist: Dist, guard: FailFast) -> int:
     return status
 
 
-def main_cli() -> None:
-    sys.exit(main())
+def main_cli(stop: StopRequest | None = None) -> None:
+    sys.exit(main(stop=stop))

@@ -163,3 +163,69 @@ def test_a_stop_to_the_process_group_leaves_loader_helpers_alive(run_job, tmp_pa
     assert "DataLoader worker" not in job.output and "BrokenPipeError" not in job.output
     saved = sorted(p.name for p in (job.run_dir / "checkpoints").glob("snapshot-*.pt"))
     assert saved and (snapshot is None or saved[-1] == snapshot), saved
+
+
+def importing_numpy(pid: int) -> bool:
+    """Whether the process has begun loading numpy (its first heavy import): deep in a rank's start-up."""
+    try:
+        return "_multiarray_umath" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_sigterm_during_start_up_imports_stops_with_exit_3(mpirun, tmp_path):
+    run_dir = tmp_path / "early"
+    process = start(mpirun, run_dir)
+    pids: dict[int, int] = {}
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and process.poll() is None and time.monotonic() < deadline:
+        pids = rank_pids(run_dir)
+    signalled = set()
+    while len(signalled) < 2 and process.poll() is None and time.monotonic() < deadline:
+        for rank, pid in pids.items():  # no pause: the SIGTERM must land while the rank still imports
+            if rank not in signalled and importing_numpy(pid):
+                os.kill(pid, signal.SIGTERM)
+                signalled.add(rank)
+    output = finish(process, [])
+    assert signalled == {0, 1}, output[-3000:]
+    assert process.returncode == 3, output[-3000:]
+    assert "nothing trained since the last snapshot" in output, output[-3000:]
+
+
+def python_handles_sigint(pid: int) -> bool | None:
+    """Whether a Python handler still catches SIGINT in the process (None once it is gone). Python takes its
+    handlers away late in its finalization, before MPI_Finalize (mpi4py's Py_AtExit) runs."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGINT - 1)))
+
+
+def test_ctrl_c_during_the_teardown_of_a_stop_keeps_exit_3(mpirun, tmp_path):
+    run_dir = tmp_path / "teardown"
+    process, seen = start(mpirun, run_dir), []
+    wait_for(process, "epoch 1/3 |", seen)
+    pids = rank_pids(run_dir)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGTERM)
+    wait_for(process, "(exit status 3)", seen)  # the stop is decided, saved and logged: the ranks tear down now
+    # One late Ctrl-C (or a launcher forwarding one) in the last part of a rank's teardown: once Python's
+    # handler for SIGINT is gone (interpreter shutdown, MPI_Finalize), whatever the kernel does with it decides.
+    waiting, signalled = dict(pids), 0
+    deadline = time.monotonic() + 60
+    while waiting and time.monotonic() < deadline:
+        for rank, pid in list(waiting.items()):
+            handled = python_handles_sigint(pid)
+            if handled is False:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                    signalled += 1
+                except ProcessLookupError:
+                    pass
+            if handled is not True:
+                del waiting[rank]
+    output = finish(process, seen)
+    assert signalled, "both ranks had ended before the SIGINT: the case was not exercised"
+    assert process.returncode == 3, output[-3000:]
