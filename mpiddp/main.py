@@ -133,7 +133,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     restored = resume(cfg, dist, state, checkpoint_dir)
     resumed_at_step = state.step
     startup.mark("model")
-    if state.epoch >= cfg.epochs:
+    if state.epoch >= cfg.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
         log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
                  checkpoint_dir, state.epoch)
         return None

@@ -229,3 +229,35 @@ def test_ctrl_c_during_the_teardown_of_a_stop_keeps_exit_3(mpirun, tmp_path):
     output = finish(process, seen)
     assert signalled, "both ranks had ended before the SIGINT: the case was not exercised"
     assert process.returncode == 3, output[-3000:]
+
+
+def test_a_stop_during_the_last_evaluation_leaves_the_outputs_to_resume(run_job, tmp_path):
+    flags = ("--epochs", "2", "--batch-size", "8", "--deterministic", "--no-progress", "--wandb", "disabled",
+             "--model-filename", "final.pt")
+    straight = run_job(2, *flags, run_dir=tmp_path / "straight")
+    assert straight.returncode == 0, straight.output[-3000:]
+    expected = [r for r in straight.metrics if r["kind"] == "epoch"]
+    run_dir = tmp_path / "stopped"
+    # The drill signals at the first batch of epoch 2's evaluation: its training is complete, its record not written.
+    stopped = run_job(2, *flags, "--inject-fault", f"signal-eval:0:{expected[-1]['step']}", run_dir=run_dir)
+    assert stopped.returncode == 3, stopped.output[-3000:]
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints" / "final.pt").exists()
+
+    resumed = run_job(2, *flags, "--resume", run_dir=run_dir)
+    assert resumed.returncode == 0 and "nothing to do" not in resumed.output, resumed.output[-3000:]
+    got = [r for r in resumed.metrics if r["kind"] == "epoch"]
+    same = ("epoch", "step", "train_loss", "eval_loss", "eval_accuracy", "lr")
+    assert [{k: r[k] for k in same} for r in got] == [{k: r[k] for k in same} for r in expected]
+    assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+    summary, reference = resumed.summary, straight.summary
+    assert sorted(summary) == sorted(reference)
+    assert [summary[k] for k in ("epochs", "train_loss", "eval_loss", "eval_accuracy")] == \
+        [reference[k] for k in ("epochs", "train_loss", "eval_loss", "eval_accuracy")]
+    weights = torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
+    reference_weights = torch.load(tmp_path / "straight" / "checkpoints" / "final.pt", weights_only=True)
+    assert sorted(weights) == sorted(reference_weights)
+    assert all(torch.equal(weights[name], reference_weights[name]) for name in weights)
+
+    again = run_job(2, *flags, "--resume", run_dir=run_dir)  # the outputs are complete now: nothing is redone
+    assert again.returncode == 0 and "nothing to do" in again.output, again.output[-3000:]
+    assert len([r for r in again.metrics if r["kind"] == "epoch"]) == 2

@@ -86,6 +86,9 @@ class Snapshot:
     wandb_run_id: str | None = None
     # Every rank's gradient-communication state (PowerSGD's error feedback and warm start), in rank order.
     communication: list[dict[str, Any] | None] = field(default_factory=list)
+    # Epoch `epoch`'s record without its evaluation, when a stop came between its last step and the end of its
+    # evaluation: the resume evaluates it and writes the record (older snapshots: None, the epoch counts as done).
+    pending_epoch: dict[str, Any] | None = None
     format: int = FORMAT_VERSION
 
     @classmethod
@@ -108,6 +111,7 @@ class Snapshot:
             config=config,
             wandb_run_id=wandb_run_id,
             communication=communication if any(communication) else [],
+            pending_epoch=state.pending_epoch,
         )
 
     def split_per_rank(self, world_size: int) -> tuple[Snapshot, list[tuple[Any, Any]]]:
@@ -215,6 +219,7 @@ class Snapshot:
         if self.scaler:
             state.scaler.load_state_dict(self.scaler)
         state.epoch, state.step = self.epoch, self.step
+        state.pending_epoch = self.pending_epoch
         state.batches_done, restarts = self.position_on(dist.world_size, batch_size, grad_accum)
         if restarts and (dist.is_main or self.world_size != dist.world_size):  # a local log line, no collective
             log.warning("%s", restarts)
