@@ -86,17 +86,20 @@ def resume_mode(cfg: Config, dist: Dist) -> str | None:
 
 def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_at: float,
               startup: StartupClock) -> dict[str, Any]:
-    """Collective: gather every rank's timing into the job's summary (every rank returns it)."""
+    """Collective: gather every rank's timing to global rank 0, which alone writes the job's summary and returns
+    it; the other ranks return an empty dict."""
     import torch
 
     timing = outcome.timing
     if timing.first_step_done_at is not None:
         startup.mark("first_step", at=timing.first_step_done_at)
-    gathered = dist.allgather(  # a few hundred numbers per rank, however long the run
+    gathered = dist.gather(  # a few hundred numbers per rank, however long the run
         (timing.durations, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at,
          startup.durations())
     )
     (finished_at,) = dist.reduce([time.time()], "max")
+    if gathered is None:  # not global rank 0: nothing of the summary is for this rank
+        return {}
     summary = build_summary(
         config=cfg.to_dict(), topo=dist.topology, backend=dist.backend, device=dist.device.type,
         epochs=outcome.epochs,
@@ -113,7 +116,7 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
 
 def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: StartupClock) -> dict[str, Any] | None:
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
-    None when a resumed run had nothing left to train."""
+    None when a resumed run had nothing left to train; the summary on global rank 0, an empty dict elsewhere."""
     from mpiddp.job.watchdog import Watchdog
     from mpiddp.trainer import checkpoint
     from mpiddp.trainer.saveclock import SaveClock, SaveCost
@@ -189,7 +192,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
     )
     # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
-    attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file else None
+    attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file and dist.is_main else None
     if attempts is not None:
         summary["attempts"] = attempts
     dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
@@ -265,7 +268,7 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
                 saved = "snapshot saved in %s" if stopped.saved else "nothing trained since the last snapshot in %s"
                 log.warning("%s; " + saved + ". Continue with --resume (exit status %d)", stopped, run_dir, EXIT_STOPPED)
             return EXIT_STOPPED
-        if summary is None:
+        if summary is None or not dist.is_main:  # the summary and its lines are rank 0's
             return EXIT_OK
         accuracy = summary["eval_accuracy"]
         log.info(
