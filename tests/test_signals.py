@@ -127,7 +127,9 @@ def test_any_number_of_stop_signals_in_any_phase_give_one_snapshot_and_exit_3(mp
 def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
     run_dir = tmp_path / "interrupt"
     process, seen = start(mpirun, run_dir, "--inject-fault", "stall:1:2"), []  # rank 1 never reaches a step's end
-    wait_for(process, "training digits_cnn", seen)
+    # Rank 1 is stuck before the Ctrl-Cs come: a stop agreed at an earlier step would end the job cleanly (exit 3),
+    # and its late Ctrl-Cs would land in a teardown, where they no longer count.
+    wait_for(process, "injecting fault 'stall'", seen)
     for _ in range(3):
         for pid in rank_pids(run_dir).values():
             os.kill(pid, signal.SIGINT)
