@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "comm_hook", "init", "setup_logging"]
 
+# Lazy: `python -m mpiddp` imports this package before its first line runs, and that line installs the stop
+# handlers; a numpy or torch import here would be a window in which a scheduler's SIGTERM kills a rank.
 _LAZY = {"init": "mpiddp.job.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
          "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport"}
 

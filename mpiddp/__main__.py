@@ -1,5 +1,15 @@
-"""`python -m mpiddp`: run the job, ending the whole MPI job if any rank fails."""
+"""`python -m mpiddp`: run the job, ending the whole MPI job if any rank fails.
 
-from mpiddp.main import main_cli
+The stop handlers come first, before any heavy import (numpy, torch, MPI): a scheduler's SIGTERM in a rank's
+first moments must stop the job with a snapshot and exit 3, never kill the rank (exit 143, which no batch
+script requeues)."""
 
-main_cli()
+import sys
+
+from mpiddp.job.stopping import early_request
+
+stop = early_request(sys.argv[1:])
+
+from mpiddp.main import main_cli  # noqa: E402  (after the handlers, on purpose)
+
+main_cli(stop)

@@ -10,6 +10,7 @@ from typing import Any
 
 from mpiddp import failure
 from mpiddp.contract import JobRecord, default_checkpoint_dir, write_job_record
+from mpiddp.commands import split_command
 from mpiddp.errors import UserError
 from mpiddp.failure import read_attempts
 from mpiddp.job import preflight
@@ -24,8 +25,6 @@ from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
 log = logging.getLogger("mpiddp")
-
-COMMANDS = ("train", "run", "check", "report", "launch")
 
 
 def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
@@ -91,17 +90,20 @@ def resume_mode(cfg: Config, dist: Dist) -> str | None:
 
 def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_at: float,
               startup: StartupClock) -> dict[str, Any]:
-    """Collective: gather every rank's timing into the job's summary (every rank returns it)."""
+    """Collective: gather every rank's timing to global rank 0, which alone writes the job's summary and returns
+    it; the other ranks return an empty dict."""
     import torch
 
     timing = outcome.timing
     if timing.first_step_done_at is not None:
         startup.mark("first_step", at=timing.first_step_done_at)
-    gathered = dist.allgather(  # a few hundred numbers per rank, however long the run
+    gathered = dist.gather(  # a few hundred numbers per rank, however long the run
         (timing.durations, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at,
          startup.durations())
     )
     (finished_at,) = dist.reduce([time.time()], "max")
+    if gathered is None:  # not global rank 0: nothing of the summary is for this rank
+        return {}
     summary = build_summary(
         config=cfg.to_dict(), topo=dist.topology, backend=dist.backend, device=dist.device.type,
         epochs=outcome.epochs,
@@ -118,7 +120,7 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
 
 def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: StartupClock) -> dict[str, Any] | None:
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
-    None when a resumed run had nothing left to train."""
+    None when a resumed run had nothing left to train; the summary on global rank 0, an empty dict elsewhere."""
     from mpiddp.job.watchdog import Watchdog
     from mpiddp.trainer import checkpoint
     from mpiddp.trainer.saveclock import SaveClock, SaveCost
@@ -138,7 +140,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     restored = resume(cfg, dist, state, checkpoint_dir)
     resumed_at_step = state.step
     startup.mark("model")
-    if state.epoch >= cfg.epochs:
+    if state.epoch >= cfg.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
         log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
                  checkpoint_dir, state.epoch)
         return None
@@ -194,7 +196,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
     )
     # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
-    attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file else None
+    attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file and dist.is_main else None
     if attempts is not None:
         summary["attempts"] = attempts
     dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
@@ -221,9 +223,9 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
         raise UserError(f"writing {path} failed ({exc.strerror or exc}); the snapshots are intact") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    command = args.pop(0) if args and args[0] in COMMANDS else "train"
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """`stop`: training's stop request when `python -m mpiddp` installed it already, as its first line."""
+    command, args = split_command(list(sys.argv[1:] if argv is None else argv))
     if command == "report":  # reads files; no MPI
         from mpiddp.tools import report
 
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_script(args, guard)
     # Training, from the first moment: a scheduler's stop signal during start-up must not kill a rank.
-    stop = StopRequest().install() if command == "train" else StopRequest()
+    if stop is None:
+        stop = StopRequest().install() if command == "train" else StopRequest()
     try:
         return _main(command, args, startup, stop)
     finally:
@@ -276,7 +279,7 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
                 saved = "snapshot saved in %s" if stopped.saved else "nothing trained since the last snapshot in %s"
                 log.warning("%s; " + saved + ". Continue with --resume (exit status %d)", stopped, run_dir, EXIT_STOPPED)
             return EXIT_STOPPED
-        if summary is None:
+        if summary is None or not dist.is_main:  # the summary and its lines are rank 0's
             return EXIT_OK
         accuracy = summary["eval_accuracy"]
         log.info(
@@ -322,5 +325,5 @@ def _check(cfg: Config, dist: Dist, guard: FailFast) -> int:
     return status
 
 
-def main_cli() -> None:
-    sys.exit(main())
+def main_cli(stop: StopRequest | None = None) -> None:
+    sys.exit(main(stop=stop))

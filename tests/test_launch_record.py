@@ -1,6 +1,7 @@
 """The failure record, in-process: the first failing rank writes RUN_DIR/failure.json; the supervisor reads it."""
 
 import json
+import signal
 import threading
 
 import pytest
@@ -130,15 +131,17 @@ def test_the_summary_learns_the_steps_lost_of_the_failure_before_it(tmp_path):
 
 
 def test_the_supervisor_finds_where_the_next_attempt_resumed(tmp_path):
+    from mpiddp.failure import read_metrics
     from mpiddp.launch.supervisor import Attempt, Plan, Supervisor, last_logged_step, start_step
 
     lines = [{"kind": "start", "step": 0, "time": 1.0}, {"kind": "step", "step": 29, "time": 2.0},
              {"kind": "start", "step": 22, "time": 11.0}, {"kind": "step", "step": 40, "time": 12.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + "{torn")
-    assert last_logged_step(tmp_path) == 40 and start_step(tmp_path, 10.0) == 22 and start_step(tmp_path, 20.0) is None
+    records = read_metrics(tmp_path)
+    assert last_logged_step(records) == 40 and start_step(records, 10.0) == 22 and start_step(records, 20.0) is None
     supervisor = Supervisor(Plan("train", [], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi"), env={})
     supervisor.attempts = [Attempt(0, [], [], 0.5, failed_at_step=29), Attempt(1, [], [], 10.0)]
-    supervisor._count_steps_lost()
+    supervisor._count_steps_lost(records)
     assert (supervisor.attempts[0].resumed_at_step, supervisor.attempts[0].steps_lost) == (22, 7)
 
 
@@ -272,7 +275,7 @@ def test_the_downtime_runs_from_the_last_good_step_to_the_relaunched_jobs_first_
     supervisor = Supervisor(Plan("train", [], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi"), env={})
     supervisor.attempts = [Attempt(0, [], [], 0.0, ended_at=53.0, failed_at_step=29, last_step_at=50.0),
                            Attempt(1, [], [], 54.0)]
-    supervisor._count_steps_lost()
+    supervisor._count_steps_lost(records)
     first = supervisor.attempts[0]
     assert (first.steps_lost, first.downtime_s, first.downtime_phases) == (7, 14.0, PHASES)
     assert sum(first.downtime_phases.values()) == pytest.approx(first.downtime_s)
@@ -323,3 +326,33 @@ def test_report_shows_one_line_per_attempt(tmp_path, capsys, monkeypatch):
     attempts["attempts"][0].update(failed_ranks=[], failed_hosts=[], downtime_s=None)
     assert "killed (exit status 137; no host blamed) at step 29, 7 steps lost\n" in "\n".join(
         report.attempt_lines(attempts)) + "\n"
+
+
+def test_the_supervisor_reads_metrics_once_per_failed_attempt(tmp_path, monkeypatch):
+    """metrics.jsonl grows with the run: each failure reads it once, for its step, its last progress, the steps
+    lost and the downtime alike."""
+    from mpiddp import failure
+    from mpiddp.launch import supervisor as supervisor_module
+    from mpiddp.launch.supervisor import Attempt, Plan, Supervisor
+
+    write_metrics(tmp_path, RELAUNCH)
+    reads = []
+    real_read = failure.read_metrics
+    monkeypatch.setattr(failure, "read_metrics", lambda run_dir: reads.append(run_dir) or real_read(run_dir))
+    supervisor = Supervisor(Plan("train", [], tmp_path, 2, [], [], 2, "mpirun", "mpirun", "openmpi"), env={})
+
+    def attempt(number, hosts, excluded):  # a launcher that failed with no record: each failure's step is read
+        ran = Attempt(number, [], [], 54.0 * number, ended_at=54.0 * number + 53.0, status=1)
+        supervisor.attempts.append(ran)
+        return ran, ""
+
+    monkeypatch.setattr(supervisor, "_attempt", attempt)
+    monkeypatch.setattr(supervisor_module, "say", lambda text: None)
+    handlers = {signum: signal.getsignal(signum) for signum in (*supervisor_module.FORWARDED, signal.SIGHUP)}
+    try:
+        assert supervisor.run() == 1
+    finally:  # run() installs the supervisor's own signal handlers: this test process gets its own back
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert len(supervisor.attempts) == 3 and len(reads) == 3
+    assert supervisor.attempts[0].failed_at_step == 30 and supervisor.attempts[0].last_step_at == 50.0

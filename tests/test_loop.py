@@ -259,6 +259,9 @@ def test_a_stop_on_an_epochs_last_step_saves_the_epoch_and_the_resumed_job_recor
 
     resumed_hooks = hooks(saved)
     outcome = train(cfg, state, loaders, dist, resumed_hooks)
-    assert [r["epoch"] for r in outcome.epochs] == [2]  # never a record of epoch 1 with 0 steps
-    assert all(r["train_loss"] > 0 and r["images_per_second"] > 0 for r in outcome.epochs)
+    # Epoch 1's evaluation, left undone by the stop, comes first: its record has the training the stop saved,
+    # never a record of epoch 1 with 0 steps.
+    assert [(r["epoch"], r["step"]) for r in outcome.epochs] == [(1, steps), (2, 2 * steps)]
+    assert all(r["train_loss"] > 0 and r["images_per_second"] > 0 and r["eval_accuracy"] is not None
+               for r in outcome.epochs)
     assert outcome.timing.steps == steps and state.step == 2 * steps

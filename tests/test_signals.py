@@ -127,7 +127,9 @@ def test_any_number_of_stop_signals_in_any_phase_give_one_snapshot_and_exit_3(mp
 def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
     run_dir = tmp_path / "interrupt"
     process, seen = start(mpirun, run_dir, "--inject-fault", "stall:1:2"), []  # rank 1 never reaches a step's end
-    wait_for(process, "training digits_cnn", seen)
+    # Rank 1 is stuck before the Ctrl-Cs come: a stop agreed at an earlier step would end the job cleanly (exit 3),
+    # and its late Ctrl-Cs would land in a teardown, where they no longer count.
+    wait_for(process, "injecting fault 'stall'", seen)
     for _ in range(3):
         for pid in rank_pids(run_dir).values():
             os.kill(pid, signal.SIGINT)
@@ -163,3 +165,101 @@ def test_a_stop_to_the_process_group_leaves_loader_helpers_alive(run_job, tmp_pa
     assert "DataLoader worker" not in job.output and "BrokenPipeError" not in job.output
     saved = sorted(p.name for p in (job.run_dir / "checkpoints").glob("snapshot-*.pt"))
     assert saved and (snapshot is None or saved[-1] == snapshot), saved
+
+
+def importing_numpy(pid: int) -> bool:
+    """Whether the process has begun loading numpy (its first heavy import): deep in a rank's start-up."""
+    try:
+        return "_multiarray_umath" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_sigterm_during_start_up_imports_stops_with_exit_3(mpirun, tmp_path):
+    run_dir = tmp_path / "early"
+    process = start(mpirun, run_dir)
+    pids: dict[int, int] = {}
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and process.poll() is None and time.monotonic() < deadline:
+        pids = rank_pids(run_dir)
+    signalled = set()
+    while len(signalled) < 2 and process.poll() is None and time.monotonic() < deadline:
+        for rank, pid in pids.items():  # no pause: the SIGTERM must land while the rank still imports
+            if rank not in signalled and importing_numpy(pid):
+                os.kill(pid, signal.SIGTERM)
+                signalled.add(rank)
+    output = finish(process, [])
+    assert signalled == {0, 1}, output[-3000:]
+    assert process.returncode == 3, output[-3000:]
+    assert "nothing trained since the last snapshot" in output, output[-3000:]
+
+
+def python_handles_sigint(pid: int) -> bool | None:
+    """Whether a Python handler still catches SIGINT in the process (None once it is gone). Python takes its
+    handlers away late in its finalization, before MPI_Finalize (mpi4py's Py_AtExit) runs."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGINT - 1)))
+
+
+def test_ctrl_c_during_the_teardown_of_a_stop_keeps_exit_3(mpirun, tmp_path):
+    run_dir = tmp_path / "teardown"
+    process, seen = start(mpirun, run_dir), []
+    wait_for(process, "epoch 1/3 |", seen)
+    pids = rank_pids(run_dir)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGTERM)
+    wait_for(process, "(exit status 3)", seen)  # the stop is decided, saved and logged: the ranks tear down now
+    # One late Ctrl-C (or a launcher forwarding one) in the last part of a rank's teardown: once Python's
+    # handler for SIGINT is gone (interpreter shutdown, MPI_Finalize), whatever the kernel does with it decides.
+    waiting, signalled = dict(pids), 0
+    deadline = time.monotonic() + 60
+    while waiting and time.monotonic() < deadline:
+        for rank, pid in list(waiting.items()):
+            handled = python_handles_sigint(pid)
+            if handled is False:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                    signalled += 1
+                except ProcessLookupError:
+                    pass
+            if handled is not True:
+                del waiting[rank]
+    output = finish(process, seen)
+    assert signalled, "both ranks had ended before the SIGINT: the case was not exercised"
+    assert process.returncode == 3, output[-3000:]
+
+
+def test_a_stop_during_the_last_evaluation_leaves_the_outputs_to_resume(run_job, tmp_path):
+    flags = ("--epochs", "2", "--batch-size", "8", "--deterministic", "--no-progress", "--wandb", "disabled",
+             "--model-filename", "final.pt")
+    straight = run_job(2, *flags, run_dir=tmp_path / "straight")
+    assert straight.returncode == 0, straight.output[-3000:]
+    expected = [r for r in straight.metrics if r["kind"] == "epoch"]
+    run_dir = tmp_path / "stopped"
+    # The drill signals at the first batch of epoch 2's evaluation: its training is complete, its record not written.
+    stopped = run_job(2, *flags, "--inject-fault", f"signal-eval:0:{expected[-1]['step']}", run_dir=run_dir)
+    assert stopped.returncode == 3, stopped.output[-3000:]
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints" / "final.pt").exists()
+
+    resumed = run_job(2, *flags, "--resume", run_dir=run_dir)
+    assert resumed.returncode == 0 and "nothing to do" not in resumed.output, resumed.output[-3000:]
+    got = [r for r in resumed.metrics if r["kind"] == "epoch"]
+    same = ("epoch", "step", "train_loss", "eval_loss", "eval_accuracy", "lr")
+    assert [{k: r[k] for k in same} for r in got] == [{k: r[k] for k in same} for r in expected]
+    assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+    summary, reference = resumed.summary, straight.summary
+    assert sorted(summary) == sorted(reference)
+    assert [summary[k] for k in ("epochs", "train_loss", "eval_loss", "eval_accuracy")] == \
+        [reference[k] for k in ("epochs", "train_loss", "eval_loss", "eval_accuracy")]
+    weights = torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
+    reference_weights = torch.load(tmp_path / "straight" / "checkpoints" / "final.pt", weights_only=True)
+    assert sorted(weights) == sorted(reference_weights)
+    assert all(torch.equal(weights[name], reference_weights[name]) for name in weights)
+
+    again = run_job(2, *flags, "--resume", run_dir=run_dir)  # the outputs are complete now: nothing is redone
+    assert again.returncode == 0 and "nothing to do" in again.output, again.output[-3000:]
+    assert len([r for r in again.metrics if r["kind"] == "epoch"]) == 2

@@ -223,7 +223,8 @@ def test_a_changed_powersgd_rank_keeps_the_error_feedback_and_restarts_the_warm_
     state = build_state(before, dist, 10, 1, batches_per_epoch=5)
     train(state, 4)
     taken = Snapshot.capture(state, dist, before.model_name, before.to_dict(), None)
-    assert taken.communication[0]["q"] and taken.communication[0]["error"]
+    assert taken.side_ranks == 1 and taken.own_side["q"] and taken.own_side["error"]
+    taken.take_own_side(0, taken.own_side)  # as checkpoint.restore does with this rank's side file
     fresh = build_state(dataclasses.replace(before, powersgd_rank=1), dist, 10, 1, batches_per_epoch=5)
     taken.restore_into(fresh, dist, seed=0, batch_size=32)
     assert fresh.gradient_hook._pending_q == {} and fresh.gradient_hook._pending_error
@@ -258,3 +259,47 @@ def test_resume_sends_each_rank_only_its_own_state():
     beyond = dataclasses.replace(shared, rng=list(shared.rng), communication=list(shared.communication))
     beyond.take_own_part(3, parts[3])  # a rank the saved job did not have
     assert beyond.rng == [None] * 3
+
+
+def powersgd_state(steps=4):
+    cfg = Config(device="cpu", grad_compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=2, bucket_cap_mb=0.01)
+    state = build_state(cfg, solo_dist(), 10, 1, batches_per_epoch=5)
+    for _ in range(steps):
+        torch.nn.functional.cross_entropy(state.model(torch.randn(8, 1, 8, 8)), torch.randint(0, 10, (8,))).backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+        state.step += 1
+    return cfg, state
+
+
+def test_powersgd_state_is_saved_per_rank_beside_the_snapshot_and_read_back_by_its_rank(tmp_path):
+    cfg, state = powersgd_state()
+    dist = solo_dist()
+    taken = Snapshot.capture(state, dist, cfg.model_name, cfg.to_dict(), None)
+    path = checkpoint.save(tmp_path, taken, dist, keep_last=1)
+    payload = torch.load(path, weights_only=True)
+    # Nothing of any rank's PowerSGD state is in the snapshot file (nor gathered to rank 0): each rank's own file.
+    assert payload["communication"] == [] and payload["side_ranks"] == 1 and "own_side" not in payload
+    own = torch.load(checkpoint.side_path(path, 0), weights_only=True)
+    assert own["error"] and all(torch.equal(own["error"][k], taken.own_side["error"][k]) for k in own["error"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage", path.name, f"{path.name}.rank00000"]
+
+    _, restored = checkpoint.restore("auto", tmp_path, cfg.model_name, dist)
+    assert list(restored.communication[0]["error"]) == list(own["error"])
+    fresh = build_state(cfg, dist, 10, 1, batches_per_epoch=5)
+    restored.restore_into(fresh, dist, seed=0, batch_size=32)
+    assert all(torch.equal(fresh.gradient_hook._pending_error[k], own["error"][k]) for k in own["error"])
+
+    state.epoch += 1  # the next snapshot rotates this one away, its side file with it
+    checkpoint.save(tmp_path, Snapshot.capture(state, dist, cfg.model_name, cfg.to_dict(), None), dist, keep_last=1,
+                    parent=path)
+    assert not path.exists() and not checkpoint.side_path(path, 0).exists()
+
+
+def test_a_rank_beyond_the_saved_side_files_starts_powersgd_from_zero():
+    saved = Snapshot(arch="digits_cnn", model={}, optimizer={}, scheduler={}, epoch=1, step=10, rng=[], world_size=2,
+                     side_ranks=2)
+    saved.take_own_side(3, None)  # a rank the saved job did not have: as with the older in-file list
+    assert saved.communication == [None, None]
+    saved.take_own_side(1, {"error": {}})
+    assert saved.communication == [None, {"error": {}}]

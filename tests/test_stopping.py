@@ -39,3 +39,30 @@ def test_release_ignores_late_scheduler_signals(request_installed):
         assert signal.getsignal(signum) == signal.SIG_IGN
         os.kill(os.getpid(), signum)  # would end this test process if not ignored
     assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
+
+
+def test_release_after_a_stop_ignores_a_late_ctrl_c(request_installed):
+    os.kill(os.getpid(), signal.SIGTERM)  # the stop is decided: its exit status is 3 through teardown
+    request_installed.release()
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # survives Python's finalization, unlike a handler
+    os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt (exit 130) with Python's default
+
+
+def test_release_after_two_ctrl_c_keeps_the_kernels_default(request_installed):
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # a person escalating: the next Ctrl-C must still end the rank
+    request_installed.release()
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+
+
+def test_python_m_mpiddp_installs_the_stop_handlers_before_any_heavy_import():
+    import subprocess
+    import sys
+
+    # What `python -m mpiddp` runs before its first line, and that line: no numpy, torch or MPI may load first.
+    probe = ("import signal, sys; from mpiddp.job.stopping import early_request; "
+             "stop = early_request(['--epochs', '1']); "
+             "print(sorted(m for m in ('numpy', 'torch', 'mpi4py') if m in sys.modules), "
+             "signal.getsignal(signal.SIGTERM) == stop._handle, early_request(['launch', '-np', '2']))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "True", "None"], out

@@ -16,6 +16,7 @@ import signal
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from mpiddp.commands import split_command
 from mpiddp.job.helper_signals import STOP_SIGNALS
 
 if TYPE_CHECKING:
@@ -75,11 +76,25 @@ class StopRequest:
 
     def release(self) -> None:
         """The job is ending: a scheduler's late signal must not kill a rank during teardown or interpreter
-        shutdown (where Python puts back the default action, which for SIGUSR1 is death, exit 138). SIGINT
-        goes back to the default, so a person can still interrupt a teardown that hangs."""
+        shutdown (where Python puts back the default action, which for SIGUSR1 is death, exit 138).
+
+        After a stop (a signal received), SIGINT is ignored too: the snapshot is saved and the exit status is 3,
+        which a late Ctrl-C or a launcher's forwarded SIGINT must not turn into 130 (no requeue). Only a person
+        who already pressed Ctrl-C twice keeps the kernel's default, to end a hung teardown at once. Without a
+        stop, SIGINT goes back to Python's default, so a person can still interrupt a teardown that hangs."""
         for signum in SCHEDULER_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not self.signum:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        elif self.interrupts < INTERRUPTS_TO_ABORT - 1:  # SIG_IGN, unlike a Python handler, outlives Python's
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # finalization, where MPI_Finalize still runs
+
+
+def early_request(args: list[str]) -> StopRequest | None:
+    """For `python -m mpiddp ARGS`, before anything heavy is imported: training's stop request, installed now;
+    None for the other commands (`run`'s script owns its signals; `launch` has its own)."""
+    command, _ = split_command(args)
+    return StopRequest().install() if command == "train" else None
 
 
 def _say(text: str) -> None:

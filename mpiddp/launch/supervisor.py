@@ -128,15 +128,15 @@ def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def last_logged_step(run_dir: Path) -> int | None:
-    """The last training step in metrics.jsonl: where a rank that wrote no record had got to, at least."""
-    steps = [r["step"] for r in failure.read_metrics(run_dir) if r.get("kind") != "start"]
+def last_logged_step(records: list[dict[str, Any]]) -> int | None:
+    """The last training step in metrics.jsonl's `records`: where a rank that wrote no record had got to, at least."""
+    steps = [r["step"] for r in records if r.get("kind") != "start"]
     return steps[-1] if steps else None
 
 
-def start_step(run_dir: Path, since: float) -> int | None:
+def start_step(records: list[dict[str, Any]], since: float) -> int | None:
     """The step a training attempt that began at `since` started from (its `start` record in metrics.jsonl)."""
-    steps = [r["step"] for r in failure.read_metrics(run_dir) if r.get("kind") == "start" and r.get("time", 0) >= since]
+    steps = [r["step"] for r in records if r.get("kind") == "start" and r.get("time", 0) >= since]
     return steps[-1] if steps else None
 
 
@@ -189,7 +189,8 @@ class Supervisor:
                 self._save()
                 say(f"attempt {number}: {attempt.message}; {attempt.decision}")
                 return EXIT_USER_ERROR
-            self._count_steps_lost()
+            records = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
+            self._count_steps_lost(records)
             if attempt.status == 0 or self.stop_signal:
                 attempt.decision = "finished" if attempt.status == 0 else (
                     f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched")
@@ -200,11 +201,10 @@ class Supervisor:
                 return attempt.status or 0
             record = failure.read(self.failure_file)
             found = diagnose(attempt.status or 1, record, output)
-            progress_at = failure.last_progress_at(failure.read_metrics(self.plan.run_dir), attempt.started_at,
-                                                   attempt.ended_at)
+            progress_at = failure.last_progress_at(records, attempt.started_at, attempt.ended_at)
             attempt.last_step_at = progress_at if progress_at is not None else record.time if record else None
             if found.step is None:
-                found = Failure(**{**asdict(found), "step": last_logged_step(self.plan.run_dir)})
+                found = Failure(**{**asdict(found), "step": last_logged_step(records)})
             if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
                 found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
             decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
@@ -281,17 +281,17 @@ class Supervisor:
             assert self.child is not None
             os.kill(self.child.pid, self.child_stop)  # srun and mpirun hand it on to every rank
 
-    def _count_steps_lost(self) -> None:
+    def _count_steps_lost(self, records: list[dict[str, Any]]) -> None:
         """Now that the latest attempt has run, the one before it learns where training resumed, and how long
-        training stood still (until the latest attempt's first step)."""
+        training stood still (until the latest attempt's first step), from metrics.jsonl's `records`."""
         if len(self.attempts) < 2 or self.plan.mode != "train":
             return
         before, latest = self.attempts[-2], self.attempts[-1]
-        before.resumed_at_step = start_step(self.plan.run_dir, latest.started_at)
+        before.resumed_at_step = start_step(records, latest.started_at)
         if before.resumed_at_step is not None and before.failed_at_step is not None:
             before.steps_lost = max(0, before.failed_at_step - before.resumed_at_step)
         before.downtime_s, before.downtime_phases = failure.downtime(
-            before.last_step_at, before.ended_at, latest.started_at, failure.read_metrics(self.plan.run_dir))
+            before.last_step_at, before.ended_at, latest.started_at, records)
 
     def _follow_job(self) -> None:
         """Read the job record the attempt wrote: a training whose own flags named another run dir moves launch's

@@ -85,6 +85,34 @@ def lineage_up_to(directory: Path, parent: Path | None) -> list[str]:
     return [parent.name] if parent.is_file() else []
 
 
+def side_path(snapshot_path: Path, rank: int) -> Path:
+    """Where `rank` keeps its own part of a snapshot (PowerSGD's state), next to the snapshot file. Not `*.pt`:
+    never taken for a snapshot."""
+    return snapshot_path.with_name(f"{snapshot_path.name}.rank{rank:05d}")
+
+
+def write_side(snapshot_path: Path, rank: int, own: dict[str, Any] | None) -> None:
+    """This rank's part of `save`: its own side file, atomically; a UserError leaves `latest` where it was."""
+    path = side_path(snapshot_path, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a host that does not share rank 0's file system
+        write_atomic(path, lambda out: torch.save(own or {}, out))
+    except (OSError, RuntimeError) as exc:
+        raise UserError(f"saving {path} failed ({type(exc).__name__}: {exc}); the previous snapshot is intact. "
+                        f"Free space or choose another --checkpoint-dir, then --resume") from None
+
+
+def read_side(snapshot_path: Path, rank: int) -> dict[str, Any] | None:
+    """This rank's side file (weights_only), or None with a warning: its PowerSGD state then starts from zero."""
+    path = side_path(snapshot_path, rank)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # missing (a checkpoint directory not shared by every host), truncated, foreign
+        log.warning("cannot read %s (%s): this rank's PowerSGD error feedback starts from zero", path,
+                    type(exc).__name__)
+        return None
+
+
 def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     """Rank 0's first part of `save`: the file alone (`latest` still names the previous one). A UserError leaves
     the previous snapshot intact."""
@@ -131,6 +159,8 @@ def publish(directory: Path, path: Path, keep_last: int, parent: Path | None = N
     try:
         for old in doomed:
             (directory / old).unlink(missing_ok=True)
+            for side in directory.glob(f"{old}.rank*"):  # its ranks' side files go with it
+                side.unlink(missing_ok=True)
         kept = [n for n in lineage if n not in doomed]
         write_atomic(directory / LINEAGE, lambda out: out.write("".join(f"{n}\n" for n in kept).encode()))
     except OSError as exc:  # the new snapshot is safe and published: old files left behind are only space
@@ -144,7 +174,10 @@ def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int, parent
     `latest` and rotates, and every rank returns the path. A failure raises the same AgreedError everywhere while
     the previous snapshot stays loadable."""
     path = dist.from_main(lambda: write_snapshot(directory, snapshot))
-    dist.barrier()  # `latest` names only a snapshot that every rank knows was saved
+    if snapshot.side_ranks:  # each rank writes its own side file: its PowerSGD state never passes through rank 0
+        dist.agree(lambda: write_side(path, dist.rank, snapshot.own_side))  # and a barrier, as below
+    else:
+        dist.barrier()  # `latest` names only a snapshot that every rank knows was saved
     dist.from_main(lambda: publish(directory, path, keep_last, parent))
     log.debug("saved %s", path)  # the caller logs it with its cost
     return path
@@ -234,9 +267,10 @@ def find_for(resume: str, directory: Path, arch: str, launch_id: str = "") -> tu
 def restore(resume: str, directory: Path, arch: str, dist: Dist,
             launch_id: str = "") -> tuple[Path, Snapshot] | None:
     """Collective: rank 0 finds and checks the snapshot, every rank receives it (no shared filesystem needed):
-    the shared part by broadcast, and of the per-rank part (RNG, PowerSGD's error feedback, as large as the
-    gradients) only its own, so a rank's memory at resume does not grow with the number of ranks. `launch_id`:
-    this job is a relaunch by that `launch` (see `resolve_relaunch`).
+    the shared part by broadcast, and of the per-rank RNG only its own; PowerSGD's error feedback (as large as the
+    gradients) each rank reads from its own side file (an older snapshot's, from the file, by scatter), so a
+    rank's memory at resume does not grow with the number of ranks. `launch_id`: this job is a relaunch by that
+    `launch` (see `resolve_relaunch`).
 
     Raises the same AgreedError on every rank when the snapshot is missing, unreadable or for another model.
     """
@@ -256,4 +290,6 @@ def restore(resume: str, directory: Path, arch: str, dist: Dist,
         return None
     path, snapshot = found
     snapshot.take_own_part(dist.rank, dist.scatter(per_rank if dist.is_main else None))
+    if snapshot.side_ranks:  # each rank reads its own side file; ranks beyond the saved job's have none
+        snapshot.take_own_side(dist.rank, read_side(path, dist.rank) if dist.rank < snapshot.side_ranks else None)
     return path, snapshot

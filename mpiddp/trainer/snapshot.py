@@ -84,17 +84,27 @@ class Snapshot:
     batches_done: int = 0  # batches of epoch `epoch + 1` already trained (a stop part-way through)
     config: dict[str, Any] = field(default_factory=dict)
     wandb_run_id: str | None = None
-    # Every rank's gradient-communication state (PowerSGD's error feedback and warm start), in rank order.
+    # Every rank's gradient-communication state (PowerSGD's error feedback and warm start), in rank order: in the
+    # file only for snapshots of an older mpiddp. Now each rank saves its own in a side file (checkpoint.side_path)
+    # and `side_ranks` says how many ranks' side files belong to the snapshot; at resume, this list holds this
+    # rank's own entry alone.
     communication: list[dict[str, Any] | None] = field(default_factory=list)
     launch_id: str = ""  # the `launch` whose job saved it ('' outside launch): its relaunches prefer it
+    side_ranks: int = 0
+    # Epoch `epoch`'s record without its evaluation, when a stop came between its last step and the end of its
+    # evaluation: the resume evaluates it and writes the record (older snapshots: None, the epoch counts as done).
+    pending_epoch: dict[str, Any] | None = None
     format: int = FORMAT_VERSION
+    # This rank's own side state (PowerSGD's), for its side file: never in the snapshot file itself.
+    own_side: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def capture(cls, state: TrainState, dist: Dist, arch: str, config: dict[str, Any],
                 wandb_run_id: str | None) -> Snapshot:
-        """Collective: every rank's RNG goes to global rank 0, whose snapshot is the complete one."""
+        """Collective: every rank's RNG (a few KB) goes to global rank 0, whose snapshot is the complete one; each
+        rank keeps its own PowerSGD state (as large as the gradients) for its own side file, never gathered."""
         rng = dist.gather(rng_state(dist.device)) or []
-        communication = dist.gather(state.gradient_hook.state_dict() if state.gradient_hook else {}) or []
+        own = state.gradient_hook.state_dict() if state.gradient_hook else {}
         return cls(
             arch=arch,
             model=state.unwrapped.state_dict(),
@@ -108,8 +118,10 @@ class Snapshot:
             world_size=dist.world_size,
             config=config,
             wandb_run_id=wandb_run_id,
-            communication=communication if any(communication) else [],
             launch_id=dist.topology.launch_id,
+            side_ranks=dist.world_size if own else 0,  # the same on every rank: PowerSGD or not
+            pending_epoch=state.pending_epoch,
+            own_side=own or None,
         )
 
     def split_per_rank(self, world_size: int) -> tuple[Snapshot, list[tuple[Any, Any]]]:
@@ -129,8 +141,15 @@ class Snapshot:
         if rank < len(self.communication):
             self.communication[rank] = communication
 
+    def take_own_side(self, rank: int, own: dict[str, Any] | None) -> None:
+        """Put this rank's side state, read from its own side file (None: it has none), where `restore_into`
+        reads it; a rank beyond the saved job's `side_ranks` has none, as with the older in-file list."""
+        self.communication = [None] * self.side_ranks
+        if own is not None and rank < self.side_ranks:
+            self.communication[rank] = own
+
     def to_payload(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "own_side"}
 
     @classmethod
     def from_payload(cls, payload: object, path: Path) -> Snapshot:
@@ -217,6 +236,7 @@ class Snapshot:
         if self.scaler:
             state.scaler.load_state_dict(self.scaler)
         state.epoch, state.step = self.epoch, self.step
+        state.pending_epoch = self.pending_epoch
         state.batches_done, restarts = self.position_on(dist.world_size, batch_size, grad_accum)
         if restarts and (dist.is_main or self.world_size != dist.world_size):  # a local log line, no collective
             log.warning("%s", restarts)

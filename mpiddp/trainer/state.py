@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ class TrainState:
     step: int = 0  # completed optimizer steps
     batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)
     batches_per_epoch: int = 0  # this job's (micro-)batches per epoch: where a restored position falls in its schedule
+    # The training half of epoch `epoch`'s record while its evaluation is still to do (after a stop past its last
+    # step): a resume evaluates that epoch first. None once the epoch is evaluated.
+    pending_epoch: dict[str, Any] | None = None
 
 
 def configure_torch(cfg: Config) -> None:

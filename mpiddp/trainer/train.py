@@ -282,10 +282,12 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             progress.close()
             state.batches_done = batches_seen
             if batches_seen >= epoch_batches:  # the epoch's training is complete: saved as the epoch, as a stop
-                state.epoch, state.batches_done = epoch, 0  # during its evaluation is (never a 0-step epoch later)
+                account()  # during its evaluation is (never a 0-step epoch later), its evaluation left to the resume
+                state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
+                state.epoch, state.batches_done = epoch, 0
                 if dist.is_main:  # a local log line, no collective
-                    log.warning("stopping after the last step of epoch %d: its training is saved, its evaluation is not",
-                                epoch)
+                    log.warning("stopping after the last step of epoch %d: its training is saved, its evaluation is "
+                                "left to --resume", epoch)
             hooks.save_now(state)
             raise Stopped(signal.Signals(signum).name, state.step)
         if save_due and batches_seen < epoch_batches:  # a snapshot by time, mid-epoch: resumed as a stop's is
@@ -321,37 +323,67 @@ def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dis
         sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, heartbeat,
                         state.step, should_stop=lambda: bool(hooks.stop.signum))
     signum = hooks.stop.agreed(dist)
-    if signum:
-        state.epoch, state.batches_done = epoch, 0
+    if signum:  # the snapshot keeps state.pending_epoch: a resume evaluates the epoch and writes its record
         if dist.is_main:  # a local log line, no collective
-            log.warning("stopping during the evaluation of epoch %d: its training is saved, its evaluation is not", epoch)
+            log.warning("stopping during the evaluation of epoch %d: its training is saved, its evaluation is left to "
+                        "--resume", epoch)
         hooks.save_now(state)
         raise Stopped(signal.Signals(signum).name, state.step)
     return sums
 
 
-def epoch_record(state: TrainState, loaders: Loaders, dist: Dist, epoch: int, totals: Meter,
-                 epoch_durations: StepDurations, evaluation: tuple[float, float, float]) -> dict[str, Any]:
-    """Collective: one record of the epoch for the whole job."""
+def training_record(state: TrainState, dist: Dist, epoch: int, totals: Meter,
+                    epoch_durations: StepDurations) -> dict[str, Any]:
+    """Collective: the training half of the epoch's record, taken when its training is complete. A stop before
+    its evaluation keeps it in the snapshot, so the resume that evaluates the epoch writes the whole record.
+    The per-rank step times only rank 0 logs: gathered there, None on the other ranks."""
     train_loss, train_images, slowest = totals.reduced(dist)
-    correct, eval_loss, eval_count = dist.reduce(list(evaluation), "sum")
-    rank_means = dist.allgather((epoch_durations.step.mean, epoch_durations.data_wait.mean, epoch_durations.compute.mean))
-    assert eval_count == loaders.num_eval, f"evaluated {eval_count} of {loaders.num_eval} test samples"
+    rank_means = dist.gather((epoch_durations.step.mean, epoch_durations.data_wait.mean, epoch_durations.compute.mean))
     return {
         "kind": "epoch",
         "epoch": epoch,
         "step": state.step,
         "train_loss": train_loss,
-        "eval_loss": eval_loss / eval_count if eval_count else None,
-        "eval_accuracy": correct / eval_count if eval_count else None,
         "images_per_second": train_images / slowest if slowest > 0 else 0.0,
         "epoch_time_s": slowest,
-        "rank_step_time_s": [means[0] for means in rank_means],
-        "rank_data_wait_s": [means[1] for means in rank_means],
-        "rank_compute_s": [means[2] for means in rank_means],
+        "rank_step_time_s": [means[0] for means in rank_means] if rank_means is not None else None,
+        "rank_data_wait_s": [means[1] for means in rank_means] if rank_means is not None else None,
+        "rank_compute_s": [means[2] for means in rank_means] if rank_means is not None else None,
         "lr": state.optimizer.param_groups[0]["lr"],
+    }
+
+
+def epoch_record(loaders: Loaders, dist: Dist, training: dict[str, Any],
+                 evaluation: tuple[float, float, float]) -> dict[str, Any]:
+    """Collective: one record of the epoch for the whole job: its training half and every rank's evaluation."""
+    correct, eval_loss, eval_count = dist.reduce(list(evaluation), "sum")
+    assert eval_count == loaders.num_eval, f"evaluated {eval_count} of {loaders.num_eval} test samples"
+    return {
+        **training,
+        "eval_loss": eval_loss / eval_count if eval_count else None,
+        "eval_accuracy": correct / eval_count if eval_count else None,
         "time": time.time(),
     }
+
+
+def finish_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> dict[str, Any]:
+    """Collective: evaluate epoch `state.epoch`, whose training is complete (its record's training half is
+    `state.pending_epoch`), log its record and save when one is due. A stop during the evaluation saves the
+    epoch with its evaluation still pending and raises Stopped."""
+    epoch = state.epoch
+    assert state.pending_epoch is not None and state.batches_done == 0
+    evaluation = evaluate_or_stop(cfg, state, loaders, dist, hooks, epoch)
+    record = epoch_record(loaders, dist, state.pending_epoch, evaluation)
+    state.pending_epoch = None
+    hooks.log.log(record)
+    accuracy = "n/a" if record["eval_accuracy"] is None else f"{100 * record['eval_accuracy']:.2f}%"
+    log.info(
+        "epoch %d/%d | train loss %.4f | eval acc %s | %.0f images/s | %.2f s",
+        epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
+    )
+    if epoch % cfg.save_every == 0 or epoch == cfg.epochs or hooks.save_clock.pending:
+        hooks.save_now(state)
+    return record
 
 
 def nondeterministic_op(exc: RuntimeError, arch: str, device: torch.device) -> UserError | None:
@@ -389,18 +421,11 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
     signum = hooks.stop.agreed(dist)
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)
+    if state.pending_epoch is not None:  # resumed after a stop that left an epoch's evaluation undone: it comes first
+        history.append(finish_epoch(cfg, state, loaders, dist, hooks))
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
         totals, epoch_durations = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
-        evaluation = evaluate_or_stop(cfg, state, loaders, dist, hooks, epoch)
-        record = epoch_record(state, loaders, dist, epoch, totals, epoch_durations, evaluation)
-        history.append(record)
-        hooks.log.log(record)
-        accuracy = "n/a" if record["eval_accuracy"] is None else f"{100 * record['eval_accuracy']:.2f}%"
-        log.info(
-            "epoch %d/%d | train loss %.4f | eval acc %s | %.0f images/s | %.2f s",
-            epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
-        )
+        state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
         state.epoch, state.batches_done = epoch, 0
-        if epoch % cfg.save_every == 0 or epoch == cfg.epochs or hooks.save_clock.pending:
-            hooks.save_now(state)
+        history.append(finish_epoch(cfg, state, loaders, dist, hooks))
     return TrainOutcome(history, timing)
