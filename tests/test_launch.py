@@ -1,9 +1,11 @@
 """The launch layer, in-process: host lists from every source, launcher command lines, the restart policy."""
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -511,3 +513,41 @@ def test_a_launcher_that_cannot_be_started_is_one_line_and_no_relaunch(tmp_path,
     assert supervisor.run() == 2
     assert len(supervisor.attempts) == 1 and supervisor.attempts[0].cause == "user_error"
     assert f"cannot start {tmp_path}/gone/mpirun: No such file or directory; not relaunched" in capsys.readouterr().err
+
+
+def test_a_launcher_whose_leftovers_hold_its_output_ends_the_attempt_and_its_session(tmp_path, monkeypatch):
+    """The launcher exits while processes it started hold its output pipes (as orphaned loader workers did): the
+    attempt ends anyway, what is left of its session is killed, and a process that left the session is not
+    waited for beyond a bounded drain."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's own handlers
+    monkeypatch.setattr(supervisor, "RELAY_DRAIN_S", 1.0)
+    launcher, pids = tmp_path / "mpirun", tmp_path / "pids"
+    forever = [sys.executable, "-c", "import time; time.sleep(10**6)"]
+    launcher.write_text(f"#!{sys.executable}\nimport subprocess, sys\n"
+                        f"same = subprocess.Popen({forever!r})\n"
+                        f"away = subprocess.Popen({forever!r}, start_new_session=True)\n"
+                        f"open({str(pids)!r}, 'w').write(f'{{same.pid}} {{away.pid}}')\n"
+                        "print('launcher done', flush=True)\nsys.exit(1)\n")
+    launcher.chmod(0o755)
+    plan = Plan("run", ["run", "x.py"], tmp_path, 2, [], [], 0, "mpirun", str(launcher), "openmpi")
+    try:
+        assert Supervisor(plan, {}).run() == 1
+        same, away = (int(pid) for pid in pids.read_text().split())
+        deadline = time.monotonic() + 30
+        while _running(same) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling a condition with a deadline, not synchronising
+        assert not _running(same), "a process of the attempt's session outlived it"
+    finally:
+        for pid in (int(pid) for pid in pids.read_text().split()) if pids.exists() else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _running(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")

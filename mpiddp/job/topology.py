@@ -199,6 +199,11 @@ def supervisor_failure_file(env: Mapping[str, str]) -> str:
     return env.get("MPIDDP_FAILURE_FILE", "")
 
 
+def supervisor_identity(env: Mapping[str, str]) -> str:
+    """HOST:PID of the supervisor (`launch`) that started this job (MPIDDP_SUPERVISOR), '' when not supervised."""
+    return env.get("MPIDDP_SUPERVISOR", "")
+
+
 def mpi_library_version() -> str:
     from mpi4py import MPI
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from mpiddp import failure
+from mpiddp import failure, supervision
 from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import build_command
@@ -33,6 +33,9 @@ FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
 CHECKPOINT_OPTIONS = ("--checkpoint-dir", "--model_dir")
 OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
+# After the launcher exits, its output is read this much longer: a process that outlived it (and was not killed
+# with its session) may hold the pipes open for ever.
+RELAY_DRAIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,8 @@ class Supervisor:
 
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
         num_ranks = self.num_ranks
-        exports = {FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number)}
+        exports = {FAILURE_FILE_ENV: str(self.failure_file), RESTART_COUNT_ENV: str(number),
+                   supervision.SUPERVISOR_ENV: supervision.identity()}
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
                                 inner_for(self.plan, number, self.latest_at_start), exports, excluded, self.plan.extra)
@@ -255,8 +259,11 @@ class Supervisor:
         # stop on as `child_stop`.
         # Both streams are read: Hydra prints which process died on stdout. Each is passed on to its own stream.
         try:
+            # The launcher hears of the supervisor's death (as `child_stop`): the job then stops with a snapshot
+            # and records why, instead of training on unsupervised.
             self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+                                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
+                                          preexec_fn=supervision.launcher_preexec(self.child_stop))
         except OSError as exc:  # not there (any more), not executable: nothing ran, a relaunch would fail alike
             attempt.status, attempt.ended_at, attempt.cause_source = EXIT_USER_ERROR, time.time(), "supervisor"
             attempt.cause, attempt.message = "user_error", f"cannot start {command[0]}: {exc.strerror or exc}"
@@ -264,15 +271,23 @@ class Supervisor:
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
         assert self.child.stdout is not None and self.child.stderr is not None
-        stdout_relay = threading.Thread(target=_relay, args=(self.child.stdout, sys.stdout, tail), daemon=True)
-        stdout_relay.start()
-        _relay(self.child.stderr, sys.stderr, tail)
-        stdout_relay.join()
+        done = threading.Event()
+        relays = [threading.Thread(target=_relay, args=(source, target, tail, done), daemon=True)
+                  for source, target in ((self.child.stdout, sys.stdout), (self.child.stderr, sys.stderr))]
+        for relay in relays:
+            relay.start()
+        # The launcher itself, not its pipes, says when the attempt is over: a process that outlived it may hold
+        # them open for ever.
         status = self.child.wait()
+        end_session(self.child.pid)  # nothing of the attempt stays: what is left of its session is killed
+        deadline = time.monotonic() + RELAY_DRAIN_S
+        for relay in relays:
+            relay.join(max(0.0, deadline - time.monotonic()))
+        done.set()
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()
-        return attempt, "".join(tail)
+        return attempt, _joined(tail)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = self.stop_signal or signum
@@ -323,15 +338,51 @@ def write_attempts(path: Path, attempts: list[Attempt]) -> bool:
     return True
 
 
-def _relay(source: TextIO, target: TextIO, tail: collections.deque[str]) -> None:
-    """Pass the launcher's lines on as they come, keeping the last ones (deque appends are thread-safe)."""
+def _relay(source: TextIO, target: TextIO, tail: collections.deque[str], done: threading.Event) -> None:
+    """Pass the launcher's lines on as they come, keeping the last ones (deque appends are thread-safe), until
+    `done` (the attempt is over, and its output no longer read)."""
     for line in source:
+        if done.is_set():
+            return
         try:
             target.write(line)
             target.flush()
         except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
             pass
         tail.append(line)
+
+
+def _joined(tail: collections.deque[str]) -> str:
+    """The tail's text. A relay that gave up late may still append one line while it is read: read again."""
+    while True:
+        try:
+            return "".join(tail)
+        except RuntimeError:  # deque mutated during iteration
+            continue
+
+
+def end_session(session: int) -> None:
+    """SIGKILL every process left in `session` (the launcher's: its pid), wherever it moved in the process tree.
+    Off Linux (no /proc), the launcher's process group only."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        _kill_group(session)
+        return
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == session:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours
+            continue
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:  # none left
+        pass
 
 
 def _ignore_hangup(signum: int, frame: FrameType | None) -> None:
