@@ -515,10 +515,9 @@ def test_a_launcher_that_cannot_be_started_is_one_line_and_no_relaunch(tmp_path,
     assert f"cannot start {tmp_path}/gone/mpirun: No such file or directory; not relaunched" in capsys.readouterr().err
 
 
-def test_a_launcher_whose_leftovers_hold_its_output_ends_the_attempt_and_its_session(tmp_path, monkeypatch):
-    """The launcher exits while processes it started hold its output pipes (as orphaned loader workers did): the
-    attempt ends anyway, what is left of its session is killed, and a process that left the session is not
-    waited for beyond a bounded drain."""
+def test_a_launcher_whose_leftovers_live_on_ends_the_attempt_and_its_session(tmp_path, monkeypatch):
+    """The launcher exits while processes it started live on holding its output (as orphaned loader workers held
+    mpirun's pipes): the attempt ends anyway, and what is left of its session is killed."""
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's own handlers
     monkeypatch.setattr(supervisor, "RELAY_DRAIN_S", 1.0)
     launcher, pids = tmp_path / "mpirun", tmp_path / "pids"

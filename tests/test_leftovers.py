@@ -85,3 +85,58 @@ def test_under_launch_a_rank_killed_with_loader_workers_ends_the_attempt_and_lea
         assert_nothing_left(mark)
     assert job.returncode != 0, job.output[-3000:]
     assert "attempt 0 failed" in job.output and "killed" in job.output, job.output[-3000:]
+
+
+def test_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_record_says_why(tmp_path):
+    import json
+    import signal
+    import subprocess
+
+    from conftest import REPO
+
+    run_dir = tmp_path / "run"
+    env, mark = marked_env()
+    launch = [sys.executable, "-m", "mpiddp", "launch", "-np", "2", "--"]
+    # Quiet: the launcher has nothing to write to its dead supervisor's pipes, so only being told stops it.
+    flags = ("--run-dir", str(run_dir), "--no-progress", "--wandb", "disabled", "--log-every", "1000",
+             "--log-level", "warning")
+    with (tmp_path / "launch.log").open("w") as log:
+        supervisor = subprocess.Popen([*launch, *flags, "--epochs", "100"], cwd=REPO, env=env,
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not _trained(run_dir) and supervisor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling a condition with a deadline, not synchronising
+        assert _trained(run_dir), (tmp_path / "launch.log").read_text()[-3000:]
+        supervisor.send_signal(signal.SIGKILL)
+        supervisor.wait()
+        deadline = time.monotonic() + 120
+        while processes_of(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the ranks save a snapshot, then the job ends
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+        assert_nothing_left(mark)
+    record = json.loads((run_dir / "failure.json").read_text())
+    assert record["kind"] == "stopped" and "supervisor" in record["message"], record
+    assert "rerun the same launch command" in record["message"].lower()
+    last = json.loads((run_dir / "attempts.json").read_text())["attempts"][-1]
+    assert last["status"] == 3 and "supervisor died" in last["decision"], last
+    assert last["failed_at_step"] == record["step"]
+    import torch
+
+    snapshot = torch.load(run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip(),
+                          weights_only=False)
+    assert snapshot["step"] == record["step"]  # every rank saved at the stop's step: the normal stop path
+    epochs = snapshot["epoch"] + 2  # one more epoch than the stop reached
+    resumed = run_command([*launch, *flags, "--epochs", str(epochs), "--resume"], run_dir, timeout=240, env=env)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.summary["resumed_from"] and resumed.summary["epochs"] == epochs
+    assert_nothing_left(mark)
+
+
+def _trained(run_dir: Path) -> bool:
+    """Training made progress: metrics.jsonl has a record of a finished step."""
+    from mpiddp.failure import read_metrics
+
+    return any(record.get("kind") != "start" for record in read_metrics(run_dir))

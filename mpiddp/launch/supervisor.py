@@ -33,9 +33,10 @@ FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
 CHECKPOINT_OPTIONS = ("--checkpoint-dir", "--model_dir")
 OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
-# After the launcher exits, its output is read this much longer: a process that outlived it (and was not killed
-# with its session) may hold the pipes open for ever.
+# After the launcher exits, its output is passed on for at most this much longer (a process that left its
+# session may write on); what the relays have not passed on by then is still in the run dir's attemptN.out/.err.
 RELAY_DRAIN_S = 10.0
+RELAY_POLL_S = 0.1  # how often a relay looks for new output
 
 
 @dataclass(frozen=True)
@@ -254,40 +255,53 @@ class Supervisor:
         self.attempts.append(attempt)
         self._save()  # listed as it starts: the job reads when it was launched (its downtime) and the restarts
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
-        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
-        # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
-        # stop on as `child_stop`.
-        # Both streams are read: Hydra prints which process died on stdout. Each is passed on to its own stream.
         try:
-            # The launcher hears of the supervisor's death (as `child_stop`): the job then stops with a snapshot
-            # and records why, instead of training on unsupervised.
-            self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
-                                          preexec_fn=supervision.launcher_preexec(self.child_stop))
+            self.child = self._start(command, env, number)
         except OSError as exc:  # not there (any more), not executable: nothing ran, a relaunch would fail alike
             attempt.status, attempt.ended_at, attempt.cause_source = EXIT_USER_ERROR, time.time(), "supervisor"
             attempt.cause, attempt.message = "user_error", f"cannot start {command[0]}: {exc.strerror or exc}"
             return attempt, ""
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
-        assert self.child.stdout is not None and self.child.stderr is not None
-        done = threading.Event()
-        relays = [threading.Thread(target=_relay, args=(source, target, tail, done), daemon=True)
-                  for source, target in ((self.child.stdout, sys.stdout), (self.child.stderr, sys.stderr))]
-        for relay in relays:
-            relay.start()
-        # The launcher itself, not its pipes, says when the attempt is over: a process that outlived it may hold
-        # them open for ever.
-        status = self.child.wait()
-        end_session(self.child.pid)  # nothing of the attempt stays: what is left of its session is killed
-        deadline = time.monotonic() + RELAY_DRAIN_S
-        for relay in relays:
-            relay.join(max(0.0, deadline - time.monotonic()))
-        done.set()
+        status, output = self._follow(self.child, self._output_paths(number))
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()
-        return attempt, _joined(tail)
+        return attempt, output
+
+    def _output_paths(self, number: int) -> tuple[Path, Path]:
+        """Where attempt `number`'s launcher writes its stdout and stderr."""
+        return self.plan.run_dir / f"attempt{number}.out", self.plan.run_dir / f"attempt{number}.err"
+
+    def _start(self, command: list[str], env: dict[str, str], number: int) -> subprocess.Popen[bytes]:
+        """Start the launcher. Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor
+        only, which hands a stop on as `child_stop`. It hears of the supervisor's death as `child_stop` too: the
+        job then stops with a snapshot and records why, instead of training on unsupervised. Its output goes to
+        files in the run dir, not to pipes: a dead supervisor's pipes would make each write fail (Open MPI's
+        mpirun aborts the job after 10 failed writes, during the very save), and a process that outlives the
+        launcher cannot hold a file open against anyone."""
+        out_path, err_path = self._output_paths(number)
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True, preexec_fn=supervision.launcher_preexec(self.child_stop))
+
+    def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path]) -> tuple[int, str]:
+        """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
+        until the launcher itself exits; then kill what is left of its session, so nothing of the attempt stays.
+        (launcher's status, the last lines of its output)."""
+        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        done = threading.Event()
+        relays = [threading.Thread(target=_relay, args=(path, target, tail, done), daemon=True)
+                  for path, target in zip(paths, (sys.stdout, sys.stderr))]
+        for relay in relays:
+            relay.start()
+        status = child.wait()
+        end_session(child.pid)
+        done.set()  # the relays read to the end of what was written, then stop
+        deadline = time.monotonic() + RELAY_DRAIN_S
+        for relay in relays:
+            relay.join(max(0.0, deadline - time.monotonic()))
+        return status, _joined(tail)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = self.stop_signal or signum
@@ -338,18 +352,34 @@ def write_attempts(path: Path, attempts: list[Attempt]) -> bool:
     return True
 
 
-def _relay(source: TextIO, target: TextIO, tail: collections.deque[str], done: threading.Event) -> None:
-    """Pass the launcher's lines on as they come, keeping the last ones (deque appends are thread-safe), until
-    `done` (the attempt is over, and its output no longer read)."""
-    for line in source:
-        if done.is_set():
-            return
-        try:
-            target.write(line)
-            target.flush()
-        except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
-            pass
-        tail.append(line)
+def _relay(path: Path, target: TextIO, tail: collections.deque[str], done: threading.Event) -> None:
+    """Pass the lines written to `path` on as they come, keeping the last ones (deque appends are thread-safe),
+    until `done` (the launcher exited) and the end of what was written."""
+    pending = ""
+    with path.open(encoding="utf-8", errors="replace") as source:
+        while True:
+            finished = done.is_set()  # before reading: what was written before `done` is all read
+            chunk = source.readline()
+            if chunk:
+                pending += chunk
+                if pending.endswith("\n"):
+                    _pass_on(pending, target, tail)
+                    pending = ""
+            elif finished:
+                if pending:
+                    _pass_on(pending, target, tail)
+                return
+            else:
+                time.sleep(RELAY_POLL_S)  # following a growing file: nothing new yet
+
+
+def _pass_on(line: str, target: TextIO, tail: collections.deque[str]) -> None:
+    try:
+        target.write(line)
+        target.flush()
+    except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
+        pass
+    tail.append(line)
 
 
 def _joined(tail: collections.deque[str]) -> str:
