@@ -1,5 +1,6 @@
 """The launch layer, in-process: host lists from every source, launcher command lines, the restart policy."""
 
+import json
 import os
 import signal
 import subprocess
@@ -550,3 +551,17 @@ def _running(pid):
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def test_a_dead_supervisor_s_last_attempt_is_completed_once_and_the_record_says_why(tmp_path):
+    from mpiddp import failure, supervision
+
+    write_attempts(tmp_path / "attempts.json", [Attempt(0, ["a"], ["mpirun"], 1.0, status=1), Attempt(1, ["a"], ["mpirun"], 2.0)])
+    supervision.record_supervisor_death(tmp_path, tmp_path / "failure.json", "pid 7 on a", 42)
+    record = failure.read(tmp_path / "failure.json")
+    assert record.kind == "stopped" and record.step == 42 and "supervisor" in record.message
+    first, last = json.loads((tmp_path / "attempts.json").read_text())["attempts"]
+    assert first["status"] == 1 and last["status"] == 3 and last["failed_at_step"] == 42
+    assert "supervisor died" in last["decision"]
+    # an attempt the supervisor completed itself is left alone
+    assert not supervision.complete_last_attempt(tmp_path / "attempts.json", "again", 50)
