@@ -556,7 +556,8 @@ def _running(pid):
 def test_a_dead_supervisor_s_last_attempt_is_completed_once_and_the_record_says_why(tmp_path):
     from mpiddp import failure, supervision
 
-    write_attempts(tmp_path / "attempts.json", [Attempt(0, ["a"], ["mpirun"], 1.0, status=1), Attempt(1, ["a"], ["mpirun"], 2.0)])
+    attempts = [Attempt(0, ["a"], ["mpirun"], 1.0, status=1), Attempt(1, ["a"], ["mpirun"], 2.0)]
+    write_attempts(tmp_path / "attempts.json", attempts)
     supervision.record_supervisor_death(tmp_path, tmp_path / "failure.json", "pid 7 on a", 42)
     record = failure.read(tmp_path / "failure.json")
     assert record.kind == "stopped" and record.step == 42 and "supervisor" in record.message

@@ -61,7 +61,8 @@ def assert_nothing_left(mark: str) -> None:
 @pytest.mark.parametrize("workers,fault", [(1, ("--inject-fault", "kill:1:3")), (4, ("--inject-fault", "kill:1:3")),
                                            (1, ("--inject-fault", "stall:1:3", "--hang-timeout", "8"))],
                          ids=["killed-1-worker", "killed-4-workers", "watchdog-1-worker"])
-def test_a_rank_that_dies_with_loader_workers_ends_the_job_and_leaves_nothing(mpirun, tmp_path, data_dir, workers, fault):
+def test_a_rank_that_dies_with_loader_workers_ends_the_job_and_leaves_nothing(mpirun, tmp_path, data_dir, workers,
+                                                                             fault):
     run_dir = tmp_path / "run"
     env, mark = marked_env()
     command = [mpirun, "-np", "2", sys.executable, "-m", "mpiddp", "--run-dir", str(run_dir), *SMALL,
