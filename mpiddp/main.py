@@ -19,7 +19,7 @@ from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_OK, EXIT_STOPPED, FailFast
 from mpiddp.job.log import setup_logging
 from mpiddp.job.startup import StartupClock, slowest_per_phase
-from mpiddp.job.stopping import Stopped, StopRequest
+from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import DEFAULT_RUNS_ROOT, Config, parse_args
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
@@ -278,6 +278,7 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
             if dist.is_main:  # one line for the job, not one per rank
                 saved = "snapshot saved in %s" if stopped.saved else "nothing trained since the last snapshot in %s"
                 log.warning("%s; " + saved + ". Continue with --resume (exit status %d)", stopped, run_dir, EXIT_STOPPED)
+            note_supervisor_death(topo, run_dir, stopped.step)
             return EXIT_STOPPED
         if summary is None or not dist.is_main:  # the summary and its lines are rank 0's
             return EXIT_OK

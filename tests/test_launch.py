@@ -1,11 +1,13 @@
 """The launch layer, in-process: host lists from every source, launcher command lines, the restart policy."""
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -605,3 +607,55 @@ def test_a_bad_launch_input_is_one_line_on_stderr_and_exit_2(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == ["mpiddp launch: error: -H localhost:\u00b2: slot count '\u00b2' is not a number"]
     assert not (tmp_path / "attempts.json").exists()
+
+
+def test_a_launcher_whose_leftovers_live_on_ends_the_attempt_and_its_session(tmp_path, monkeypatch):
+    """The launcher exits while processes it started live on holding its output (as orphaned loader workers held
+    mpirun's pipes): the attempt ends anyway, and what is left of its session is killed."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's own handlers
+    monkeypatch.setattr(supervisor, "RELAY_DRAIN_S", 1.0)
+    launcher, pids = tmp_path / "mpirun", tmp_path / "pids"
+    forever = [sys.executable, "-c", "import time; time.sleep(10**6)"]
+    launcher.write_text(f"#!{sys.executable}\nimport subprocess, sys\n"
+                        f"same = subprocess.Popen({forever!r})\n"
+                        f"away = subprocess.Popen({forever!r}, start_new_session=True)\n"
+                        f"open({str(pids)!r}, 'w').write(f'{{same.pid}} {{away.pid}}')\n"
+                        "print('launcher done', flush=True)\nsys.exit(1)\n")
+    launcher.chmod(0o755)
+    plan = Plan("run", ["run", "x.py"], tmp_path, 2, [], [], 0, "mpirun", str(launcher), "openmpi")
+    try:
+        assert Supervisor(plan, {}).run() == 1
+        same, away = (int(pid) for pid in pids.read_text().split())
+        deadline = time.monotonic() + 30
+        while _running(same) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling a condition with a deadline, not synchronising
+        assert not _running(same), "a process of the attempt's session outlived it"
+    finally:
+        for pid in (int(pid) for pid in pids.read_text().split()) if pids.exists() else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _running(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_dead_supervisor_s_last_attempt_is_completed_once_and_the_record_says_why(tmp_path):
+    from mpiddp import failure, supervision
+
+    attempts = [Attempt(0, ["a"], ["mpirun"], 1.0, status=1), Attempt(1, ["a"], ["mpirun"], 2.0)]
+    write_attempts(tmp_path / "attempts.json", attempts)
+    supervision.record_supervisor_death(tmp_path, tmp_path / "failure.json", "pid 7 on a", 42)
+    record = failure.read(tmp_path / "failure.json")
+    assert record.kind == "stopped" and record.step == 42 and "supervisor" in record.message
+    first, last = json.loads((tmp_path / "attempts.json").read_text())["attempts"]
+    assert first["status"] == 1 and last["status"] == 3 and last["failed_at_step"] == 42
+    assert "supervisor died" in last["decision"]
+    # an attempt the supervisor completed itself is left alone
+    assert not supervision.complete_last_attempt(tmp_path / "attempts.json", "again", 50)

@@ -76,3 +76,52 @@ def test_helper_processes_ignore_stop_signals(method):
     os.kill(helpers[0], signal.SIGUSR1)  # as mpirun's forwarding to the process group would
     assert len(list(iterator)) == 3  # the worker lives on
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # the rank's block ended with the start
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_helper_processes_die_with_a_killed_rank(method, tmp_path):
+    """A rank killed outright (SIGKILL: the OOM killer) takes its helpers with it: the forkserver and the workers,
+    which ignore every stop signal, would otherwise live on, orphaned, holding the launcher's output open."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    program = (
+        "import multiprocessing.forkserver, os, signal, sys\n"
+        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+        "from test_loader_helpers import loader\n"
+        "from mpiddp.job.helper_signals import mark_helper_parent\n"
+        "from mpiddp.trainer.data import prepare_forkserver\n"
+        "if __name__ == '__main__':\n"
+        f"    mark_helper_parent()\n"
+        f"    if {method!r} == 'forkserver':\n"
+        "        prepare_forkserver()\n"
+        f"    iterator = iter(loader(2, method={method!r}))\n"
+        "    next(iterator)\n"
+        "    pids = [w.pid for w in iterator._workers]\n"
+        f"    if {method!r} == 'forkserver':\n"
+        "        pids.append(multiprocessing.forkserver._forkserver._forkserver_pid)\n"
+        "    print(*pids, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    (tmp_path / "rank.py").write_text(program)
+    done = subprocess.run([sys.executable, str(tmp_path / "rank.py")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    helpers = [int(pid) for pid in done.stdout.split()]
+    assert len(helpers) == (3 if method == "forkserver" else 2), done.stdout
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in helpers if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling a condition with a deadline, not synchronising
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"helpers outlived their rank: {alive}"
+
+
+def _alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -1,13 +1,18 @@
-"""The DataLoader's helper processes (forkserver, workers) ignore stop signals: only the rank acts on them."""
+"""The DataLoader's helper processes (forkserver, workers) ignore stop signals: only the rank acts on them. And they
+die with the process that started them: a rank killed outright (the OOM killer, SIGKILL) must not leave them behind,
+orphaned, holding the launcher's output pipe open (then mpirun waits for it forever)."""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from mpiddp.supervision import HELPER_PARENT_ENV, parent_death_signal
+
 # The signals that stop a run (mpiddp.job.stopping acts on them in the rank); here, so that the forkserver's preload
-# imports nothing else.
+# imports nothing heavy (stdlib only).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -28,3 +33,18 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def mark_helper_parent() -> None:
+    """In the rank, before helpers start: they die with this process (see die_with_parent)."""
+    os.environ[HELPER_PARENT_ENV] = str(os.getpid())
+
+
+def die_with_parent() -> None:
+    """In a helper process: SIGKILL when the parent dies (a helper ignores every stop signal, so only SIGKILL ends
+    it), and exit now if the parent is already gone (it died before the request was made). A helper whose parent
+    named no pid (started outside mpiddp's loaders) gets the signal only."""
+    parent_death_signal(signal.SIGKILL)
+    expected = os.environ.get(HELPER_PARENT_ENV, "")
+    if expected.isdigit() and os.getppid() != int(expected):
+        os._exit(1)

@@ -13,14 +13,19 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 from mpiddp.commands import split_command
+from mpiddp import supervision
+from mpiddp.failure import failure_path
 from mpiddp.job.helper_signals import STOP_SIGNALS
+from mpiddp.job.topology import supervisor_identity
 
 if TYPE_CHECKING:
     from mpiddp.job.collective import Dist
+    from mpiddp.job.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +100,22 @@ def early_request(args: list[str]) -> StopRequest | None:
     None for the other commands (`run`'s script owns its signals; `launch` has its own)."""
     command, _ = split_command(args)
     return StopRequest().install() if command == "train" else None
+
+
+def note_supervisor_death(topo: Topology, run_dir: Path, step: int) -> bool:
+    """After an agreed stop, on every rank (no collective): when the job's supervisor (`launch`) has died, which
+    is what its launcher hears as a stop, record why; True when this rank recorded it. Only a rank on the
+    supervisor's host can tell, and the first of them writes; off that host nobody can, and nothing is written."""
+    found = supervision.parse_identity(supervisor_identity(os.environ))
+    ranks = topo.hosts_dict.get(found[0], []) if found is not None else []
+    if found is None or not ranks or topo.rank != min(ranks) or supervision.is_alive(found[1]):
+        return False
+    path = failure_path(topo.failure_file, run_dir)
+    assert path is not None  # a run dir is given
+    supervision.record_supervisor_death(run_dir, path, f"pid {found[1]} on {found[0]}", step)
+    log.warning("the supervisor (pid %d on %s) died: recorded in %s; rerun the same launch command to resume",
+                found[1], found[0], path)
+    return True
 
 
 def _say(text: str) -> None:

@@ -204,6 +204,11 @@ def supervisor_settings(env: Mapping[str, str]) -> dict[str, str]:
             "launch_run_dir": env.get(RUN_DIR_ENV, ""), "job_record": env.get(JOB_RECORD_ENV, "")}
 
 
+def supervisor_identity(env: Mapping[str, str]) -> str:
+    """HOST:PID of the supervisor (`launch`) that started this job (MPIDDP_SUPERVISOR), '' when not supervised."""
+    return env.get("MPIDDP_SUPERVISOR", "")
+
+
 def mpi_library_version() -> str:
     from mpi4py import MPI
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from mpiddp import failure
+from mpiddp import failure, supervision
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
                              RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record, write_text_atomic)
 from mpiddp.errors import EXIT_USER_ERROR
@@ -35,6 +35,10 @@ from mpiddp.launch.policy import decide, same_host
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
 OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
+# After the launcher exits, its output is passed on for at most this much longer (a process that left its
+# session may write on); what the relays have not passed on by then is still in the run dir's attemptN.out/.err.
+RELAY_DRAIN_S = 10.0
+RELAY_POLL_S = 0.1  # how often a relay looks for new output
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,7 @@ class Supervisor:
 
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
         num_ranks = self.num_ranks
-        exports = job_exports(self.plan, number, self.launch_id)
+        exports = {**job_exports(self.plan, number, self.launch_id), supervision.SUPERVISOR_ENV: supervision.identity()}
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
                                 list(self.plan.inner), exports, excluded, self.plan.extra)
@@ -241,29 +245,53 @@ class Supervisor:
         self.attempts.append(attempt)
         self._save()  # listed as it starts: the job reads when it was launched (its downtime) and the restarts
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
-        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
-        # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
-        # stop on as `child_stop`.
-        # Both streams are read: Hydra prints which process died on stdout. Each is passed on to its own stream.
         try:
-            self.child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+            self.child = self._start(command, env, number)
         except OSError as exc:  # not there (any more), not executable: nothing ran, a relaunch would fail alike
             attempt.status, attempt.ended_at, attempt.cause_source = EXIT_USER_ERROR, time.time(), "supervisor"
             attempt.cause, attempt.message = "user_error", f"cannot start {command[0]}: {exc.strerror or exc}"
             return attempt, ""
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
-        assert self.child.stdout is not None and self.child.stderr is not None
-        stdout_relay = threading.Thread(target=_relay, args=(self.child.stdout, sys.stdout, tail), daemon=True)
-        stdout_relay.start()
-        _relay(self.child.stderr, sys.stderr, tail)
-        stdout_relay.join()
-        status = self.child.wait()
+        status, output = self._follow(self.child, self._output_paths(number))
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()
-        return attempt, "".join(tail)
+        return attempt, output
+
+    def _output_paths(self, number: int) -> tuple[Path, Path]:
+        """Where attempt `number`'s launcher writes its stdout and stderr."""
+        return self.plan.run_dir / f"attempt{number}.out", self.plan.run_dir / f"attempt{number}.err"
+
+    def _start(self, command: list[str], env: dict[str, str], number: int) -> subprocess.Popen[bytes]:
+        """Start the launcher. Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor
+        only, which hands a stop on as `child_stop`. It hears of the supervisor's death as `child_stop` too: the
+        job then stops with a snapshot and records why, instead of training on unsupervised. Its output goes to
+        files in the run dir, not to pipes: a dead supervisor's pipes would make each write fail (Open MPI's
+        mpirun aborts the job after 10 failed writes, during the very save), and a process that outlives the
+        launcher cannot hold a file open against anyone."""
+        out_path, err_path = self._output_paths(number)
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True, preexec_fn=supervision.launcher_preexec(self.child_stop))
+
+    def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path]) -> tuple[int, str]:
+        """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
+        until the launcher itself exits; then kill what is left of its session, so nothing of the attempt stays.
+        (launcher's status, the last lines of its output)."""
+        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        done = threading.Event()
+        relays = [threading.Thread(target=_relay, args=(path, target, tail, done), daemon=True)
+                  for path, target in zip(paths, (sys.stdout, sys.stderr))]
+        for relay in relays:
+            relay.start()
+        status = child.wait()
+        end_session(child.pid)
+        done.set()  # the relays read to the end of what was written, then stop
+        deadline = time.monotonic() + RELAY_DRAIN_S
+        for relay in relays:
+            relay.join(max(0.0, deadline - time.monotonic()))
+        return status, _joined(tail)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = self.stop_signal or signum
@@ -338,15 +366,67 @@ def write_attempts(path: Path, attempts: list[Attempt], earlier: list[dict[str, 
     return True
 
 
-def _relay(source: TextIO, target: TextIO, tail: collections.deque[str]) -> None:
-    """Pass the launcher's lines on as they come, keeping the last ones (deque appends are thread-safe)."""
-    for line in source:
+def _relay(path: Path, target: TextIO, tail: collections.deque[str], done: threading.Event) -> None:
+    """Pass the lines written to `path` on as they come, keeping the last ones (deque appends are thread-safe),
+    until `done` (the launcher exited) and the end of what was written."""
+    pending = ""
+    with path.open(encoding="utf-8", errors="replace") as source:
+        while True:
+            finished = done.is_set()  # before reading: what was written before `done` is all read
+            chunk = source.readline()
+            if chunk:
+                pending += chunk
+                if pending.endswith("\n"):
+                    _pass_on(pending, target, tail)
+                    pending = ""
+            elif finished:
+                if pending:
+                    _pass_on(pending, target, tail)
+                return
+            else:
+                time.sleep(RELAY_POLL_S)  # following a growing file: nothing new yet
+
+
+def _pass_on(line: str, target: TextIO, tail: collections.deque[str]) -> None:
+    try:
+        target.write(line)
+        target.flush()
+    except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
+        pass
+    tail.append(line)
+
+
+def _joined(tail: collections.deque[str]) -> str:
+    """The tail's text. A relay that gave up late may still append one line while it is read: read again."""
+    while True:
         try:
-            target.write(line)
-            target.flush()
-        except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
-            pass
-        tail.append(line)
+            return "".join(tail)
+        except RuntimeError:  # deque mutated during iteration
+            continue
+
+
+def end_session(session: int) -> None:
+    """SIGKILL every process left in `session` (the launcher's: its pid), wherever it moved in the process tree.
+    Off Linux (no /proc), the launcher's process group only."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        _kill_group(session)
+        return
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == session:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours
+            continue
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:  # none left
+        pass
 
 
 def _ignore_hangup(signum: int, frame: FrameType | None) -> None:

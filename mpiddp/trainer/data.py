@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from mpiddp.errors import UserError
 from mpiddp.job.collective import Dist
-from mpiddp.job.helper_signals import ignore_stop_signals, stop_signals_blocked
+from mpiddp.job.helper_signals import die_with_parent, ignore_stop_signals, mark_helper_parent, stop_signals_blocked
 from mpiddp.trainer.config import ON_DISK_DATASETS, Config
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class HelperSafeLoader(DataLoader):
 
 def _worker_init(worker_id: int) -> None:
     ignore_stop_signals()
+    die_with_parent()  # a killed rank (or its forkserver) takes its workers with it
 
 
 def prepare_forkserver() -> None:
@@ -444,6 +445,7 @@ def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
         "generator": torch.Generator().manual_seed(cfg.seed + topo.rank),
     }
     if workers > 0:
+        mark_helper_parent()
         if cfg.worker_start_method == "forkserver":
             prepare_forkserver()
         loader_options.update(

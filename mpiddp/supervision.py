@@ -1,0 +1,107 @@
+"""The job and its supervisor (`python -m mpiddp launch`) watch each other's life: helpers die with their parent, the
+launcher hears of its supervisor's death, and a job whose supervisor died stops with a snapshot and records why
+(nobody else is left to). Stdlib only: the supervisor, the job and the loader's helper processes all use it."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mpiddp import failure
+from mpiddp.errors import EXIT_STOPPED
+
+SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of the supervisor; read by the job's topology only
+# The pid a loader's helper process must die with (mpiddp.job.helper_signals): the rank sets its own before its helpers
+# start (the fork and spawn methods' workers, the forkserver), the forkserver its own for the workers it forks.
+HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no prctl in the C library
+        return None
+
+
+def parent_death_signal(signum: int) -> bool:
+    """Ask the kernel to send `signum` to this process when its parent dies (strictly: when the parent's thread
+    that forked it ends). Linux only: False elsewhere, or when prctl refuses."""
+    prctl = _prctl()
+    return prctl is not None and prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+
+
+def launcher_preexec(signum: int) -> Callable[[], None] | None:
+    """For Popen(preexec_fn=...): the launcher gets `signum` when the supervisor dies, and never starts when it has
+    already died. Resolved here, in the parent: between fork and exec the child only calls prctl. None off Linux."""
+    prctl, parent = _prctl(), os.getpid()
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != parent:  # died before the request: no signal will come
+            os._exit(EXIT_STOPPED)
+
+    return preexec
+
+
+def identity() -> str:
+    """This process, as the job learns it from SUPERVISOR_ENV: HOST:PID."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def parse_identity(value: str) -> tuple[str, int] | None:
+    """(host, pid) from HOST:PID, None when unset or malformed."""
+    host, _, pid = value.rpartition(":")
+    return (host, int(pid)) if host and pid.isdigit() else None
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):  # no /proc (not Linux), or gone meanwhile
+        return True
+    return state not in ("Z", "X")
+
+
+def record_supervisor_death(run_dir: Path, failure_file: Path, supervisor: str, step: int) -> None:
+    """The job stopped because its supervisor died: say so in the failure record, and complete the supervisor's
+    last attempt in attempts.json (it stays `status: null` otherwise), so that the run dir tells what happened."""
+    message = (f"the supervisor (python -m mpiddp launch, {supervisor}) died; the job stopped at step {step} with "
+               f"a snapshot. Rerun the same launch command: it resumes from the snapshot")
+    failure.write_first(failure_file, failure.FailureRecord("stopped", [], [], message, step=step))
+    complete_last_attempt(run_dir / failure.ATTEMPTS_FILE, message, step)
+
+
+def complete_last_attempt(path: Path, message: str, step: int) -> bool:
+    """Fill in the last attempt of attempts.json, when nobody did (its status is still null), atomically. False
+    when there is no such file or attempt, or it cannot be written."""
+    try:
+        data = json.loads(path.read_text())
+        last = data["attempts"][-1]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return False
+    if not isinstance(last, dict) or last.get("status") is not None:
+        return False
+    last.update(status=EXIT_STOPPED, ended_at=time.time(), cause="stopped", cause_source="job", message=message,
+                failed_at_step=step, decision="the supervisor died: not relaunched; rerun the same launch command")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(temporary, path)
+    except OSError:
+        return False
+    return True
