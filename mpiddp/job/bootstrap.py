@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mpiddp.errors import AgreedError, HostFault, UserError
+from mpiddp.failure import write_placement
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.job.failfast import FailFast
 from mpiddp.job.flightrec import TRACE_PREFIX
@@ -46,6 +47,8 @@ def connect(guard: FailFast | None = None) -> Dist:
                 transport)
     if guard is not None:
         guard.dist = dist
+    if failure_file and dist.is_main:  # a local write, no collective: the supervisor maps ranks to hosts by it
+        write_placement(Path(failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
     return dist
 
 
@@ -359,6 +362,7 @@ def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | Non
         # A separate client with a short timeout, so reporting a failure can never hang on the store.
         reporter = tdist.TCPStore(address, port, dist.world_size, False, timeout=timedelta(seconds=2))
         guard.claim_report = lambda: reporter.add("mpiddp/failures", 1) == 1
+        guard.tally = lambda amount: reporter.add("mpiddp/failed-ranks", amount)
     return Rendezvous(address, port, interface_per_host), store
 
 

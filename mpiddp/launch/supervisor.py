@@ -1,12 +1,12 @@
 """The supervisor: run the launcher, watch it, and after a failure relaunch without the bad host until done.
 
 It runs outside MPI (never imports mpi4py or torch.distributed) and talks to the job through three things only:
-the exit status, the failure record RUN_DIR/failure.json, and (as a fallback) the launcher's own output.
+the exit status, what the job records in RUN_DIR/failures/ (every failing rank's record, and where every rank ran:
+placement.json), and the launcher's own output (its evidence lines, wherever they appear).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -23,16 +23,16 @@ from mpiddp import failure
 from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import build_command
-from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, diagnose
+from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
-from mpiddp.launch.policy import decide, same_host
+from mpiddp.launch.policy import blamed, decide, same_host
 
-FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # read by the job's topology only
+FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # the records' directory; read by the job's topology only
 RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # the job exports it to scripts as TORCHELASTIC_RESTART_COUNT
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
 CHECKPOINT_OPTIONS = ("--checkpoint-dir", "--model_dir")
-OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
+OUTPUT_TAIL_LINES = 400  # the launcher's last lines, kept with every evidence line before them (OutputKeeper)
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ class Attempt:
     last_step_at: float | None = None  # when training last made progress (metrics.jsonl), else the failure's time
     downtime_s: float | None = None  # last_step_at -> the next attempt's first finished step (training)
     downtime_phases: dict[str, float] = field(default_factory=dict)  # those seconds per failure.DOWNTIME_PHASES
+    ranks_recorded: int | None = None  # how many ranks left a failure record (RUN_DIR/failures)
+    witness_ranks: list[int] = field(default_factory=list)  # ranks that only saw a peer fail or time out
+    blamed_hosts: list[str] = field(default_factory=list)  # the hosts this failure counted against
 
 
 def inner_for(plan: Plan, number: int, latest_at_start: str | None) -> list[str]:
@@ -131,6 +134,21 @@ def drop_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
+def placement_of(recorded: dict[int, str] | None, hosts: list[Host], num_ranks: int) -> dict[int, str]:
+    """rank -> host-list name for an attempt: where the job recorded each rank ran (its host names matched to the
+    host list's by short name), else, when it recorded nothing (it failed before start-up), ranks filling each
+    host's slots in order (--map-by slot, srun's block)."""
+    if recorded is not None:
+        return {rank: next((h.name for h in hosts if same_host(h.name, name)), name) for rank, name in recorded.items()}
+    placement, rank = {}, 0
+    for host in hosts:
+        for _ in range(host.slots):
+            if rank < num_ranks:
+                placement[rank] = host.name
+                rank += 1
+    return placement
+
+
 def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
     """The world ranks on hosts `names`, when ranks fill each host's slots in list order (--map-by slot, srun's block)."""
     ranks, first = [], 0
@@ -174,7 +192,8 @@ class Supervisor:
 
     @property
     def failure_file(self) -> Path:
-        return self.plan.run_dir / failure.FAILURE_FILE
+        """The directory of every rank's failure record and the job's placement (MPIDDP_FAILURE_FILE)."""
+        return self.plan.run_dir / failure.FAILURES_DIR
 
     def run(self) -> int:
         for signum in FORWARDED:
@@ -208,19 +227,17 @@ class Supervisor:
                 self._save()
                 say(f"attempt {number}: exit status {attempt.status}; {attempt.decision}")
                 return attempt.status or 0
-            record = failure.read(self.failure_file)
-            found = diagnose(attempt.status or 1, record, output)
+            found, placement, records = self._diagnose(attempt, output, hosts_now)
             progress_at = failure.last_progress_at(failure.read_metrics(self.plan.run_dir), attempt.started_at,
                                                    attempt.ended_at)
-            attempt.last_step_at = progress_at if progress_at is not None else record.time if record else None
-            if found.step is None:
-                found = Failure(**{**asdict(found), "step": last_logged_step(self.plan.run_dir)})
-            if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
-                found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
+            attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
             decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
-                              hosts_now, self.plan.min_np, self.plan.global_batch, strikes, self.plan.host_strikes)
+                              hosts_now, self.plan.min_np, self.plan.global_batch, strikes, self.plan.host_strikes,
+                              placement)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
+            attempt.ranks_recorded, attempt.witness_ranks = found.recorded, list(found.witnesses)
+            attempt.blamed_hosts = blamed(found, self.plan.hosts, hosts_now, placement)
             attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
             self._save()
             say(f"attempt {number} failed (exit status {attempt.status}): {found.kind} per the {found.source}"
@@ -230,6 +247,22 @@ class Supervisor:
             hosts_now, excluded, strikes = decision.hosts, decision.excluded, decision.strikes
             self.num_ranks = decision.num_ranks
         raise AssertionError("the policy stops once --max-restarts is spent")
+
+    def _diagnose(self, attempt: Attempt, output: str,
+                  hosts_now: list[Host]) -> tuple[Failure, dict[int, str], list[failure.FailureRecord]]:
+        """(the failure, rank -> host of the attempt, every rank's record): from the records the job left, the
+        placement it recorded (else the slot order), and the launcher's evidence (mpiddp.launch.diagnose)."""
+        records = failure.read_all(self.failure_file)
+        num_ranks = attempt.num_ranks or self.num_ranks
+        placement = placement_of(failure.read_placement(self.failure_file), hosts_now, num_ranks)
+        found = diagnose(attempt.status or 1, records, output, num_ranks, placement)
+        if found.step is None:
+            found = Failure(**{**asdict(found), "step": last_logged_step(self.plan.run_dir)})
+        if found.hosts and not found.ranks and found.kind != "unreachable":
+            # the launcher named the host only: its ranks follow from the placement
+            ranks = tuple(r for r, name in placement.items() if any(same_host(name, h) for h in found.hosts))
+            found = Failure(**{**asdict(found), "ranks": ranks or ranks_on(hosts_now, found.hosts)})
+        return found, placement, records
 
     def _first_hosts(self) -> list[Host]:
         remaining = [h for h in self.plan.hosts if h.name not in self.plan.excluded]
@@ -241,16 +274,13 @@ class Supervisor:
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
                                 inner_for(self.plan, number, self.latest_at_start), exports, excluded, self.plan.extra)
-        try:
-            self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
-        except FileNotFoundError:
-            pass
+        failure.clear(self.failure_file)  # records from an earlier attempt must not explain this one
         attempt = Attempt(number, [h.name for h in hosts], command, time.time(), num_ranks=num_ranks,
                           excluded_hosts=list(excluded))
         self.attempts.append(attempt)
         self._save()  # listed as it starts: the job reads when it was launched (its downtime) and the restarts
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")
-        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        tail = OutputKeeper(OUTPUT_TAIL_LINES)  # evidence lines wherever they appear, and the last lines
         # Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor only, which hands a
         # stop on as `child_stop`.
         # Both streams are read: Hydra prints which process died on stdout. Each is passed on to its own stream.
@@ -323,8 +353,8 @@ def write_attempts(path: Path, attempts: list[Attempt]) -> bool:
     return True
 
 
-def _relay(source: TextIO, target: TextIO, tail: collections.deque[str]) -> None:
-    """Pass the launcher's lines on as they come, keeping the last ones (deque appends are thread-safe)."""
+def _relay(source: TextIO, target: TextIO, tail: OutputKeeper) -> None:
+    """Pass the launcher's lines on as they come, keeping the evidence and the last ones (thread-safe appends)."""
     for line in source:
         try:
             target.write(line)

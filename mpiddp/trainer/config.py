@@ -31,14 +31,16 @@ SCHEDULES = ("constant", "cosine", "step")
 AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 PROGRESS = ("auto", "on", "off")
-FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "signal", "signal-eval")
+FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "stall-data", "signal",
+               "signal-eval")
 ALL_RANKS = -1
 
 
 @dataclass(frozen=True)
 class FaultInjection:
     """A deliberate failure for testing: `KIND:RANK:STEP`; KIND raise, exit0, exit1 or stall, kill (SIGKILL of the
-    rank's own process, only in a run that is not resumed, so a relaunch gets past it), or a straggler from
+    rank's own process, only in a run that is not resumed, so a relaunch gets past it), stall-data (blocked
+    forever loading the batch after step STEP, while the others wait in the all-reduce), or a straggler from
     STEP on: slow-data or slow-compute, or a stop drill: signal (SIGUSR1 to the rank's process group after step
     STEP; STEP 0: once the first batch is loaded) or signal-eval (the same in the evaluation at step STEP);
     RANK a number or `all`."""
