@@ -51,7 +51,7 @@ class Topology:
     mpi_library: str = "unknown"
     mpi_settings: str = ""  # what mpiddp set for MPI before starting it (mpistart), '' when nothing
     restarts: int = 0  # the scheduler requeued this job this many times (then training resumes by itself)
-    failure_file: str = ""  # where the supervisor (`launch`) reads why the job failed; '' for RUN_DIR/failure.json
+    failure_file: str = ""  # the directory where `launch` reads every rank's failure record; '' for RUN_DIR/failures
 
     @property
     def is_main(self) -> bool:
@@ -195,7 +195,7 @@ def launcher_restarts(env: Mapping[str, str]) -> int:
 
 
 def supervisor_failure_file(env: Mapping[str, str]) -> str:
-    """The failure record's path the supervisor asked for (MPIDDP_FAILURE_FILE), '' when not supervised."""
+    """The failure records' directory the supervisor asked for (MPIDDP_FAILURE_FILE), '' when not supervised."""
     return env.get("MPIDDP_FAILURE_FILE", "")
 
 

@@ -34,6 +34,9 @@ PROGRESS = ("auto", "on", "off")
 FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "stall-data", "signal",
                "signal-eval")
 ALL_RANKS = -1
+# the hang watchdog fires within one interval (at most 5 s) of --hang-timeout and records at once: a collective
+# timeout at least this much later (or a quarter more, for long timeouts) leaves it room on a loaded machine
+HANG_REPORT_MARGIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,20 @@ class Config:
             raise ValueError("--grad-transport nccl needs GPUs: use --grad-transport gloo, mpi or auto with --device cpu")
         if not 0 < self.bucket_cap_mb <= 4096:
             raise ValueError(f"--bucket-cap-mb must be in (0, 4096], got {self.bucket_cap_mb:g}")
+
+    def ordered_timeouts(self) -> tuple[Config, str]:
+        """This config with --collective-timeout comfortably above --hang-timeout, and what was changed ('' for
+        nothing). A rank waiting for a stalled peer must not time out first: its timeout would blame itself (a
+        witness), where the hang watchdog, firing first, names the rank that stopped."""
+        if self.hang_timeout_s <= 0:
+            return self, ""
+        needed = self.hang_timeout_s + max(HANG_REPORT_MARGIN_S, self.hang_timeout_s / 4)
+        if self.collective_timeout_s >= needed:
+            return self, ""
+        return dataclasses.replace(self, collective_timeout_s=needed), (
+            f"--collective-timeout {self.collective_timeout_s:g} s raised to {needed:g} s, so the hang watchdog "
+            f"(--hang-timeout {self.hang_timeout_s:g} s) names a stalled rank before a collective times out on "
+            f"the ranks that wait for it")
 
     def for_world(self, world_size: int) -> Config:
         """With --global-batch: this config with the per-rank batch and accumulation that give exactly that many
