@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
                                           "its --version")
     p.add_argument("--launcher-args", action="append", default=[],
                    help="extra arguments for the launcher, one string (shell-split), e.g. '--mca btl tcp,self'")
-    p.add_argument("--run-dir", help="where failure.json and attempts.json go (training: its --run-dir; "
+    p.add_argument("--run-dir", help="where failures/ (every rank's record) and attempts.json go (training: its --run-dir; "
                                      "default: a new directory under runs/)")
     return p
 
