@@ -326,6 +326,6 @@ def test_report_shows_one_line_per_attempt(tmp_path, capsys, monkeypatch):
     assert "  attempt 1 on nodea, nodec: finished" in capsys.readouterr().out
     attempts["attempts"][1]["num_ranks"] = 1  # a shrink (--min-np) shows its rank count
     assert "  attempt 1 on nodea, nodec (1 rank): finished" in report.attempt_lines(attempts)
-    attempts["attempts"][0].update(failed_ranks=[], failed_hosts=[], downtime_s=None)
-    assert "killed (exit status 137; no host blamed) at step 29, 7 steps lost\n" in "\n".join(
+    attempts["attempts"][0].update(failed_ranks=[], failed_hosts=[], downtime_s=None, ranks_recorded=2)
+    assert "killed (exit status 137; no host blamed; 2 ranks recorded) at step 29, 7 steps lost\n" in "\n".join(
         report.attempt_lines(attempts)) + "\n"
