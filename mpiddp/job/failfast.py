@@ -34,6 +34,8 @@ class FailFast:
     A rank that raises (or calls sys.exit, even with 0) while its peers may sit in a collective would leave
     them blocked forever; MPI_Abort is the only way out that works whatever the peers are doing. Errors
     raised on every rank together (AgreedError) end the job cleanly instead, rank 0 speaking for all.
+    Each failing rank first leaves its own record (RUN_DIR/failures/rank-N.json) and, before the abort, waits
+    PEER_RECORDS_WAIT_S at most for the other ranks' records, so that a failure every rank shares is seen as such.
     """
 
     def __init__(self) -> None:
