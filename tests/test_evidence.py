@@ -164,3 +164,37 @@ def test_the_same_exit_on_every_rank_before_any_progress_is_a_user_error():
     assert diagnose(2, later, "", 2, TWO_RANKS).kind == "exit"
     one = diagnose(2, records[:1], "", 2, TWO_RANKS)  # one rank alone: not the script's error everywhere
     assert one.kind == "exit" and one.hosts == ("nodea",)
+
+
+def test_a_failing_rank_records_first_and_waits_briefly_for_its_peers_records_before_the_abort(tmp_path, monkeypatch,
+                                                                                                capsys):
+    import mpiddp.job.failfast as failfast
+    from test_launch_record import fail, guard_for
+
+    counts, events = {"failed": 0}, []
+
+    def tally(amount):
+        events.append(("tally", amount, rank_files()))
+        counts["failed"] += amount
+        if amount == 0:  # the peer records its own failure while this rank waits
+            counts["failed"] = 2
+        return counts["failed"]
+
+    def rank_files():
+        return sorted(p.name for p in (tmp_path / FAILURES_DIR).glob("rank-*.json"))
+
+    guard = guard_for(0)
+    guard.set_run_dir(tmp_path)
+    guard.tally = tally
+    assert fail(guard, RuntimeError("boom")) == 1
+    assert events[0] == ("tally", 1, ["rank-0.json"])  # its own record is on disk before it counts and waits
+    assert events[-1][1] == 0 and guard.dist.transport.aborted == 1  # every rank recorded: then the abort
+    monkeypatch.setattr(failfast, "PEER_RECORDS_WAIT_S", 0.2)
+    alone = guard_for(1)
+    alone.set_run_dir(tmp_path / "alone")
+    alone.tally = lambda amount: 1  # a peer that never fails: the wait is bounded
+    assert fail(alone, RuntimeError("boom")) == 1 and alone.dist.transport.aborted == 1
+    dead = guard_for(1)
+    dead.set_run_dir(tmp_path / "dead")
+    dead.tally = lambda amount: (_ for _ in ()).throw(ConnectionError("store gone"))  # rank 0 died with the store
+    assert fail(dead, RuntimeError("boom")) == 1 and len(read_all(tmp_path / "dead" / FAILURES_DIR)) == 1
