@@ -217,6 +217,16 @@ def straggle(fault: FaultInjection | None, rank: int, step: int, phase: str) -> 
         threading.Event().wait()  # block forever in this phase, as a loader stuck on a dead file server would
 
 
+def reached_collective(clock: StepClock, hooks: Hooks) -> Callable[[], None]:
+    """What the gradient hook calls as a bucket's all-reduce starts: the clock's end of compute, and the phase
+    the hang watchdog reads (a rank that never gets here holds up the others)."""
+    def ready() -> None:
+        clock.gradients_ready()
+        hooks.phase("communication")
+
+    return ready
+
+
 def step_record(window: Meter, dist: Dist, state: TrainState, epoch: int) -> dict[str, Any]:
     """Collective: the metric line for the steps since the last one."""
     loss, images, slowest = window.reduced(dist)
@@ -247,11 +257,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     epoch_durations = StepDurations()
     clock = StepClock(device)
     if state.gradient_hook is not None:
-        def gradients_ready() -> None:  # the hook then starts the all-reduce: this rank reached the collective
-            clock.gradients_ready()
-            hooks.phase("communication")
-
-        state.gradient_hook.on_ready = gradients_ready
+        state.gradient_hook.on_ready = reached_collective(clock, hooks)
 
     def account() -> None:
         """Read the clock (on a GPU this waits for the device: only where the loop syncs anyway)."""
