@@ -126,8 +126,17 @@ ssh: connect to host nodeb port 22: Connection refused
 """  # Open MPI 5.0.11, three fake hosts, the rsh agent refusing nodeb
 
 
+HYDRA_UNREACHABLE = """ssh: connect to host nodeb port 22: Connection refused
+[mpiexec@nodea] ui_cmd_cb (/mpich-5.0.2/src/pm/hydra/mpiexec/pmiserv_pmci.c:51): Launch proxy failed.
+[mpiexec@nodea] HYDT_dmxu_poll_wait_for_event (/mpich-5.0.2/src/pm/hydra/lib/tools/demux/demux_poll.c:76): callback \
+returned error status
+[mpiexec@nodea] main (/mpich-5.0.2/src/pm/hydra/mpiexec/mpiexec.c:270): process manager error waiting for completion
+"""  # MPICH 5.0.2's mpiexec, three fake hosts, the ssh agent refusing nodeb (exit status 255)
+
+
 def test_a_host_the_launcher_cannot_reach_is_blamed():
     assert unreachable(OPENMPI_UNREACHABLE) == ("nodeb",)
+    assert unreachable(HYDRA_UNREACHABLE) == ("nodeb",)
     assert unreachable("ssh: Could not resolve hostname gpu9: Name or service not known\n") == ("gpu9",)
     assert unreachable('HYDU_sock_connect (lib/utils/sock.c:110): unable to connect from "nodea" to "nodeb" '
                        '(Connection refused)\n') == ("nodeb",)

@@ -58,9 +58,10 @@ SRUN_CLEANUP = re.compile(r"Terminating StepId|CANCELLED")
 # being spawned. ... Local host: nodea / Remote host: nodeb / Daemon exit status: 255" (Open MPI 5.0, reproduced
 # with the rsh agent refusing nodeb)
 OPENMPI_UNREACHABLE = re.compile(r"daemon failed to report back.*?Remote host:\s*(\S+)", re.DOTALL)
-# ssh's own words (any launcher that uses it, Hydra's too): "ssh: connect to host nodeb port 22: Connection
-# refused", "ssh: Could not resolve hostname nodeb: ..."; Hydra: "HYDU_sock_connect (...): unable to connect from
-# "nodea" to "nodeb" (Connection refused)"; srun: "srun: error: Task launch for StepId=5.0 failed on node nodeb"
+# ssh's own words (any launcher that uses it): "ssh: connect to host nodeb port 22: Connection refused", "ssh:
+# Could not resolve hostname nodeb: ...". MPICH 5.0.2's Hydra adds only "Launch proxy failed." and no host name
+# (reproduced on fake hosts), so for Hydra ssh's line is the evidence. Older Hydra: "HYDU_sock_connect (...): unable
+# to connect from "nodea" to "nodeb" (Connection refused)"; srun: "Task launch for StepId=5.0 failed on node nodeb:"
 SSH_UNREACHABLE = re.compile(r"ssh: connect to host (\S+?) port|ssh: Could not resolve hostname (\S+?):"
                              r"|unable to connect from \S+ to \"?([^\s\"]+)\"?|Task launch for \S+ failed on node (\S+?):")
 # An exception about a lost peer or a collective that timed out waiting for one: the rank that raised it is a
