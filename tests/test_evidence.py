@@ -104,6 +104,9 @@ def test_the_recorded_placement_blames_the_right_host(tmp_path):
     assert decision.excluded == ["n2"]  # slot order would have blamed n1
     assert decide(failure, hosts, [], 0, 3, 6, hosts[:2]).excluded == ["n1"]  # the old guess, for contrast
     assert placement_of(None, hosts[:2], 6) == {0: "n1", 1: "n1", 2: "n1", 3: "n1", 4: "n2", 5: "n2"}
+    by_address = [Host("10.0.0.1", 4), Host("10.0.0.2", 4)]  # the job's names cannot be matched: slot order
+    assert placement_of(read_placement(tmp_path), by_address, 6)[4] == "10.0.0.2"
+    assert placement_of(read_placement(tmp_path), [], 6)[4] == "n2.cluster"  # no host list: the job's own names
 
 
 OPENMPI_UNREACHABLE = """------------------------------------------------------------

@@ -137,9 +137,14 @@ def drop_option(argv: list[str], name: str) -> list[str]:
 def placement_of(recorded: dict[int, str] | None, hosts: list[Host], num_ranks: int) -> dict[int, str]:
     """rank -> host-list name for an attempt: where the job recorded each rank ran (its host names matched to the
     host list's by short name), else, when it recorded nothing (it failed before start-up), ranks filling each
-    host's slots in order (--map-by slot, srun's block)."""
+    host's slots in order (--map-by slot, srun's block). A recorded name that matches no host of the list (a
+    host list of IP addresses) cannot be mapped: then the slot order too."""
     if recorded is not None:
-        return {rank: next((h.name for h in hosts if same_host(h.name, name)), name) for rank, name in recorded.items()}
+        mapped = {rank: next((h.name for h in hosts if same_host(h.name, name)), None) for rank, name in recorded.items()}
+        if not hosts:  # no host list: the launcher placed the ranks, and the job's names are the only ones
+            return dict(recorded)
+        if all(name is not None for name in mapped.values()):
+            return {rank: name for rank, name in mapped.items() if name is not None}
     placement, rank = {}, 0
     for host in hosts:
         for _ in range(host.slots):
