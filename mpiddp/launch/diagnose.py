@@ -171,7 +171,8 @@ def unreachable(output: str) -> tuple[str, ...]:
 
 def _signature(record: FailureRecord) -> tuple[str, str, int | None]:
     """What makes two ranks' failures the same: the kind, the exception's type (or the message), the status."""
-    return record.kind, record.message.split(":", 1)[0].strip(), record.status
+    message = record.message.removeprefix("ScriptError: ")  # a `run` script's exception: its own type counts
+    return record.kind, message.split(":", 1)[0].strip(), record.status
 
 
 def from_records(records: list[FailureRecord], status: int, world_size: int,
