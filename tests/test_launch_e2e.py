@@ -321,3 +321,20 @@ def test_a_rank_stuck_loading_its_batch_is_the_one_blamed(run_job):
 
 def read_records(run_dir):
     return [json.loads(path.read_text()) for path in sorted((run_dir / "failures").glob("rank-*.json"))]
+
+
+def test_mpich_a_host_it_cannot_reach_is_left_out_for_the_spare(hosts, mpich, tmp_path):
+    run_dir = tmp_path / "run"
+    agent = bare_agent(hosts, tmp_path / "refusing-agent.sh")
+    agent.write_text(agent.read_text().replace('host="$1"; shift\n', 'host="$1"; shift\nif [ "$host" = nodeb ]; then '
+                     'echo "ssh: connect to host nodeb port 22: Connection refused" >&2; exit 255; fi\n'))
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpiexec",
+                             "--launcher-path", str(mpich / "bin" / "mpiexec"),
+                             "--launcher-args", f"-launcher ssh -launcher-exec {agent}", "--",
+                             "--run-dir", str(run_dir), "--epochs", "1", *FAST)
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300,
+                      env=mpich_env(mpich, FI_TCP_IFACE="eth0"))
+    assert job.returncode == 0, job.output[-5000:]
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_hosts"]) == ("unreachable", ["nodeb"]), first  # Hydra: ssh's own line
+    assert second["hosts"] == ["nodea", "nodec"] and job.summary["hosts"] == {"nodea": [0], "nodec": [1]}
