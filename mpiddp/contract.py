@@ -3,7 +3,7 @@
 
 `launch` never parses the job's flags, as torchrun's agent never reads its script's: it says where it keeps its
 records and how many times it relaunched through the environment, and learns the job's real run directory and
-global batch from the record (RUN_DIR/job.json), as it learns why a job failed from failure.json.
+global batch from the record (RUN_DIR/job.json), as it learns why a job failed from the ranks' records in RUN_DIR/failures/.
 """
 
 from __future__ import annotations

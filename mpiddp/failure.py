@@ -1,8 +1,10 @@
-"""The failure record: why a job failed, in RUN_DIR/failure.json, for the supervisor (`python -m mpiddp launch`).
+"""The failure records: why a job failed, one file per rank in RUN_DIR/failures/, for the supervisor (`launch`).
 
-The protocol between the job and the supervisor (plain stdlib, no MPI): the first rank that sees a failure writes
-it, later ones leave it alone. Writing never communicates with other ranks, because it runs while they may be
-stuck; whoever wins the race to create the file (a hard link of a complete temporary file) is first.
+The protocol between the job and the supervisor (plain stdlib, no MPI): every rank that sees a failure writes its
+own record, RUN_DIR/failures/rank-N.json, and keeps the first it wrote (its first failure is its cause; what
+follows, such as the abort, is a consequence). No rank's record hides another's: the supervisor reads them all and
+decides from all of them (mpiddp.launch.diagnose). Writing never communicates with other ranks, because it runs
+while they may be stuck. Rank 0 also records where every rank runs (placement.json), as soon as the job knows.
 """
 
 from __future__ import annotations
@@ -15,23 +17,32 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAILURE_FILE = "failure.json"
+FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that recorded a failure
+PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
 ATTEMPTS_FILE = "attempts.json"  # written by the supervisor after each attempt; the job's summary includes it
 # exception: a rank raised; killed: a rank died by a signal (inferred by the supervisor from the launcher, since a
 # SIGKILLed rank writes nothing); hang: the watchdog fired; user_error: exit 2; stopped: a stop signal or an
 # interrupt; exit: a rank (or the user's script) exited early; host_fault: some hosts cannot run their ranks (a
-# GPU lost) where the others can.
-KINDS = ("exception", "killed", "hang", "user_error", "stopped", "exit", "host_fault")
+# GPU lost) where the others can; unreachable: the launcher could not start its daemon on a host.
+KINDS = ("exception", "killed", "hang", "user_error", "stopped", "exit", "host_fault", "unreachable")
 
 
 @dataclass(frozen=True)
 class FailureRecord:
+    """One rank's account. `ranks`/`hosts`: whom it names (itself, or for a hang or a host fault, the ranks at
+    fault); `rank`: who wrote it; `step`: the writer's last completed training step (None: unknown, or a `run`
+    script); `status`: the exit status the writer ended with; `progressed`: whether the writer had made progress in
+    this job before it failed (a training step, or for a `run` script, torch.distributed set up)."""
+
     kind: str
     ranks: list[int]
     hosts: list[str]
     message: str
     step: int | None = None
     time: float = field(default_factory=time.time)
+    rank: int | None = None
+    status: int | None = None
+    progressed: bool | None = None
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -39,36 +50,48 @@ class FailureRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FailureRecord:
         kind = data.get("kind")
+        step, rank, status = (data.get(key) for key in ("step", "rank", "status"))
+        progressed = data.get("progressed")
         return cls(kind=kind if kind in KINDS else "exception", ranks=[int(r) for r in data.get("ranks", [])],
                    hosts=[str(h) for h in data.get("hosts", [])], message=str(data.get("message", "")),
-                   step=data.get("step"), time=float(data.get("time", 0.0)))
+                   step=step if isinstance(step, int) else None, time=float(data.get("time", 0.0)),
+                   rank=rank if isinstance(rank, int) else None, status=status if isinstance(status, int) else None,
+                   progressed=progressed if isinstance(progressed, bool) else None)
 
 
-def failure_path(failure_file: str, run_dir: Path | None) -> Path | None:
-    """Where a failure is recorded: the file the supervisor named, else RUN_DIR/failure.json, else nowhere."""
-    if failure_file:
-        return Path(failure_file)
-    return run_dir / FAILURE_FILE if run_dir is not None else None
+def records_dir(failure_dir: str, run_dir: Path | None) -> Path | None:
+    """Where failures are recorded: the directory the supervisor named, else RUN_DIR/failures, else nowhere."""
+    if failure_dir:
+        return Path(failure_dir)
+    return run_dir / FAILURES_DIR if run_dir is not None else None
 
 
-def clear_stale(run_dir: Path) -> None:
-    """Rank 0, as a job starts in RUN_DIR: an earlier job's record (a crash before a requeue or a rerun with
-    --resume) no longer describes this job, and would keep this job's own failure from being written."""
+def clear(directory: Path) -> None:
+    """Remove the records and placement in `directory` (an earlier job's or attempt's no longer describe this one);
+    never raises: a stale record is read with its time, and a clear that fails must not stop a job."""
     try:
-        (run_dir / FAILURE_FILE).unlink()
-    except FileNotFoundError:
+        for path in directory.iterdir():
+            if path.name.startswith(("rank-", ".rank-")) or path.name == PLACEMENT_FILE:
+                path.unlink(missing_ok=True)
+    except OSError:
         pass
 
 
-def write_first(path: Path, record: FailureRecord) -> bool:
-    """Write `record` unless a record is already there; True when this one was written. Never raises OSError:
-    a record that cannot be written must not hide the failure it describes."""
+def clear_stale(run_dir: Path) -> None:
+    """Rank 0, as a job starts in RUN_DIR: an earlier job's records (a crash before a requeue or a rerun with
+    --resume) no longer describe this job."""
+    clear(run_dir / FAILURES_DIR)
+
+
+def _write_new(path: Path, data: dict[str, Any]) -> bool:
+    """Write `data` to `path` unless a file is there; True when written. Never raises OSError."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(handle, "w") as out:
-                json.dump(asdict(record), out, indent=1)
-            os.link(temporary, path)  # fails if a record exists: the first complete record wins, atomically
+                json.dump(data, out, indent=1)
+            os.link(temporary, path)  # fails if the file exists: the first complete one stays, atomically
             return True
         finally:
             os.unlink(temporary)
@@ -76,11 +99,50 @@ def write_first(path: Path, record: FailureRecord) -> bool:
         return False
 
 
+def write_first(path: Path, record: FailureRecord) -> bool:
+    """Write `record` to `path` unless a record is already there; True when this one was written. Never raises
+    OSError: a record that cannot be written must not hide the failure it describes."""
+    return _write_new(path, asdict(record))
+
+
+def rank_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}.json"
+
+
+def write_rank(directory: Path, rank: int, record: FailureRecord) -> bool:
+    """This rank's record, unless it recorded one already (its first failure is the cause); never raises."""
+    return write_first(rank_path(directory, rank), record)
+
+
 def read(path: Path) -> FailureRecord | None:
     """The record, or None when there is none (or it cannot be read)."""
     try:
         return FailureRecord.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def read_all(directory: Path) -> list[FailureRecord]:
+    """Every rank's record in `directory`, oldest first (unreadable ones are skipped)."""
+    try:
+        paths = sorted(directory.glob("rank-*.json"))
+    except OSError:
+        return []
+    records = [record for path in paths if (record := read(path)) is not None]
+    return sorted(records, key=lambda r: r.time)
+
+
+def write_placement(directory: Path, hosts: list[tuple[str, list[int]]]) -> bool:
+    """Rank 0: where every rank runs, as the job observed it (host name, its world ranks), written once."""
+    return _write_new(directory / PLACEMENT_FILE, {"hosts": [[name, list(ranks)] for name, ranks in hosts]})
+
+
+def read_placement(directory: Path) -> dict[int, str] | None:
+    """rank -> host name as the job recorded it, or None when it recorded none (it failed before start-up)."""
+    try:
+        data = json.loads((directory / PLACEMENT_FILE).read_text())
+        return {int(rank): str(name) for name, ranks in data["hosts"] for rank in ranks}
+    except (OSError, ValueError, TypeError, KeyError):
         return None
 
 

@@ -118,9 +118,11 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
     return summary
 
 
-def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: StartupClock) -> dict[str, Any] | None:
+def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: StartupClock,
+        guard: FailFast | None = None) -> dict[str, Any] | None:
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
-    None when a resumed run had nothing left to train; the summary on global rank 0, an empty dict elsewhere."""
+    None when a resumed run had nothing left to train; the summary on global rank 0, an empty dict elsewhere.
+    `guard` learns the step a failure happens after."""
     from mpiddp.job.watchdog import Watchdog
     from mpiddp.trainer import checkpoint
     from mpiddp.trainer.saveclock import SaveClock, SaveCost
@@ -159,6 +161,8 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
                     "restored_at": startup.ends["model"]})
     startup.mark("logger")
     watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist, run_dir).start()
+    if guard is not None:  # a failure record carries the last completed step, and whether this job made progress
+        guard.progress = lambda: (state.step, watchdog.progressed)
 
     # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).
     parent = restored[0] if restored is not None else None
@@ -177,7 +181,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         watchdog.beat("train", train_state.step)
 
     try:
-        hooks = Hooks(run_logger, save, stop, watchdog.beat, SaveClock(cfg.save_interval_s))
+        hooks = Hooks(run_logger, save, stop, watchdog.beat, SaveClock(cfg.save_interval_s), watchdog.enter)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
         watchdog.stop()
@@ -254,7 +258,10 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
     with FailFast() as guard:
         dist = connect(guard)
         given, cfg = dist.agree(lambda: parse_for_world(args, dist.world_size))
+        cfg, timeouts_raised = cfg.ordered_timeouts()
         setup_logging(dist.topology, cfg.log_level)
+        if timeouts_raised and dist.is_main:  # a local log line, no collective
+            log.info("%s", timeouts_raised)
         topo = dist.topology
         log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_description)
         startup.mark("mpi_and_topology")
@@ -272,7 +279,7 @@ def _main(command: str, args: list[str], startup: StartupClock, stop: StopReques
         startup.mark("preflight")
         try:
             with distributed(cfg, dist, guard, trace_dir=run_dir) as placed:
-                summary = run(cfg, placed, run_dir, stop, startup)
+                summary = run(cfg, placed, run_dir, stop, startup, guard)
         except Stopped as stopped:
             # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.
             if dist.is_main:  # one line for the job, not one per rank

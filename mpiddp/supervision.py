@@ -77,12 +77,12 @@ def is_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def record_supervisor_death(run_dir: Path, failure_file: Path, supervisor: str, step: int) -> None:
-    """The job stopped because its supervisor died: say so in the failure record, and complete the supervisor's
+def record_supervisor_death(run_dir: Path, records: Path, rank: int, supervisor: str, step: int) -> None:
+    """The job stopped because its supervisor died: say so in this rank's failure record (in `records`), and complete the supervisor's
     last attempt in attempts.json (it stays `status: null` otherwise), so that the run dir tells what happened."""
     message = (f"the supervisor (python -m mpiddp launch, {supervisor}) died; the job stopped at step {step} with "
                f"a snapshot. Rerun the same launch command: it resumes from the snapshot")
-    failure.write_first(failure_file, failure.FailureRecord("stopped", [], [], message, step=step))
+    failure.write_rank(records, rank, failure.FailureRecord("stopped", [], [], message, step=step, rank=rank, status=3))
     complete_last_attempt(run_dir / failure.ATTEMPTS_FILE, message, step)
 
 

@@ -183,7 +183,7 @@ def test_a_real_dump_of_this_torch_reads_back_and_names_its_collective(tmp_path,
 
 def hang_watchdog(store, rank, tmp_path, trace, world_size=2):
     return Watchdog(0.1, rank, world_size, f"rank {rank}/{world_size} on host{rank}", store, lambda code: None,
-                    {r: f"host{r}" for r in range(world_size)}, tmp_path / "failure.json", tmp_path, trace)
+                    {r: f"host{r}" for r in range(world_size)}, tmp_path / "failures", tmp_path, trace)
 
 
 def test_the_hang_file_says_what_the_dumps_show(tmp_path, monkeypatch, capsys):

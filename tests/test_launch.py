@@ -651,8 +651,8 @@ def test_a_dead_supervisor_s_last_attempt_is_completed_once_and_the_record_says_
 
     attempts = [Attempt(0, ["a"], ["mpirun"], 1.0, status=1), Attempt(1, ["a"], ["mpirun"], 2.0)]
     write_attempts(tmp_path / "attempts.json", attempts)
-    supervision.record_supervisor_death(tmp_path, tmp_path / "failure.json", "pid 7 on a", 42)
-    record = failure.read(tmp_path / "failure.json")
+    supervision.record_supervisor_death(tmp_path, tmp_path / "failures", 1, "pid 7 on a", 42)
+    (record,) = failure.read_all(tmp_path / "failures")
     assert record.kind == "stopped" and record.step == 42 and "supervisor" in record.message
     first, last = json.loads((tmp_path / "attempts.json").read_text())["attempts"]
     assert first["status"] == 1 and last["status"] == 3 and last["failed_at_step"] == 42

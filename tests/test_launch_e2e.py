@@ -125,15 +125,16 @@ def test_a_hang_is_explained_in_one_file(run_job):
     for rank in range(3):
         assert f"==== Python stacks of rank {rank}/3 on " in text, text[-3000:]
     assert "in inject_fault" in text  # the stalled rank's own stack shows where it is stuck
-    record = json.loads((job.run_dir / "failure.json").read_text())
-    assert record["kind"] == "hang" and record["ranks"] == [1] and hang_file.name in record["message"]
+    (record,) = [r for r in read_records(job.run_dir) if r["kind"] == "hang"]
+    assert record["ranks"] == [1] and hang_file.name in record["message"]
 
 
 def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_spare(hosts, tmp_path):
     run_dir = tmp_path / "run"
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
                              "--launcher-args", " ".join(hosts.transport_args()), "--",
-                             "--run-dir", str(run_dir), "--epochs", "30", *FAST, "--hang-timeout", "8")
+                             "--run-dir", str(run_dir), "--epochs", "30", *FAST, "--hang-timeout", "8",
+                             "--collective-timeout", "8")  # the healthy rank's gloo timeout must not speak first
     env = job_env()
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")
     process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -153,6 +154,7 @@ def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_s
     assert process.returncode == 0, output[-5000:]
     first, second = attempts(run_dir)["attempts"]
     assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("hang", [1], ["nodeb"]), output[-5000:]
+    assert first["blamed_hosts"] == ["nodeb"] and "raised to 38 s" in output
     assert second["hosts"] == ["nodea", "nodec"] and second["status"] == 0
     assert_downtime(first)
     (hang_file,) = run_dir.glob("hang-*.txt")
@@ -304,3 +306,85 @@ def test_a_relaunch_after_a_rollback_resumes_what_this_launch_saved(tmp_path):
     assert (earlier["launch"], attempt0["launch"], attempt1["launch"]) == (0, 1, 1)
     assert attempt0["resumed_at_step"] == 44 and attempt0["steps_lost"] == attempt0["failed_at_step"] - 44 < 7
     assert {name: hashlib.md5((checkpoints / name).read_bytes()).hexdigest() for name in abandoned} == abandoned
+
+
+def test_the_same_crash_on_every_rank_blames_no_host_on_fake_hosts(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--max-restarts", "1", "--launcher",
+                             "mpirun", "--launcher-args", " ".join(hosts.transport_args()), "--",
+                             "--run-dir", str(run_dir), "--epochs", "1", *FAST, "--inject-fault", "raise:all:3")
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+    assert job.returncode != 0, job.output[-5000:]
+    record = attempts(run_dir)
+    assert record["excluded_hosts"] == [], job.output[-5000:]
+    first, second = record["attempts"]
+    assert first["hosts"] == second["hosts"] == ["nodea", "nodeb"]  # the spare is not needed: no host failed
+    assert (first["cause"], first["failed_hosts"], first["blamed_hosts"]) == ("exception", [], []), first
+    assert first["ranks_recorded"] == 2 and first["failed_at_step"] == 3 and "no host to blame" in first["decision"]
+    assert "relaunching without" not in job.output and "--max-restarts 1 spent" in second["decision"]
+    assert sorted(p.name for p in (run_dir / "failures").iterdir()) == ["placement.json", "rank-0.json", "rank-1.json"]
+
+
+def test_a_host_the_launcher_cannot_reach_is_left_out_for_the_spare(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    agent = tmp_path / "refusing-agent.sh"  # ssh to nodeb is refused, as for a host that is down
+    agent.write_text(hosts.agent.read_text().replace('host="$1"; shift\n', 'host="$1"; shift\nif [ "$host" = nodeb ]; '
+                     'then echo "ssh: connect to host nodeb port 22: Connection refused" >&2; exit 255; fi\n'))
+    agent.chmod(0o755)
+    transport = " ".join(hosts.transport_args()).replace(str(hosts.agent), str(agent))
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
+                             "--launcher-args", transport, "--", "--run-dir", str(run_dir), "--epochs", "1", *FAST)
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+    assert job.returncode == 0, job.output[-5000:]
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_hosts"], first["cause_source"]) == ("unreachable", ["nodeb"],
+                                                                             "launcher output"), first
+    assert "without nodeb" in first["decision"] and second["hosts"] == ["nodea", "nodec"]
+    assert job.summary["hosts"] == {"nodea": [0], "nodec": [1]}
+
+
+def test_a_scripts_own_error_on_every_rank_is_not_retried(tmp_path):
+    script = tmp_path / "badargs.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().parse_args()\nprint('never here')\n")
+    run_dir = tmp_path / "launch"
+    job = run_command(launch_command("-np", "2", "--run-dir", str(run_dir), "--", "run", str(script), "--bogus"),
+                      run_dir, timeout=180, env=job_env())
+    assert job.returncode != 0 and "never here" not in job.output, job.output[-3000:]
+    (attempt,) = attempts(run_dir)["attempts"]  # one attempt: argparse fails alike on every relaunch
+    assert (attempt["cause"], attempt["failed_hosts"], attempt["ranks_recorded"]) == ("user_error", [], 2), attempt
+    assert "fix it and launch again" in attempt["decision"]
+
+
+def test_a_rank_stuck_loading_its_batch_is_the_one_blamed(run_job):
+    # rank 1 blocks in its loader after step 4 while ranks 0 and 2 wait for it in the all-reduce: every rank's
+    # last step is 4, and only the phase tells them apart
+    job = run_job(3, "--epochs", "3", *FAST, "--inject-fault", "stall-data:1:4", "--hang-timeout", "8", timeout=150)
+    assert job.returncode == 4, job.output[-3000:]
+    hang = [r for r in read_records(job.run_dir) if r["kind"] == "hang"]
+    assert len(hang) == 1 and hang[0]["ranks"] == [1] and hang[0]["step"] == 4, hang
+    assert "ranks behind: 1 at step 4" in job.output and "rank 1: step 4 (data" in job.output
+
+
+def read_records(run_dir):
+    return [json.loads(path.read_text()) for path in sorted((run_dir / "failures").glob("rank-*.json"))]
+
+
+def test_mpich_a_host_it_cannot_reach_is_left_out_for_the_spare(hosts, mpich, tmp_path):
+    run_dir = tmp_path / "run"
+    agent = bare_agent(hosts, tmp_path / "refusing-agent.sh")
+    agent.write_text(agent.read_text().replace('host="$1"; shift\n', 'host="$1"; shift\nif [ "$host" = nodeb ]; then '
+                     'echo "ssh: connect to host nodeb port 22: Connection refused" >&2; exit 255; fi\n'))
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpiexec",
+                             "--launcher-path", str(mpich / "bin" / "mpiexec"),
+                             "--launcher-args", f"-launcher ssh -launcher-exec {agent}", "--",
+                             "--run-dir", str(run_dir), "--epochs", "1", *FAST)
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300,
+                      env=mpich_env(mpich, FI_TCP_IFACE="eth0"))
+    assert job.returncode == 0, job.output[-5000:]
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_hosts"]) == ("unreachable", ["nodeb"]), first  # Hydra: ssh's own line
+    assert second["hosts"] == ["nodea", "nodec"] and job.summary["hosts"] == {"nodea": [0], "nodec": [1]}

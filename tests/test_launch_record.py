@@ -1,4 +1,4 @@
-"""The failure record, in-process: the first failing rank writes RUN_DIR/failure.json; the supervisor reads it."""
+"""The failure records, in-process: every failing rank writes RUN_DIR/failures/rank-N.json; the supervisor reads them all."""
 
 import json
 import signal
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from mpiddp.errors import AgreedError, UserError
-from mpiddp.failure import FAILURE_FILE, FailureRecord, read, write_first
+from mpiddp.failure import FAILURES_DIR, FailureRecord, read, read_all, rank_path, write_first
 from mpiddp.job.collective import Dist, SoloTransport
 from mpiddp.job.failfast import EXIT_CRASH, EXIT_USER_ERROR, FailFast
 from mpiddp.job.topology import RankRecord, build_topology
@@ -43,19 +43,22 @@ def fail(guard, exc):
 def test_an_exception_on_rank_1_records_rank_1_and_its_host(tmp_path, capsys):
     guard = guard_for(1)
     guard.set_run_dir(tmp_path)
+    guard.progress = lambda: (17, True)  # the loop's last completed step
     assert fail(guard, RuntimeError("boom")) == EXIT_CRASH
-    record = json.loads((tmp_path / FAILURE_FILE).read_text())
+    record = json.loads(rank_path(tmp_path / FAILURES_DIR, 1).read_text())
     assert record["kind"] == "exception" and record["ranks"] == [1] and record["hosts"] == ["host1"]
     assert record["message"] == "RuntimeError: boom" and record["time"] > 0
-    assert set(record) == {"kind", "ranks", "hosts", "message", "step", "time"}
+    assert (record["step"], record["rank"], record["status"], record["progressed"]) == (17, 1, EXIT_CRASH, True)
+    assert set(record) == {"kind", "ranks", "hosts", "message", "step", "time", "rank", "status", "progressed"}
 
 
 def test_a_user_error_records_user_error(tmp_path, capsys):
     guard = guard_for(1)
     guard.set_run_dir(tmp_path)
     assert fail(guard, UserError("no such file")) == EXIT_USER_ERROR
-    assert read(tmp_path / FAILURE_FILE) == FailureRecord("user_error", [1], ["host1"], "no such file",
-                                                          time=read(tmp_path / FAILURE_FILE).time)
+    (record,) = read_all(tmp_path / FAILURES_DIR)
+    assert record == FailureRecord("user_error", [1], ["host1"], "no such file", time=record.time, rank=1,
+                                   status=EXIT_USER_ERROR, progressed=False)
 
 
 def test_an_agreed_error_is_recorded_once_by_rank_0_and_blames_no_host(tmp_path, capsys):
@@ -64,27 +67,27 @@ def test_an_agreed_error_is_recorded_once_by_rank_0_and_blames_no_host(tmp_path,
         guard.set_run_dir(tmp_path / f"r{rank}")
         (tmp_path / f"r{rank}").mkdir()
         assert fail(guard, AgreedError("error: bad flag")) == EXIT_USER_ERROR
-    assert not (tmp_path / "r1" / FAILURE_FILE).exists()
-    record = read(tmp_path / "r0" / FAILURE_FILE)
+    assert read_all(tmp_path / "r1" / FAILURES_DIR) == []
+    (record,) = read_all(tmp_path / "r0" / FAILURES_DIR)
     assert (record.kind, record.ranks, record.hosts) == ("user_error", [], [])
     help_guard = guard_for(0)
     help_guard.set_run_dir(tmp_path)
     assert fail(help_guard, AgreedError("usage: ...", 0, to_stdout=True)) == 0
-    assert not (tmp_path / FAILURE_FILE).exists()
+    assert not (tmp_path / FAILURES_DIR).exists()
 
 
-def test_the_supervisors_file_wins_and_no_run_dir_means_no_record(tmp_path, capsys):
-    named = tmp_path / "elsewhere.json"
+def test_the_supervisors_directory_wins_and_no_run_dir_means_no_record(tmp_path, capsys):
+    named = tmp_path / "elsewhere"
     guard = guard_for(0, failure_file=str(named))
     guard.set_run_dir(tmp_path)
     fail(guard, KeyboardInterrupt())
-    assert read(named).kind == "stopped" and not (tmp_path / FAILURE_FILE).exists()
+    assert read(rank_path(named, 0)).kind == "stopped" and not (tmp_path / FAILURES_DIR).exists()
     fail(guard_for(0), RuntimeError("nowhere to write"))  # no run dir yet, not supervised: nothing, no error
-    assert [p.name for p in tmp_path.iterdir()] == ["elsewhere.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["elsewhere"]
 
 
-def test_the_first_record_wins_even_when_ranks_race(tmp_path):
-    path = tmp_path / FAILURE_FILE
+def test_a_ranks_first_record_stays_even_when_it_races_itself(tmp_path):
+    path = tmp_path / "rank-0.json"
     results = []
     threads = [threading.Thread(target=lambda r=r: results.append(write_first(path, FailureRecord("exception", [r], [f"h{r}"], "x"))))
                for r in range(8)]
@@ -95,8 +98,8 @@ def test_the_first_record_wins_even_when_ranks_race(tmp_path):
     assert sorted(results) == [False] * 7 + [True]
     winner = read(path)
     assert winner.hosts == [f"h{winner.ranks[0]}"]
-    assert [p.name for p in tmp_path.iterdir()] == [FAILURE_FILE]  # no temporary file left
-    assert not write_first(tmp_path / "missing-dir" / FAILURE_FILE, winner)  # never raises
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-0.json"]  # no temporary file left
+    assert not write_first(tmp_path / "rank-0.json" / "x", winner)  # a file where the directory should be: never raises
     assert read(tmp_path / "absent.json") is None
 
 
@@ -109,13 +112,13 @@ def test_the_hang_record_names_the_ranks_behind_and_their_hosts(tmp_path):
     assert ranks_behind({0: fresh, 1: stale, 2: fresh}, 3, quiet_since=30) == [1]  # its watchdog went quiet
     assert ranks_behind({0: fresh, 1: fresh}, 2, quiet_since=30) == [0, 1]
     watchdog = Watchdog(10, 0, 3, "rank 0/3 on a", None, lambda code: None, {0: "a", 1: "b", 2: "c"},
-                        tmp_path / FAILURE_FILE)
+                        tmp_path / FAILURES_DIR)
     watchdog._record(progress, ranks_behind(progress, 3))
-    record = read(tmp_path / FAILURE_FILE)
-    assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [1], ["b"], 4)
-    everyone = Watchdog(10, 0, 2, "rank 0/2 on a", None, lambda code: None, {0: "a", 1: "b"}, tmp_path / "all.json")
+    (record,) = read_all(tmp_path / FAILURES_DIR)
+    assert (record.kind, record.ranks, record.hosts, record.step, record.rank) == ("hang", [1], ["b"], 4, 0)
+    everyone = Watchdog(10, 0, 2, "rank 0/2 on a", None, lambda code: None, {0: "a", 1: "b"}, tmp_path / "all")
     everyone._record({0: progress[0], 1: progress[0]}, [0, 1])
-    everyone_record = read(tmp_path / "all.json")  # all stuck at one step: no host stands out, no rank blamed
+    (everyone_record,) = read_all(tmp_path / "all")  # all stuck at one step: no host stands out, no rank blamed
     assert (everyone_record.ranks, everyone_record.hosts) == ([], [])
     assert "rank(s) 0, 1" in everyone_record.message
 
@@ -181,7 +184,7 @@ def test_a_hang_leaves_one_file_with_the_ranks_behind_and_every_ranks_stacks(tmp
         store.set("mpiddp/stacks/1", "rank 1/2 on hostb\nThread 0x1 (most recent call first):\n  File \"x.py\", line 1 in stuck_here\n")
     aborted = []
     watchdog = Watchdog(0.1, 0, 2, "rank 0/2 on hosta", store, aborted.append, {0: "hosta", 1: "hostb"},
-                        tmp_path / FAILURE_FILE, tmp_path)
+                        tmp_path / FAILURES_DIR, tmp_path)
     watchdog._fire()
     assert aborted == [4]
     (hang_file,) = tmp_path.glob("hang-*.txt")
@@ -192,21 +195,23 @@ def test_a_hang_leaves_one_file_with_the_ranks_behind_and_every_ranks_stacks(tmp
         assert "==== Python stacks of rank 1/2 on hostb" in text and "stuck_here" in text
     else:
         assert "==== rank 1 on hostb: no stacks" in text
-    record = read(tmp_path / FAILURE_FILE)
+    (record,) = read_all(tmp_path / FAILURES_DIR)
     assert (record.kind, record.ranks, record.hosts) == ("hang", [1], ["hostb"]) and hang_file.name in record.message
     assert f"hang report with every rank's stacks: {hang_file}" in capsys.readouterr().err
 
 
 def test_a_new_job_clears_an_earlier_jobs_record(tmp_path):
-    from mpiddp.failure import FAILURE_FILE, FailureRecord, clear_stale, read, write_first
+    from mpiddp.failure import clear_stale, read_placement, write_placement, write_rank
 
     old = FailureRecord("exception", [1], ["nodeb"], "an earlier job's crash")
-    assert write_first(tmp_path / FAILURE_FILE, old)
+    assert write_rank(tmp_path / FAILURES_DIR, 1, old)
+    assert write_placement(tmp_path / FAILURES_DIR, [("nodea", [0]), ("nodeb", [1])])
     clear_stale(tmp_path)
     clear_stale(tmp_path)  # nothing there: fine
+    assert read_placement(tmp_path / FAILURES_DIR) is None
     new = FailureRecord("hang", [0], ["nodea"], "this job's hang")
-    assert write_first(tmp_path / FAILURE_FILE, new)  # without the clear, the earlier record would win
-    assert read(tmp_path / FAILURE_FILE).message == "this job's hang"
+    assert write_rank(tmp_path / FAILURES_DIR, 1, new)  # without the clear, the earlier record would stay
+    assert [r.message for r in read_all(tmp_path / FAILURES_DIR)] == ["this job's hang"]
 
 
 def test_a_host_fault_is_recorded_by_rank_0_with_the_faulty_hosts_so_launch_leaves_them_out(tmp_path, capsys):
@@ -220,8 +225,8 @@ def test_a_host_fault_is_recorded_by_rank_0_with_the_faulty_hosts_so_launch_leav
         (tmp_path / f"r{rank}").mkdir()
         error = AgreedError("error: host1 runs 1 ranks but has 0 GPUs", EXIT_CRASH, faulty_ranks=(1,))
         assert fail(guard, error) == EXIT_CRASH
-    assert not (tmp_path / "r1" / FAILURE_FILE).exists()
-    record = read(tmp_path / "r0" / FAILURE_FILE)
+    assert read_all(tmp_path / "r1" / FAILURES_DIR) == []
+    (record,) = read_all(tmp_path / "r0" / FAILURES_DIR)
     assert (record.kind, record.ranks, record.hosts) == ("host_fault", [1], ["host1"])
     hosts = [Host("host0", 1), Host("host1", 1), Host("host2", 1), Host("host3", 1)]
     decision = decide(diagnose(EXIT_CRASH, record, ""), hosts, [], 0, 3, 3, hosts[:3])
@@ -235,7 +240,7 @@ def test_a_quiet_watchdog_is_judged_by_the_stores_counter_not_by_clocks_of_other
     monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
     store = DictStore()
     hosts = {0: "hosta", 1: "hostb", 2: "hostc"}
-    watchdogs = [Watchdog(60, rank, 3, f"rank {rank}/3", store, lambda code: None, hosts, tmp_path / FAILURE_FILE,
+    watchdogs = [Watchdog(60, rank, 3, f"rank {rank}/3", store, lambda code: None, hosts, tmp_path / FAILURES_DIR,
                           tmp_path) for rank in range(3)]
     for rank in range(3):
         watchdogs[rank].beat("train", 7)
@@ -244,7 +249,8 @@ def test_a_quiet_watchdog_is_judged_by_the_stores_counter_not_by_clocks_of_other
         watchdogs[0]._publish()
         watchdogs[2]._publish()
     watchdogs[0]._fire()  # every rank is at step 7: only the quiet one is behind
-    assert read(tmp_path / FAILURE_FILE).ranks == [1] and read(tmp_path / FAILURE_FILE).hosts == ["hostb"]
+    (record,) = read_all(tmp_path / FAILURES_DIR)
+    assert (record.ranks, record.hosts) == ([1], ["hostb"])
 
 
 def write_metrics(run_dir, records):
@@ -323,8 +329,8 @@ def test_report_shows_one_line_per_attempt(tmp_path, capsys, monkeypatch):
     assert "  attempt 1 on nodea, nodec: finished" in capsys.readouterr().out
     attempts["attempts"][1]["num_ranks"] = 1  # a shrink (--min-np) shows its rank count
     assert "  attempt 1 on nodea, nodec (1 rank): finished" in report.attempt_lines(attempts)
-    attempts["attempts"][0].update(failed_ranks=[], failed_hosts=[], downtime_s=None)
-    assert "killed (exit status 137; no host blamed) at step 29, 7 steps lost\n" in "\n".join(
+    attempts["attempts"][0].update(failed_ranks=[], failed_hosts=[], downtime_s=None, ranks_recorded=2)
+    assert "killed (exit status 137; no host blamed; 2 ranks recorded) at step 29, 7 steps lost\n" in "\n".join(
         report.attempt_lines(attempts)) + "\n"
 
 

@@ -118,7 +118,10 @@ def test_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_record_says_w
         if supervisor.poll() is None:
             supervisor.kill()
         assert_nothing_left(mark)
-    record = json.loads((run_dir / "failure.json").read_text())
+    from mpiddp import failure
+
+    (found,) = [r for r in failure.read_all(run_dir / failure.FAILURES_DIR) if "supervisor" in r.message]
+    record = {"kind": found.kind, "message": found.message, "step": found.step}
     assert record["kind"] == "stopped" and "supervisor" in record["message"], record
     assert "rerun the same launch command" in record["message"].lower()
     last = json.loads((run_dir / "attempts.json").read_text())["attempts"][-1]

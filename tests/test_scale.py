@@ -6,7 +6,6 @@ watchdog, the finish watch and the failure report. Measured on a real 32-rank jo
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -70,7 +69,7 @@ def test_rank_0_holds_one_store_connection_per_rank_while_the_watchdogs_run(mpir
     seen: list[str] = []
     try:
         port = int(read_until(process, PORT, seen).group(1))  # type: ignore[union-attr]
-        read_until(process, f"epoch 1/3 |", seen)  # every rank is training: its watchdog and every connection are up
+        read_until(process, "epoch 1/3 |", seen)  # every rank is training: its watchdog and every connection are up
         sockets = tcp_sockets(rank_pid(run_dir, 0))
         output, _ = process.communicate(timeout=300)
     finally:
@@ -88,8 +87,10 @@ def test_rank_0_holds_one_store_connection_per_rank_while_the_watchdogs_run(mpir
     assert len(sockets) - len(on_store) <= WORLD + 2 * SLACK, (len(on_store), len(sockets))
     # the watchdogs still tell who hangs, through the one shared connection
     assert process.returncode == 4, output[-4000:]
-    record = json.loads((run_dir / "failure.json").read_text())
-    assert record["kind"] == "hang" and record["ranks"] == [1], (record, output[-4000:])
+    from mpiddp import failure
+
+    hangs = [r for r in failure.read_all(run_dir / failure.FAILURES_DIR) if r.kind == "hang"]
+    assert hangs and all(r.ranks == [1] for r in hangs), (hangs, output[-4000:])
     deadline = time.monotonic() + 30
     while rank_pids(run_dir):
         assert time.monotonic() < deadline, "a rank outlived the job"
@@ -180,7 +181,7 @@ def test_the_hang_writer_reads_each_ranks_stacks_once_and_otherwise_polls_one_co
     store.set("mpiddp/stacks/1", "rank 1/64\nstuck_here")
     store.add(STACKS_COUNT_KEY, 1)
     watchdog = Watchdog(0.1, 0, world, "rank 0/64", store, lambda code: None, {r: "h" for r in range(world)},
-                        tmp_path / "failure.json", tmp_path)
+                        tmp_path / "failures", tmp_path)
     store.requests.clear()
     watchdog._fire()
     (hang_file,) = tmp_path.glob("hang-*.txt")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mpiddp.errors import AgreedError, HostFault, UserError
+from mpiddp.failure import write_placement
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.job.failfast import FailFast
 from mpiddp.job.flightrec import TRACE_PREFIX
@@ -48,6 +49,8 @@ def connect(guard: FailFast | None = None) -> Dist:
     dist = Dist(dataclasses.replace(topology, restarts=restarts, mpi_settings=mpi_settings, **supervised), transport)
     if guard is not None:
         guard.dist = dist
+    if dist.topology.failure_file and dist.is_main:  # a local write, no collective: launch maps ranks to hosts by it
+        write_placement(Path(dist.topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
     return dist
 
 
@@ -361,6 +364,7 @@ def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | Non
         # The one connection (looked up when needed: once closed, rank 0's store must be free to go), with a
         # short wait of its own, so reporting a failure never hangs on the store.
         guard.claim_report = lambda: add_within(rendezvous.client(), "mpiddp/failures", 1, REPORT_CLAIM_S) == 1
+        guard.tally = lambda amount: add_within(rendezvous.client(), "mpiddp/failed-ranks", amount, REPORT_CLAIM_S)
     return rendezvous, store
 
 

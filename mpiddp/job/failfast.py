@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -13,12 +14,18 @@ from typing import TYPE_CHECKING
 # The exit statuses are re-exported here, where callers have always found them.
 from mpiddp.errors import (EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR,  # noqa: F401
                            AgreedError, ScriptError, ScriptExit, UserError)
-from mpiddp.failure import FailureRecord, failure_path, write_first
+from mpiddp.failure import FailureRecord, records_dir, write_rank
 from mpiddp.job.log import flush_logs
 from mpiddp.job.topology import LauncherMismatch
 
 if TYPE_CHECKING:
     from mpiddp.job.collective import Dist
+
+# How long a failing rank waits, after writing its own record and before it aborts the job, for the other ranks to
+# record theirs: the abort kills ranks that have not written yet, and "every rank failed alike" (a bug, a bad
+# argument: no host's fault) can only be told from every rank's record. Long enough for ranks that fail at the same
+# step on a loaded machine, short against a relaunch; a rank alone in failing waits it out once.
+PEER_RECORDS_WAIT_S = 3.0
 
 
 class FailFast:
@@ -27,6 +34,8 @@ class FailFast:
     A rank that raises (or calls sys.exit, even with 0) while its peers may sit in a collective would leave
     them blocked forever; MPI_Abort is the only way out that works whatever the peers are doing. Errors
     raised on every rank together (AgreedError) end the job cleanly instead, rank 0 speaking for all.
+    Each failing rank first leaves its own record (RUN_DIR/failures/rank-N.json) and, before the abort, waits
+    PEER_RECORDS_WAIT_S at most for the other ranks' records, so that a failure every rank shares is seen as such.
     """
 
     def __init__(self) -> None:
@@ -34,9 +43,13 @@ class FailFast:
         # Once the rendezvous store exists: True for the first failing rank only, so one full report is printed.
         self.claim_report: Callable[[], bool] | None = None
         self.run_dir: Path | None = None  # where the failure record goes once known (set_run_dir)
+        # Once the rendezvous store exists: adds to the job's count of ranks that recorded a failure, returns it.
+        self.tally: Callable[[int], int] | None = None
+        # Set by the loop (or `run`): (the last completed step or None, whether this job made progress yet)
+        self.progress: Callable[[], tuple[int | None, bool]] | None = None
 
     def set_run_dir(self, run_dir: Path) -> None:
-        """From now on a failure leaves RUN_DIR/failure.json (unless the supervisor named another file)."""
+        """From now on a failure leaves RUN_DIR/failures/rank-N.json (unless the supervisor named the directory)."""
         self.run_dir = run_dir
 
     def __enter__(self) -> FailFast:
@@ -48,10 +61,12 @@ class FailFast:
         if exc is None:
             return False
         code, text = self.decide(exc)
-        self.write_record(exc, code)
+        written = self.write_record(exc, code)
         if text:
             _report(text, to_stdout=isinstance(exc, AgreedError) and exc.to_stdout)
         if not isinstance(exc, (AgreedError, LauncherMismatch)) and self.dist is not None and self.dist.world_size > 1:
+            if written:
+                self._await_peer_records(self.dist.world_size)
             self.dist.abort(code)
         raise SystemExit(code)
 
@@ -86,20 +101,23 @@ class FailFast:
         return EXIT_CRASH, f"mpiddp: {where} also failed: {type(exc).__name__}: {exc}"
 
     def record(self, exc: BaseException, code: int) -> FailureRecord | None:
-        """The failure record this rank would leave, or None (help, or an agreed error off rank 0). Pure."""
+        """The failure record this rank would leave, or None (help, or an agreed error off rank 0). Pure apart
+        from asking the loop where it is."""
         rank = 0 if self.dist is None else self.dist.rank
         host = self.dist.topology.hostname if self.dist is not None else socket.gethostname()
         message = (str(exc).strip() or type(exc).__name__).splitlines()[0][:500]
+        step, progressed = self._where()
+        known = {"step": step, "rank": rank, "status": code, "progressed": progressed}
         if isinstance(exc, AgreedError) and exc.faulty_ranks:
             if rank != 0:
                 return None
             hosts = list(dict.fromkeys(self.dist.topology.host_of(r) for r in exc.faulty_ranks)) \
                 if self.dist is not None else []
-            return FailureRecord("host_fault", list(exc.faulty_ranks), hosts, message)
+            return FailureRecord("host_fault", list(exc.faulty_ranks), hosts, message, **known)
         if isinstance(exc, (AgreedError, LauncherMismatch)):
             if code == EXIT_OK or rank != 0:  # every rank raised it together: rank 0 speaks, and no host is at fault
                 return None
-            return FailureRecord("user_error" if code == EXIT_USER_ERROR else "exit", [], [], message)
+            return FailureRecord("user_error" if code == EXIT_USER_ERROR else "exit", [], [], message, **known)
         if isinstance(exc, UserError):
             kind = "user_error"
         elif isinstance(exc, (ScriptExit, SystemExit)):
@@ -109,14 +127,38 @@ class FailFast:
         else:
             kind = "exception"
             message = f"{type(exc).__name__}: {message}"
-        return FailureRecord(kind, [rank], [host], message)
+        return FailureRecord(kind, [rank], [host], message, **known)
 
-    def write_record(self, exc: BaseException, code: int) -> None:
-        """Leave the failure record for the supervisor, first rank wins; a file only, never a message to a peer."""
-        path = failure_path(self.dist.topology.failure_file if self.dist is not None else "", self.run_dir)
-        record = self.record(exc, code) if path is not None else None
-        if path is not None and record is not None:
-            write_first(path, record)
+    def _where(self) -> tuple[int | None, bool | None]:
+        if self.progress is None:  # the loop (or the script) has not started: nothing done yet
+            return None, False
+        try:
+            return self.progress()
+        except Exception:  # never let the record's detail cost the record
+            return None, None
+
+    def write_record(self, exc: BaseException, code: int) -> bool:
+        """Leave this rank's own failure record for the supervisor (a file only, never a message to a peer);
+        True when written."""
+        directory = records_dir(self.dist.topology.failure_file if self.dist is not None else "", self.run_dir)
+        record = self.record(exc, code) if directory is not None else None
+        if directory is None or record is None:
+            return False
+        return write_rank(directory, 0 if self.dist is None else self.dist.rank, record)
+
+    def _await_peer_records(self, world_size: int) -> None:
+        """Count this rank's record, then wait (PEER_RECORDS_WAIT_S at most) until every rank has recorded one;
+        through the store, which works whatever the peers are doing. A dead store: no wait."""
+        if self.tally is None:
+            return
+        try:
+            deadline = time.monotonic() + PEER_RECORDS_WAIT_S
+            failed = self.tally(1)
+            while failed < world_size and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling with a deadline: a healthy peer never records anything
+                failed = self.tally(0)
+        except Exception:
+            pass
 
     def _first_to_report(self) -> bool:
         if self.claim_report is None:

@@ -341,6 +341,14 @@ class FinishWatch:
         self.dist.abort_from_thread(EXIT_HANG)
 
 
+def script_progress() -> tuple[int | None, bool]:
+    """(step, progressed) for a failure record: a script's steps are its own; it has made progress once it set up
+    torch.distributed (a script that fails before, on its arguments say, fails alike on every relaunch)."""
+    import torch.distributed as tdist
+
+    return None, tdist.is_available() and tdist.is_initialized()
+
+
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
     from mpiddp.job import api
@@ -372,6 +380,7 @@ def run_script(argv: list[str], guard: FailFast) -> int:
             log.info("every rank sees one GPU: LOCAL_RANK is 0 on every rank (torchrun's --virtual-local-rank); "
                      "the host's local rank is in MPIDDP_LOCAL_RANK")
     api.attach(api.Session(dist, rendezvous, store, num_threads))
+    guard.progress = script_progress
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
     with default_start_method(cfg.start_method) as start_method:
         log.info("running %s %s on %d ranks on %d hosts; torchrun's variables set, rendezvous %s:%d; "

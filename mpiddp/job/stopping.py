@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from mpiddp.commands import split_command
 from mpiddp import supervision
-from mpiddp.failure import failure_path
+from mpiddp.failure import records_dir
 from mpiddp.job.helper_signals import STOP_SIGNALS
 from mpiddp.job.topology import supervisor_identity
 
@@ -110,9 +110,9 @@ def note_supervisor_death(topo: Topology, run_dir: Path, step: int) -> bool:
     ranks = topo.hosts_dict.get(found[0], []) if found is not None else []
     if found is None or not ranks or topo.rank != min(ranks) or supervision.is_alive(found[1]):
         return False
-    path = failure_path(topo.failure_file, run_dir)
+    path = records_dir(topo.failure_file, run_dir)
     assert path is not None  # a run dir is given
-    supervision.record_supervisor_death(run_dir, path, f"pid {found[1]} on {found[0]}", step)
+    supervision.record_supervisor_death(run_dir, path, topo.rank, f"pid {found[1]} on {found[0]}", step)
     log.warning("the supervisor (pid %d on %s) died: recorded in %s; rerun the same launch command to resume",
                 found[1], found[0], path)
     return True

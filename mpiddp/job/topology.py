@@ -52,7 +52,7 @@ class Topology:
     mpi_library: str = "unknown"
     mpi_settings: str = ""  # what mpiddp set for MPI before starting it (mpistart), '' when nothing
     restarts: int = 0  # the scheduler requeued this job this many times (then training resumes by itself)
-    failure_file: str = ""  # where the supervisor (`launch`) reads why the job failed; '' for RUN_DIR/failure.json
+    failure_file: str = ""  # the directory where `launch` reads every rank's failure record; '' for RUN_DIR/failures
     launch_id: str = ""  # which `launch` runs this job ('' when none): a relaunch prefers the snapshots it saved
     launch_run_dir: str = ""  # launch's run dir: training's default when its flags name none
     job_record: str = ""  # where training tells `launch` its run dir and global batch ('' when not supervised)

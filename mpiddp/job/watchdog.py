@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpiddp.failure import FailureRecord, failure_path, write_first
+from mpiddp.failure import FailureRecord, records_dir, write_rank
 from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
 from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
@@ -35,14 +35,19 @@ REQUEST_KEY = "mpiddp/hang-request"  # set by the rank that writes the hang file
 STACKS_COUNT_KEY = "mpiddp/stacks-given"  # how many ranks have put their stacks in the store
 REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advance the clock, publish, look for a request
 READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight-recorder dumps
+# The phases of a training step, in the order a rank goes through them: waiting for its loader, computing, then in
+# the gradient all-reduce (it waits there for every other rank). At one step, a rank in an earlier phase than the
+# others never reached the collective they wait in: it is the one holding them up.
+STEP_PHASES = ("data", "compute", "communication")
 
 
 class Watchdog:
-    """beat(phase, step) from the main thread; the thread fires when beats stop for `timeout_s`."""
+    """beat(phase, step) from the main thread; the thread fires when beats stop for `timeout_s`. enter(phase)
+    says where in a step the rank is, without counting as progress."""
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, label: str, store: Any,
                  abort: Callable[[int], None], host_of_rank: dict[int, str] | None = None,
-                 failure_file: Path | None = None, run_dir: Path | None = None,
+                 failure_dir: Path | None = None, run_dir: Path | None = None,
                  trace: Callable[[], bytes] | None = None) -> None:
         self.timeout_s = timeout_s
         # paced by the world's size, so that rank 0's store never serves more than a fixed rate of reports
@@ -51,11 +56,12 @@ class Watchdog:
         self.trace = trace  # this rank's flight-recorder dump (NCCL), written to the run dir when the job hangs
         self.answered = False  # this rank gave its stacks (and dump) for the hang file
         self.host_of_rank = host_of_rank or {}
-        self.failure_file = failure_file
+        self.failure_dir = failure_dir  # where this rank's failure record goes (None: nowhere)
         self.rank, self.world_size, self.label = rank, world_size, label
         self.store = store
         self.abort = abort
         self.phase, self.step = "start", 0
+        self.beats = 0  # progress in this job (a step, a save, an evaluation)
         self.last_beat = time.monotonic()
         self.own_ticks: collections.deque[int] = collections.deque(maxlen=STALE_INTERVALS + 1)
         self.stopped = threading.Event()
@@ -71,7 +77,7 @@ class Watchdog:
         topo = dist.topology
         host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
         return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
-                   failure_path(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
+                   records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
@@ -83,6 +89,16 @@ class Watchdog:
 
     def beat(self, phase: str, step: int) -> None:
         self.phase, self.step, self.last_beat = phase, step, time.monotonic()
+        self.beats += 1
+
+    def enter(self, phase: str) -> None:
+        """Where in the step this rank is now (one of STEP_PHASES): not progress, the clock keeps running."""
+        self.phase = phase
+
+    @property
+    def progressed(self) -> bool:
+        """Whether this job has done anything since it started (a step, a save, an evaluation)."""
+        return self.beats > 0
 
     def stop(self) -> None:
         self.stopped.set()
@@ -150,7 +166,7 @@ class Watchdog:
                 # a rank that has not published since this watchdog's publish STALE_INTERVALS intervals ago
                 quiet_since = self.own_ticks[0] if len(self.own_ticks) == self.own_ticks.maxlen else None
                 behind = ranks_behind(progress, self.world_size, quiet_since)
-                lines.append(describe_progress(progress))
+                lines.append(describe_progress(progress, self.world_size))
                 self._record(progress, behind, hang_file)
         except Exception as exc:
             lines.append(f"(progress of the other ranks unavailable: {exc})")
@@ -220,17 +236,18 @@ class Watchdog:
             return [f"(the dumps could not be analysed: {type(exc).__name__}: {exc})"]
 
     def _record(self, progress: dict[int, dict[str, Any]], behind: list[int], hang_file: Path | None = None) -> None:
-        """The failure record for the supervisor: the ranks behind and their hosts (a file, no message to a peer)."""
-        if self.failure_file is None:
+        """This rank's failure record for the supervisor: the ranks behind and their hosts (a file, no message to a
+        peer). This rank is the witness that described the hang; the ranks it names are the culprits."""
+        if self.failure_dir is None:
             return
         # every rank stuck at one step: no host stands out, so none is blamed (the supervisor retries on the same)
         blamed = behind if len(behind) < self.world_size else []
         hosts = list(dict.fromkeys(self.host_of_rank[r] for r in blamed if r in self.host_of_rank))
         steps = [p["step"] for p in progress.values()]
-        write_first(self.failure_file, FailureRecord(
+        write_rank(self.failure_dir, self.rank, FailureRecord(
             "hang", blamed, hosts, f"no progress for {self.timeout_s:g} s (--hang-timeout) on rank(s) "
             f"{', '.join(map(str, behind))}{f'; stacks in {hang_file}' if hang_file else ''}",
-            step=min(steps) if steps else self.step))
+            step=min(steps) if steps else self.step, rank=self.rank, status=EXIT_HANG, progressed=self.progressed))
 
     def _progress_of_all(self) -> dict[int, dict[str, Any]]:
         keys = [f"mpiddp/progress/{rank}" for rank in range(self.world_size)]
@@ -248,25 +265,30 @@ def own_stacks() -> str:
 
 
 def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int, quiet_since: int | None = None) -> list[int]:
-    """The ranks at the lowest step; a rank that never reported, or (given `quiet_since`, a tick of the store's
-    progress counter) whose watchdog has not reported since (a stopped or dead process), is behind everyone."""
+    """The ranks at the lowest step and, of those, the ones in the earliest of STEP_PHASES (a rank still loading
+    or computing while the others wait in the all-reduce); a rank that never reported, or (given `quiet_since`, a
+    tick of the store's progress counter) whose watchdog has not reported since (a stopped or dead process), is
+    behind everyone."""
     silent = [rank for rank in range(world_size)
               if rank not in progress or (quiet_since is not None and progress[rank].get("tick", quiet_since) < quiet_since)]
     if silent or not progress:
         return silent
     lowest = min(p["step"] for p in progress.values())
-    return sorted(rank for rank, p in progress.items() if p["step"] == lowest)
+    at_lowest = {rank: p.get("phase") for rank, p in progress.items() if p["step"] == lowest}
+    if all(phase in STEP_PHASES for phase in at_lowest.values()):
+        earliest = min(STEP_PHASES.index(phase) for phase in at_lowest.values())
+        return sorted(rank for rank, phase in at_lowest.items() if STEP_PHASES.index(phase) == earliest)
+    return sorted(at_lowest)
 
 
-def describe_progress(progress: dict[int, dict[str, Any]]) -> str:
+def describe_progress(progress: dict[int, dict[str, Any]], world_size: int | None = None) -> str:
     """Which ranks are behind, and where everyone is."""
     if not progress:
         return "no rank has reported progress"
+    behind = ranks_behind(progress, world_size if world_size is not None else max(progress) + 1)
     lowest = min(p["step"] for p in progress.values())
-    behind = sorted(rank for rank, p in progress.items() if p["step"] == lowest)
-    ahead = len(progress) > len(behind)
     where = "; ".join(f"rank {rank}: step {p['step']} ({p['phase']}, idle {p['idle_s']} s)"
                       for rank, p in sorted(progress.items()))
-    head = (f"ranks behind: {', '.join(map(str, behind))} at step {lowest}" if ahead
+    head = (f"ranks behind: {', '.join(map(str, behind))} at step {lowest}" if len(behind) < len(progress)
             else f"every rank is stuck at step {lowest}")
     return f"{head}. Progress by rank: {where}"

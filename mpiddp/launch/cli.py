@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher-args", action="append", default=[],
                    help="extra arguments for the launcher, one string (shell-split), e.g. '--mca btl tcp,self' "
                         "or --oversubscribe (a value that starts with '-' is taken as it is)")
-    p.add_argument("--run-dir", help="where failure.json and attempts.json go, and training's outputs unless its "
+    p.add_argument("--run-dir", help="where failures/ (every rank's record) and attempts.json go, and training's outputs unless its "
                                      "own --run-dir or --runs-root names another place, which launch then follows "
                                      "(default: a new directory under runs/)")
     return p

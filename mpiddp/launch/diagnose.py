@@ -1,17 +1,35 @@
-"""Why an attempt failed: the job's failure record first, else what the launcher printed, else the exit status.
+"""Why an attempt failed, from evidence only: every rank's failure record, the launcher's own report, the exit status.
 
-A rank killed by SIGKILL (the OOM killer, a node that lost power) writes no record, and the ranks that lose their
-peer then fail too, some of them fast enough to write a record of their own. So a rank the launcher reports dead
-by a signal outranks an `exception` record whose message is a lost peer (a gloo/NCCL/MPI connection failure): the
-record names a consequence there, not the cause. Any other record wins: launchers kill every other rank once one
-fails (srun --kill-on-bad-exit reports them `Terminated`, Hydra prints `KILLED BY SIGNAL: 9` for each), so their
-text would blame the healthy hosts. srun lines after `Terminating StepId` / `CANCELLED` are that clean-up: ignored.
+The rules, in order:
+1. A record that names a lost peer or a timed-out collective (gloo/NCCL/MPI) is a WITNESS: its rank waited for a
+   peer that failed or stalled. It never blames its own rank or host.
+2. The job's own accounts of the whole job come first: a host fault (rank 0 names the hosts that cannot run their
+   ranks) and a hang (the watchdog names the ranks behind: a stale rank, or the one that never reached the
+   collective the others wait in).
+3. Otherwise the oldest record that is not a witness is the failure; the ranks that recorded the same failure
+   (kind, exception type, exit status) are its ranks. A host is blamed only when its ranks failed that way and the
+   ranks of other hosts did not: the same failure on every host, or on every rank, blames no host (a bug, a bad
+   input, a shared filesystem), whatever its kind. A failing rank waits briefly for its peers' records before it
+   ends the job (mpiddp.job.failfast), so "every rank alike" is seen, not guessed.
+4. The same non-zero exit on every rank, none of which made progress in the attempt (a `run` script's argparse
+   error, a script that exits 1 before its first collective), is the user's error (user_error: never retried).
+5. Without a record that names a culprit, the launcher's report: ranks it saw die by a signal (a SIGKILLed rank
+   writes nothing; its peers then fail too, as witnesses), else a host whose daemon it could not start
+   (unreachable: ssh refused, a host down). Launchers kill every other rank once one fails (srun
+   --kill-on-bad-exit reports them `Terminated`, Hydra prints `KILLED BY SIGNAL: 9` for each), so their text
+   is never preferred to a record that names the culprit. srun lines after `Terminating StepId` / `CANCELLED`
+   are that clean-up: ignored.
+6. Witnesses alone: the failure is theirs, with no host blamed. Nothing at all: the exit status.
+The launcher's output reaches this module through OutputKeeper: every line that may be evidence is kept wherever it
+appears, with the last lines for context, so a thousand ranks' "also failed" lines cannot push it out.
 """
 
 from __future__ import annotations
 
 import re
 import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mpiddp.failure import FailureRecord
@@ -36,11 +54,29 @@ SRUN_SIGNAL = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Segmen
 SRUN_SIGNALS = {"Killed": 9, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7, "Terminated": 15}
 # srun's clean-up of the step after the first task failed: the tasks it reports dead after this, it killed itself
 SRUN_CLEANUP = re.compile(r"Terminating StepId|CANCELLED")
-# An exception about a lost peer, not a fault of the rank that raised it (gloo, NCCL, MPI, plain sockets)
+# Open MPI could not start its daemon on a host (ssh refused, host down): "A daemon failed to report back after
+# being spawned. ... Local host: nodea / Remote host: nodeb / Daemon exit status: 255" (Open MPI 5.0, reproduced
+# with the rsh agent refusing nodeb)
+OPENMPI_UNREACHABLE = re.compile(r"daemon failed to report back.*?Remote host:\s*(\S+)", re.DOTALL)
+# ssh's own words (any launcher that uses it): "ssh: connect to host nodeb port 22: Connection refused", "ssh:
+# Could not resolve hostname nodeb: ...". MPICH 5.0.2's Hydra adds only "Launch proxy failed." and no host name
+# (reproduced on fake hosts), so for Hydra ssh's line is the evidence. Older Hydra: "HYDU_sock_connect (...): unable
+# to connect from "nodea" to "nodeb" (Connection refused)"; srun: "Task launch for StepId=5.0 failed on node nodeb:"
+SSH_UNREACHABLE = re.compile(r"ssh: connect to host (\S+?) port|ssh: Could not resolve hostname (\S+?):"
+                             r"|unable to connect from \S+ to \"?([^\s\"]+)\"?|Task launch for \S+ failed on node (\S+?):")
+# An exception about a lost peer or a collective that timed out waiting for one: the rank that raised it is a
+# witness, not the culprit (gloo, NCCL, MPI, plain sockets)
 LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"
                        r"|peer process has unexpectedly disconnected|remote process exited|got 0 bytes"
                        r"|DistNetworkError|ncclRemoteError|NCCL communicator was aborted"
-                       r"|MPI_ERR_PROC_FAILED|MPI_ERR_REVOKED", re.IGNORECASE)
+                       r"|MPI_ERR_PROC_FAILED|MPI_ERR_REVOKED"
+                       r"|timed out|timeout|DistBackendError", re.IGNORECASE)
+# Lines of the launcher's output that may be evidence (kept wherever they appear, with EVIDENCE_CONTEXT lines after
+# each, since several of the reports above span lines)
+EVIDENCE = re.compile(r"process rank \d+ with PID|peer process has unexpectedly disconnected|RUNNING AT"
+                      r"|BAD TERMINATION|EXIT STRING|KILLED BY SIGNAL|srun: error:|Terminating StepId|CANCELLED"
+                      r"|daemon failed to report back|ssh: |HYDU_sock_connect|unable to connect from|Task launch for")
+EVIDENCE_CONTEXT = 12
 
 
 @dataclass(frozen=True)
@@ -53,7 +89,41 @@ class Failure:
     hosts: tuple[str, ...] = ()
     message: str = ""
     step: int | None = None
-    source: str = "exit status"  # failure record, launcher output, or exit status
+    source: str = "exit status"  # failure record(s), launcher output, or exit status
+    recorded: int = 0  # how many ranks left a failure record
+    witnesses: tuple[int, ...] = ()  # ranks whose record names a lost peer or a timeout (never blamed)
+
+
+class OutputKeeper:
+    """The launcher's output as evidence: every line that may name a dead rank or an unreachable host (with the
+    lines after it), wherever it appears, plus the last `tail` lines. Fed line by line from two relay threads
+    (append), read as text when the launcher has exited (iteration, in order)."""
+
+    def __init__(self, tail: int) -> None:
+        self.tail = tail
+        self.kept: list[tuple[int, str]] = []  # (line number, line): evidence and its context
+        self.last: list[tuple[int, str]] = []
+        self.count = 0
+        self.context_until = -1
+        self.lock = threading.Lock()
+
+    def append(self, line: str) -> None:
+        with self.lock:
+            number, self.count = self.count, self.count + 1
+            if EVIDENCE.search(line):
+                self.context_until = number + EVIDENCE_CONTEXT
+            if number <= self.context_until:
+                self.kept.append((number, line))
+            self.last.append((number, line))
+            if len(self.last) > 2 * self.tail:  # trimmed in halves: appends stay cheap
+                del self.last[:-self.tail]
+
+    def __iter__(self) -> Iterator[str]:
+        with self.lock:
+            last = self.last[-self.tail:]
+            first_of_tail = last[0][0] if last else self.count
+            lines = [line for number, line in self.kept if number < first_of_tail] + [line for _, line in last]
+        return iter(lines)
 
 
 def killed_by_signal(output: str) -> tuple[tuple[int, ...], tuple[str, ...], int] | None:
@@ -88,23 +158,81 @@ def _task_ranks(text: str) -> list[int]:
 
 
 def lost_peer(record: FailureRecord) -> bool:
-    """Whether the record is an exception about a lost peer (a consequence of another rank's death)."""
+    """Whether the record is a witness's: an exception about a lost peer or a collective that timed out."""
     return record.kind == "exception" and LOST_PEER.search(record.message) is not None
 
 
-def diagnose(status: int, record: FailureRecord | None, output: str) -> Failure:
-    """Combine the exit status, the job's record and the launcher's output into one Failure."""
+def unreachable(output: str) -> tuple[str, ...]:
+    """The hosts the launcher reports it could not reach (its daemon never started there)."""
+    hosts = [match.group(1) for match in OPENMPI_UNREACHABLE.finditer(output)]
+    hosts += [next(group for group in match.groups() if group) for match in SSH_UNREACHABLE.finditer(output)]
+    return tuple(dict.fromkeys(hosts))
+
+
+def _signature(record: FailureRecord) -> tuple[str, str, int | None]:
+    """What makes two ranks' failures the same: the kind, the exception's type (or the message), the status."""
+    message = record.message.removeprefix("ScriptError: ")  # a `run` script's exception: its own type counts
+    return record.kind, message.split(":", 1)[0].strip(), record.status
+
+
+def from_records(records: list[FailureRecord], status: int, world_size: int,
+                 host_of: dict[int, str] | None = None) -> Failure | None:
+    """The failure every rank's record shows together (rules 1 to 4 and 6 of the module docstring), or None
+    when no rank recorded one. `host_of`: rank -> host of the attempt, as far as known."""
+    if not records:
+        return None
+    host_of = host_of or {}
+    witnesses = tuple(sorted({r.rank for r in records if lost_peer(r) and r.rank is not None}))
+    named = [r for r in records if not lost_peer(r)]
+    common = {"status": status, "source": "failure record", "recorded": len(records), "witnesses": witnesses}
+    if not named:
+        first = records[0]
+        return Failure(first.kind, message=f"{first.message} (rank(s) {', '.join(map(str, witnesses))} waited for a "
+                       f"peer that failed or stalled; none named the culprit)", step=first.step, **common)
+    accounts = [r for r in named if r.kind in ("host_fault", "hang")]
+    primary = accounts[0] if accounts else named[0]
+    if accounts:
+        return Failure(primary.kind, ranks=tuple(primary.ranks), hosts=tuple(primary.hosts), message=primary.message,
+                       step=primary.step, **common)
+    alike = [r for r in named if _signature(r) == _signature(primary)]
+    ranks = tuple(sorted({rank for r in alike for rank in r.ranks}))
+    hosts = tuple(dict.fromkeys(host_of.get(rank) or host for r in alike for rank, host in zip(r.ranks, r.hosts)))
+    every_rank = {r.rank for r in alike} >= set(range(world_size)) and world_size > 0
+    known_hosts = set(host_of.values())
+    every_host = len(known_hosts) > 1 and set(hosts) >= known_hosts
+    kind, message = primary.kind, primary.message
+    if every_rank and kind == "exit" and all(r.progressed is False for r in alike) and (primary.status or 0) > 0:
+        kind, message = "user_error", (f"{message}, on every rank before any progress: the script's own error, "
+                                       f"not a host's")
+    if every_rank or every_host:
+        what = "every rank" if every_rank else "every host"
+        return Failure(kind, message=f"{message} (the same on {what}: no host to blame)", step=primary.step, **common)
+    return Failure(kind, ranks=ranks, hosts=hosts, message=message, step=primary.step, **common)
+
+
+def diagnose(status: int, record: FailureRecord | list[FailureRecord] | None, output: str, world_size: int = 0,
+             host_of: dict[int, str] | None = None) -> Failure:
+    """Combine the exit status, every rank's record and the launcher's output into one Failure (see the module
+    docstring for the rules). `record`: the ranks' records (one record alone is accepted as a list of one)."""
+    records = [record] if isinstance(record, FailureRecord) else list(record or [])
+    found = from_records(records, status, world_size, host_of)
+    if found is not None and any(not lost_peer(r) for r in records):  # a record that names the failure
+        return found
     killed = killed_by_signal(output)
-    if killed is not None and (record is None or lost_peer(record)):
+    step = found.step if found is not None else None
+    evidence = {"recorded": found.recorded, "witnesses": found.witnesses} if found is not None else {}
+    if killed is not None:
         ranks, hosts, signum = killed
         name = signal.Signals(signum).name if signum in set(signal.Signals) else f"signal {signum}"
-        step = record.step if record is not None else None
         who = f"rank {', '.join(map(str, ranks))} on " if ranks else "a rank on "
         return Failure("killed", status, ranks, hosts, f"{who}{', '.join(hosts)} died ({name} or lost)", step,
-                       "launcher output")
-    if record is not None:
-        return Failure(record.kind, status, tuple(record.ranks), tuple(record.hosts), record.message, record.step,
-                       "failure record")
+                       "launcher output", **evidence)
+    lost = unreachable(output)
+    if lost:
+        return Failure("unreachable", status, (), lost, f"the launcher could not reach {', '.join(lost)}", step,
+                       "launcher output", **evidence)
+    if found is not None:
+        return found
     kind = {EXIT_USER_ERROR: "user_error", EXIT_STOPPED: "stopped", EXIT_INTERRUPTED: "stopped",
             EXIT_HANG: "hang"}.get(status, "exit")
     return Failure(kind, status, message=f"the launcher exited with status {status} and no failure record")

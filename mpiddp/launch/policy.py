@@ -8,7 +8,8 @@ from mpiddp.globalbatch import GlobalBatchError, split
 from mpiddp.launch.diagnose import Failure
 from mpiddp.launch.hosts import Host, HostListError, place
 
-NEVER_RETRIED = {"user_error": "a user error (exit 2) fails the same way again: fix it and launch again",
+NEVER_RETRIED = {"user_error": "a user error (exit 2, or the same exit on every rank before any progress) fails the "
+                               "same way again: fix it and launch again",
                  "stopped": "a graceful stop (exit 3) or interrupt: continue with the same launch command"}
 
 
@@ -34,8 +35,11 @@ def same_host(a: str, b: str) -> bool:
     return a == b or short_name(a) == short_name(b)
 
 
-def hosts_of(placed: list[Host], ranks: tuple[int, ...]) -> list[str]:
-    """The hosts (as the host list names them) that ranks ran on, ranks filling each host's slots in order."""
+def hosts_of(placed: list[Host], ranks: tuple[int, ...], placement: dict[int, str] | None = None) -> list[str]:
+    """The hosts (as the host list names them) that ranks ran on: from `placement` (rank -> host, as the job
+    recorded it), else assuming ranks fill each host's slots in order."""
+    if placement:
+        return list(dict.fromkeys(placement[rank] for rank in sorted(ranks) if rank in placement))
     names, first = [], 0
     for host in placed:
         if any(first <= rank < first + host.slots for rank in ranks):
@@ -44,12 +48,14 @@ def hosts_of(placed: list[Host], ranks: tuple[int, ...]) -> list[str]:
     return names
 
 
-def blamed(failure: Failure, hosts: list[Host], placed: list[Host]) -> list[str]:
+def blamed(failure: Failure, hosts: list[Host], placed: list[Host], placement: dict[int, str] | None = None) -> list[str]:
     """The host-list names of the hosts the failure blames. The job's records carry socket.gethostname() (often
     an FQDN) where the host list may have a short name or an IP, so its ranks are mapped through the attempt's own
-    placement; without ranks (or placement), names are compared by short name."""
-    by_rank = hosts_of(placed, failure.ranks) if failure.ranks else []
-    if len(placed) > 1 and len(by_rank) == len(placed):
+    placement (the one the job recorded, else the slot order); without ranks (or placement), names are compared
+    by short name."""
+    by_rank = hosts_of(placed, failure.ranks, placement) if failure.ranks else []
+    num_hosts = len(set(placement.values())) if placement else len(placed)
+    if num_hosts > 1 and len(by_rank) == num_hosts:
         return []  # every host failed alike (the same crash everywhere, a job-wide hang): none stands out
     if by_rank:
         return by_rank
@@ -59,9 +65,9 @@ def blamed(failure: Failure, hosts: list[Host], placed: list[Host]) -> list[str]
 def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_used: int, max_restarts: int,
            num_ranks: int, placed: list[Host] | None = None, min_np: int | None = None,
            global_batch: tuple[int, int] | None = None, strikes: dict[str, int] | None = None,
-           host_strikes: int = 1) -> Decision:
+           host_strikes: int = 1, placement: dict[int, str] | None = None) -> Decision:
     """`hosts`: every host known (in use and spare), `excluded`: those already left out, `placed`: the hosts the
-    failed attempt ran on, in rank order.
+    failed attempt ran on, in rank order, `placement`: rank -> host of the failed attempt as the job recorded it.
 
     A host is left out on its `host_strikes`-th blamed failure (`strikes`: the failures blamed on each host before
     this one); until then the relaunch keeps it. 1 (the default) leaves a host out at once, which spare hosts make
@@ -79,7 +85,7 @@ def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_us
         return stop("finished", list(excluded))
     if failure.kind in NEVER_RETRIED:
         return stop(NEVER_RETRIED[failure.kind], list(excluded))
-    blamed_now = [name for name in blamed(failure, hosts, placed or []) if name not in excluded]
+    blamed_now = [name for name in blamed(failure, hosts, placed or [], placement) if name not in excluded]
     for name in blamed_now:
         strikes[name] = strikes.get(name, 0) + 1
     newly = [name for name in blamed_now if strikes[name] >= host_strikes]

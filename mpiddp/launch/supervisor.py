@@ -2,13 +2,12 @@
 
 It runs outside MPI (never imports mpi4py or torch.distributed) and never parses the job's flags. It talks to the
 job through the environment it sets (mpiddp.contract), the exit status, the records the job writes (RUN_DIR/job.json:
-where training writes and its global batch; RUN_DIR/failure.json: why it failed), and (as a fallback) the
-launcher's own output.
+where training writes and its global batch; RUN_DIR/failures/: every failing rank's record, and where every rank ran,
+placement.json), and the launcher's own output (its evidence lines, wherever they appear).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -28,13 +27,13 @@ from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV,
 from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import build_command
-from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, diagnose
+from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
-from mpiddp.launch.policy import decide, same_host
+from mpiddp.launch.policy import blamed, decide, same_host
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
-OUTPUT_TAIL_LINES = 400  # enough of the launcher's output to find which rank died
+OUTPUT_TAIL_LINES = 400  # the launcher's last lines, kept with every evidence line before them (OutputKeeper)
 # After the launcher exits, its output is passed on for at most this much longer (a process that left its
 # session may write on); what the relays have not passed on by then is still in the run dir's attemptN.out/.err.
 RELAY_DRAIN_S = 10.0
@@ -85,12 +84,15 @@ class Attempt:
     downtime_s: float | None = None  # last_step_at -> the next attempt's first finished step (training)
     downtime_phases: dict[str, float] = field(default_factory=dict)  # those seconds per failure.DOWNTIME_PHASES
     launch: int = 0  # which `launch` in this run dir made it: a requeue or a resubmission adds its attempts after
+    ranks_recorded: int | None = None  # how many ranks left a failure record (RUN_DIR/failures)
+    witness_ranks: list[int] = field(default_factory=list)  # ranks that only saw a peer fail or time out
+    blamed_hosts: list[str] = field(default_factory=list)  # the hosts this failure counted against
 
 
 def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
     """What attempt `number` tells the job through the environment (names in mpiddp.contract); the launcher
     forwards them to every host. Training takes its run dir from here unless its own flags name another."""
-    exports = {FAILURE_FILE_ENV: str(plan.run_dir / failure.FAILURE_FILE), RESTART_COUNT_ENV: str(number),
+    exports = {FAILURE_FILE_ENV: str(plan.run_dir / failure.FAILURES_DIR), RESTART_COUNT_ENV: str(number),
                LAUNCH_ID_ENV: launch_id}
     if plan.mode == "train":
         exports[RUN_DIR_ENV] = str(plan.run_dir.resolve())
@@ -120,6 +122,26 @@ def earlier_launches(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
     earlier = [a for a in attempts if isinstance(a, dict)]
     numbers = [a.get("launch", 0) for a in earlier]
     return earlier, max([n for n in numbers if isinstance(n, int)], default=-1) + 1
+
+
+def placement_of(recorded: dict[int, str] | None, hosts: list[Host], num_ranks: int) -> dict[int, str]:
+    """rank -> host-list name for an attempt: where the job recorded each rank ran (its host names matched to the
+    host list's by short name), else, when it recorded nothing (it failed before start-up), ranks filling each
+    host's slots in order (--map-by slot, srun's block). A recorded name that matches no host of the list (a
+    host list of IP addresses) cannot be mapped: then the slot order too."""
+    if recorded is not None:
+        mapped = {rank: next((h.name for h in hosts if same_host(h.name, name)), None) for rank, name in recorded.items()}
+        if not hosts:  # no host list: the launcher placed the ranks, and the job's names are the only ones
+            return dict(recorded)
+        if all(name is not None for name in mapped.values()):
+            return {rank: name for rank, name in mapped.items() if name is not None}
+    placement, rank = {}, 0
+    for host in hosts:
+        for _ in range(host.slots):
+            if rank < num_ranks:
+                placement[rank] = host.name
+                rank += 1
+    return placement
 
 
 def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
@@ -167,7 +189,8 @@ class Supervisor:
 
     @property
     def failure_file(self) -> Path:
-        return self.plan.run_dir / failure.FAILURE_FILE
+        """The directory of every rank's failure record and the job's placement (MPIDDP_FAILURE_FILE)."""
+        return self.plan.run_dir / failure.FAILURES_DIR
 
     def run(self) -> int:
         for signum in FORWARDED:
@@ -193,8 +216,8 @@ class Supervisor:
                 self._save()
                 say(f"attempt {number}: {attempt.message}; {attempt.decision}")
                 return EXIT_USER_ERROR
-            records = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
-            self._count_steps_lost(records)
+            metrics = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
+            self._count_steps_lost(metrics)
             if attempt.status == 0 or self.stop_signal:
                 attempt.decision = "finished" if attempt.status == 0 else (
                     f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched")
@@ -203,18 +226,16 @@ class Supervisor:
                 self._save()
                 say(f"attempt {number}: exit status {attempt.status}; {attempt.decision}")
                 return attempt.status or 0
-            record = failure.read(self.failure_file)
-            found = diagnose(attempt.status or 1, record, output)
-            progress_at = failure.last_progress_at(records, attempt.started_at, attempt.ended_at)
-            attempt.last_step_at = progress_at if progress_at is not None else record.time if record else None
-            if found.step is None:
-                found = Failure(**{**asdict(found), "step": last_logged_step(records)})
-            if found.hosts and not found.ranks:  # the launcher named the host only: its ranks follow from the placement
-                found = Failure(**{**asdict(found), "ranks": ranks_on(hosts_now, found.hosts)})
+            found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
+            progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
+            attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
             decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
-                              hosts_now, self.plan.min_np, self.plan.global_batch, strikes, self.plan.host_strikes)
+                              hosts_now, self.plan.min_np, self.plan.global_batch, strikes, self.plan.host_strikes,
+                              placement)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
+            attempt.ranks_recorded, attempt.witness_ranks = found.recorded, list(found.witnesses)
+            attempt.blamed_hosts = blamed(found, self.plan.hosts, hosts_now, placement)
             attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
             self._save()
             say(f"attempt {number} failed (exit status {attempt.status}): {found.kind} per the {found.source}"
@@ -224,6 +245,22 @@ class Supervisor:
             hosts_now, excluded, strikes = decision.hosts, decision.excluded, decision.strikes
             self.num_ranks = decision.num_ranks
         raise AssertionError("the policy stops once --max-restarts is spent")
+
+    def _diagnose(self, attempt: Attempt, output: str, hosts_now: list[Host],
+                  metrics: list[dict[str, Any]]) -> tuple[Failure, dict[int, str], list[failure.FailureRecord]]:
+        """(the failure, rank -> host of the attempt, every rank's record): from the records the job left, the
+        placement it recorded (else the slot order), and the launcher's evidence (mpiddp.launch.diagnose)."""
+        records = failure.read_all(self.failure_file)
+        num_ranks = attempt.num_ranks or self.num_ranks
+        placement = placement_of(failure.read_placement(self.failure_file), hosts_now, num_ranks)
+        found = diagnose(attempt.status or 1, records, output, num_ranks, placement)
+        if found.step is None:
+            found = Failure(**{**asdict(found), "step": last_logged_step(metrics)})
+        if found.hosts and not found.ranks and found.kind != "unreachable":
+            # the launcher named the host only: its ranks follow from the placement
+            ranks = tuple(r for r, name in placement.items() if any(same_host(name, h) for h in found.hosts))
+            found = Failure(**{**asdict(found), "ranks": ranks or ranks_on(hosts_now, found.hosts)})
+        return found, placement, records
 
     def _first_hosts(self) -> list[Host]:
         remaining = [h for h in self.plan.hosts if h.name not in self.plan.excluded]
@@ -235,10 +272,7 @@ class Supervisor:
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
                                 list(self.plan.inner), exports, excluded, self.plan.extra)
-        try:
-            self.failure_file.unlink()  # a record from an earlier attempt must not explain this one
-        except FileNotFoundError:
-            pass
+        failure.clear(self.failure_file)  # records from an earlier attempt must not explain this one
         (self.plan.run_dir / JOB_RECORD_FILE).unlink(missing_ok=True)  # nor an earlier job's record describe it
         attempt = Attempt(number, [h.name for h in hosts], command, time.time(), num_ranks=num_ranks,
                           excluded_hosts=list(excluded), launch=self.launch)
@@ -279,7 +313,7 @@ class Supervisor:
         """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
         until the launcher itself exits; then kill what is left of its session, so nothing of the attempt stays.
         (launcher's status, the last lines of its output)."""
-        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        tail = OutputKeeper(OUTPUT_TAIL_LINES)  # evidence lines wherever they appear, and the last lines
         done = threading.Event()
         relays = [threading.Thread(target=_relay, args=(path, target, tail, done), daemon=True)
                   for path, target in zip(paths, (sys.stdout, sys.stderr))]
@@ -291,7 +325,7 @@ class Supervisor:
         deadline = time.monotonic() + RELAY_DRAIN_S
         for relay in relays:
             relay.join(max(0.0, deadline - time.monotonic()))
-        return status, _joined(tail)
+        return status, "".join(tail)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = self.stop_signal or signum
@@ -329,7 +363,8 @@ class Supervisor:
         if self.plan.run_dir.resolve() == before.resolve():
             return
         say(f"training writes to {self.plan.run_dir} (its own flags): launch's records follow it there")
-        for name in (failure.FAILURE_FILE, JOB_RECORD_FILE):
+        for name in (failure.FAILURES_DIR, JOB_RECORD_FILE, *(path.name for path in before.glob("attempt*.out")),
+                     *(path.name for path in before.glob("attempt*.err"))):
             try:
                 os.replace(before / name, self.plan.run_dir / name)
             except OSError:  # none (no failure record: the job succeeded, or died without one)
@@ -366,8 +401,8 @@ def write_attempts(path: Path, attempts: list[Attempt], earlier: list[dict[str, 
     return True
 
 
-def _relay(path: Path, target: TextIO, tail: collections.deque[str], done: threading.Event) -> None:
-    """Pass the lines written to `path` on as they come, keeping the last ones (deque appends are thread-safe),
+def _relay(path: Path, target: TextIO, tail: OutputKeeper, done: threading.Event) -> None:
+    """Pass the lines written to `path` on as they come, keeping the evidence and the last ones (thread-safe),
     until `done` (the launcher exited) and the end of what was written."""
     pending = ""
     with path.open(encoding="utf-8", errors="replace") as source:
@@ -387,22 +422,13 @@ def _relay(path: Path, target: TextIO, tail: collections.deque[str], done: threa
                 time.sleep(RELAY_POLL_S)  # following a growing file: nothing new yet
 
 
-def _pass_on(line: str, target: TextIO, tail: collections.deque[str]) -> None:
+def _pass_on(line: str, target: TextIO, tail: OutputKeeper) -> None:
     try:
         target.write(line)
         target.flush()
     except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
         pass
     tail.append(line)
-
-
-def _joined(tail: collections.deque[str]) -> str:
-    """The tail's text. A relay that gave up late may still append one line while it is read: read again."""
-    while True:
-        try:
-            return "".join(tail)
-        except RuntimeError:  # deque mutated during iteration
-            continue
 
 
 def end_session(session: int) -> None:

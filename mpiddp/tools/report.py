@@ -111,7 +111,10 @@ def attempt_lines(data: dict[str, Any]) -> list[str]:
             ranks, blamed = attempt.get("failed_ranks") or [], attempt.get("failed_hosts") or []
             who = ([("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))] if ranks else []) + (
                 ["on " + ", ".join(blamed)] if blamed else [])
-            parts.append(f"{attempt['cause']} (exit status {attempt.get('status')}; {' '.join(who) or 'no host blamed'})")
+            recorded = attempt.get("ranks_recorded")
+            evidence = f"; {recorded} rank{'' if recorded == 1 else 's'} recorded" if recorded else ""
+            parts.append(f"{attempt['cause']} (exit status {attempt.get('status')}; {' '.join(who) or 'no host blamed'}"
+                         f"{evidence})")
             if attempt.get("failed_at_step") is not None:
                 parts.append(f" at step {attempt['failed_at_step']}")
             if attempt.get("steps_lost") is not None:

@@ -33,14 +33,19 @@ SCHEDULES = ("constant", "cosine", "step")
 AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 PROGRESS = ("auto", "on", "off")
-FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "signal", "signal-eval")
+FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "stall-data", "signal",
+               "signal-eval")
 ALL_RANKS = -1
+# the hang watchdog fires within one interval (at most 5 s) of --hang-timeout and records at once: a collective
+# timeout at least this much later (or a quarter more, for long timeouts) leaves it room on a loaded machine
+HANG_REPORT_MARGIN_S = 30.0
 
 
 @dataclass(frozen=True)
 class FaultInjection:
     """A deliberate failure for testing: `KIND:RANK:STEP`; KIND raise, exit0, exit1 or stall, kill (SIGKILL of the
-    rank's own process, only in a run that is not resumed, so a relaunch gets past it), or a straggler from
+    rank's own process, only in a run that is not resumed, so a relaunch gets past it), stall-data (blocked
+    forever loading the batch after step STEP, while the others wait in the all-reduce), or a straggler from
     STEP on: slow-data or slow-compute, or a stop drill: signal (SIGUSR1 to the rank's process group after step
     STEP; STEP 0: once the first batch is loaded) or signal-eval (the same in the evaluation at step STEP);
     RANK a number or `all`."""
@@ -244,6 +249,20 @@ class Config:
             raise ValueError("--grad-transport nccl needs GPUs: use --grad-transport gloo, mpi or auto with --device cpu")
         if not 0 < self.bucket_cap_mb <= 4096:
             raise ValueError(f"--bucket-cap-mb must be in (0, 4096], got {self.bucket_cap_mb:g}")
+
+    def ordered_timeouts(self) -> tuple[Config, str]:
+        """This config with --collective-timeout comfortably above --hang-timeout, and what was changed ('' for
+        nothing). A rank waiting for a stalled peer must not time out first: its timeout would blame itself (a
+        witness), where the hang watchdog, firing first, names the rank that stopped."""
+        if self.hang_timeout_s <= 0:
+            return self, ""
+        needed = self.hang_timeout_s + max(HANG_REPORT_MARGIN_S, self.hang_timeout_s / 4)
+        if self.collective_timeout_s >= needed:
+            return self, ""
+        return dataclasses.replace(self, collective_timeout_s=needed), (
+            f"--collective-timeout {self.collective_timeout_s:g} s raised to {needed:g} s, so the hang watchdog "
+            f"(--hang-timeout {self.hang_timeout_s:g} s) names a stalled rank before a collective times out on "
+            f"the ranks that wait for it")
 
     def for_world(self, world_size: int) -> Config:
         """With --global-batch: this config with the per-rank batch and accumulation that give exactly that many

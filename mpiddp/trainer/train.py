@@ -90,6 +90,8 @@ class Hooks:
     stop: StopRequest
     heartbeat: Callable[[str, int], None] = lambda phase, step: None
     save_clock: SaveClock = field(default_factory=SaveClock)
+    # where in a step this rank is (data, compute, communication), for the hang watchdog: not progress
+    phase: Callable[[str], None] = lambda phase: None
 
     def save_now(self, state: TrainState) -> None:
         """Collective: save a snapshot, whatever the reason; the time-based interval counts from here."""
@@ -182,7 +184,7 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, am
 
 def inject_fault(fault: FaultInjection | None, rank: int, step: int, resumed: bool = False) -> None:
     """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or fault.kind.startswith(("slow-", "signal")) or not fault.hits(rank, step) or \
+    if fault is None or fault.kind.startswith(("slow-", "signal", "stall-")) or not fault.hits(rank, step) or \
             (fault.kind == "kill" and resumed):
         return
     log.warning("injecting fault %r at step %d", fault.kind, step)
@@ -210,6 +212,19 @@ def straggle(fault: FaultInjection | None, rank: int, step: int, phase: str) -> 
     compute takes STRAGGLE_S longer, as a slow disk or a throttled GPU would."""
     if fault is not None and fault.kind == f"slow-{phase}" and fault.rank in (rank, ALL_RANKS) and step >= fault.step:
         time.sleep(STRAGGLE_S)
+    if fault is not None and fault.kind == f"stall-{phase}" and fault.hits(rank, step):
+        log.warning("injecting fault %r after step %d", fault.kind, step)
+        threading.Event().wait()  # block forever in this phase, as a loader stuck on a dead file server would
+
+
+def reached_collective(clock: StepClock, hooks: Hooks) -> Callable[[], None]:
+    """What the gradient hook calls as a bucket's all-reduce starts: the clock's end of compute, and the phase
+    the hang watchdog reads (a rank that never gets here holds up the others)."""
+    def ready() -> None:
+        clock.gradients_ready()
+        hooks.phase("communication")
+
+    return ready
 
 
 def step_record(window: Meter, dist: Dist, state: TrainState, epoch: int) -> dict[str, Any]:
@@ -242,7 +257,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     epoch_durations = StepDurations()
     clock = StepClock(device)
     if state.gradient_hook is not None:
-        state.gradient_hook.on_ready = clock.gradients_ready
+        state.gradient_hook.on_ready = reached_collective(clock, hooks)
 
     def account() -> None:
         """Read the clock (on a GPU this waits for the device: only where the loop syncs anyway)."""
@@ -256,6 +271,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     groups = micro_batch_groups(loaders.train, cfg.grad_accum)
     while True:
         clock.waiting_for_data()
+        hooks.phase("data")
         straggle(cfg.inject_fault, dist.rank, state.step, "data")
         group = next(groups, None)
         if group is None:
@@ -263,6 +279,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         if state.step == 0:  # start-up: the first batch is loaded, the loader's helpers are running
             stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
         clock.computing()
+        hooks.phase("compute")
         straggle(cfg.inject_fault, dist.rank, state.step, "compute")
         loss_sum, images = train_step(state, group, device, cfg.amp, memory_format)
         clock.step_done(images)
