@@ -13,12 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mpiddp import failure
+from mpiddp.contract import HELPER_PARENT_ENV, SUPERVISOR_ENV  # noqa: F401 - the names live in the contract
 from mpiddp.errors import EXIT_STOPPED
 
-SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of the supervisor; read by the job's topology only
 # The pid a loader's helper process must die with (mpiddp.job.helper_signals): the rank sets its own before its helpers
 # start (the fork and spawn methods' workers, the forkserver), the forkserver its own for the workers it forks.
-HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from mpiddp.contract import FAILURE_FILE_ENV, JOB_RECORD_ENV, LAUNCH_ID_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV
+from mpiddp.contract import (FAILURE_FILE_ENV, JOB_RECORD_ENV, LAUNCH_ID_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV,
+                             SUPERVISOR_ENV)
 from mpiddp.errors import UserError
 
 
@@ -206,7 +207,7 @@ def supervisor_settings(env: Mapping[str, str]) -> dict[str, str]:
 
 def supervisor_identity(env: Mapping[str, str]) -> str:
     """HOST:PID of the supervisor (`launch`) that started this job (MPIDDP_SUPERVISOR), '' when not supervised."""
-    return env.get("MPIDDP_SUPERVISOR", "")
+    return env.get(SUPERVISOR_ENV, "")
 
 
 def mpi_library_version() -> str:

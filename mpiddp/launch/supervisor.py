@@ -295,7 +295,9 @@ class Supervisor:
 
     def _output_paths(self, number: int) -> tuple[Path, Path]:
         """Where attempt `number`'s launcher writes its stdout and stderr."""
-        return self.plan.run_dir / f"attempt{number}.out", self.plan.run_dir / f"attempt{number}.err"
+        # a requeue or a resubmission in the same run dir (launch 1, 2, ...) keeps the earlier launches' output
+        stem = f"attempt{number}" if self.launch == 0 else f"launch{self.launch}-attempt{number}"
+        return self.plan.run_dir / f"{stem}.out", self.plan.run_dir / f"{stem}.err"
 
     def _start(self, command: list[str], env: dict[str, str], number: int) -> subprocess.Popen[bytes]:
         """Start the launcher. Its own session: a Ctrl-C in the terminal (or its hang-up) reaches the supervisor
@@ -363,8 +365,8 @@ class Supervisor:
         if self.plan.run_dir.resolve() == before.resolve():
             return
         say(f"training writes to {self.plan.run_dir} (its own flags): launch's records follow it there")
-        for name in (failure.FAILURES_DIR, JOB_RECORD_FILE, *(path.name for path in before.glob("attempt*.out")),
-                     *(path.name for path in before.glob("attempt*.err"))):
+        for name in (failure.FAILURES_DIR, JOB_RECORD_FILE, *(path.name for path in before.glob("*attempt*.out")),
+                     *(path.name for path in before.glob("*attempt*.err"))):
             try:
                 os.replace(before / name, self.plan.run_dir / name)
             except OSError:  # none (no failure record: the job succeeded, or died without one)
