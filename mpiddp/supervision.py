@@ -80,7 +80,7 @@ def record_supervisor_death(run_dir: Path, records: Path, rank: int, supervisor:
     """The job stopped because its supervisor died: say so in this rank's failure record (in `records`), and complete the supervisor's
     last attempt in attempts.json (it stays `status: null` otherwise), so that the run dir tells what happened."""
     message = (f"the supervisor (python -m mpiddp launch, {supervisor}) died; the job stopped at step {step} with "
-               f"a snapshot. Rerun the same launch command: it resumes from the snapshot")
+               f"a snapshot. Launch it again with --resume in the training flags to continue from it")
     failure.write_rank(records, rank, failure.FailureRecord("stopped", [], [], message, step=step, rank=rank, status=3))
     complete_last_attempt(run_dir / failure.ATTEMPTS_FILE, message, step)
 
@@ -96,7 +96,7 @@ def complete_last_attempt(path: Path, message: str, step: int) -> bool:
     if not isinstance(last, dict) or last.get("status") is not None:
         return False
     last.update(status=EXIT_STOPPED, ended_at=time.time(), cause="stopped", cause_source="job", message=message,
-                failed_at_step=step, decision="the supervisor died: not relaunched; rerun the same launch command")
+                failed_at_step=step, decision="the supervisor died: not relaunched; launch again with --resume")
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         temporary.write_text(json.dumps(data, indent=1) + "\n")

@@ -112,8 +112,11 @@ def note_supervisor_death(topo: Topology, run_dir: Path, step: int) -> bool:
         return False
     path = records_dir(topo.failure_file, run_dir)
     assert path is not None  # a run dir is given
-    supervision.record_supervisor_death(run_dir, path, topo.rank, f"pid {found[1]} on {found[0]}", step)
-    log.warning("the supervisor (pid %d on %s) died: recorded in %s; rerun the same launch command to resume",
+    # where launch keeps its records (attempts.json): its own run dir, which the job's own --run-dir may differ from,
+    # and the dead supervisor can no longer move them to the job's
+    launch_dir = Path(topo.launch_run_dir) if topo.launch_run_dir else run_dir
+    supervision.record_supervisor_death(launch_dir, path, topo.rank, f"pid {found[1]} on {found[0]}", step)
+    log.warning("the supervisor (pid %d on %s) died: recorded in %s; launch again with --resume to continue",
                 found[1], found[0], path)
     return True
 

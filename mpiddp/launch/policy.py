@@ -10,7 +10,7 @@ from mpiddp.launch.hosts import Host, HostListError, place
 
 NEVER_RETRIED = {"user_error": "a user error (exit 2, or the same exit on every rank before any progress) fails the "
                                "same way again: fix it and launch again",
-                 "stopped": "a graceful stop (exit 3) or interrupt: continue with the same launch command"}
+                 "stopped": "a graceful stop (exit 3) or interrupt: continue with --resume (a Slurm requeue resumes by itself)"}
 
 
 @dataclass(frozen=True)
