@@ -6,9 +6,9 @@ script requeues)."""
 
 import sys
 
-from mpiddp.job.stopping import early_request
+from mpiddp.trainer.early import install_stop
 
-stop = early_request(sys.argv[1:])
+stop = install_stop(sys.argv[1:])
 
 from mpiddp.main import main_cli  # noqa: E402  (after the handlers, on purpose)
 

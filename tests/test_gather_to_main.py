@@ -49,7 +49,7 @@ def test_the_epoch_records_rank_times_are_gathered_to_rank_0_only():
 
 
 def test_summarise_gathers_to_rank_0_which_alone_gets_the_summary():
-    from mpiddp.main import summarise
+    from mpiddp.trainer.run import summarise
 
     loaders = SimpleNamespace(num_train=16, num_eval=4)
     outcome = TrainOutcome([], RankTiming(0))

@@ -295,7 +295,7 @@ def test_launch_passes_the_job_flags_through_unread(tmp_path, flags):
 def test_the_jobs_own_run_dir_flag_wins_over_launchs(tmp_path):
     from types import SimpleNamespace
 
-    from mpiddp.main import launch_run_dir
+    from mpiddp.trainer.run import launch_run_dir
     from mpiddp.trainer.config import parse_args
 
     topo = SimpleNamespace(launch_run_dir=str(tmp_path / "launch"))

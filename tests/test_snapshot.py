@@ -115,7 +115,7 @@ def first_job(tmp_path, batches_done=0, **settings):
 
 
 def resumed_job(tmp_path, cfg):
-    from mpiddp.main import resume
+    from mpiddp.trainer.run import resume
 
     state = build_state(cfg, solo_dist(), 10, 1, batches_per_epoch=batches_per_epoch(cfg))
     assert resume(cfg, solo_dist(), state, tmp_path) is not None

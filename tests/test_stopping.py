@@ -60,9 +60,9 @@ def test_python_m_mpiddp_installs_the_stop_handlers_before_any_heavy_import():
     import sys
 
     # What `python -m mpiddp` runs before its first line, and that line: no numpy, torch or MPI may load first.
-    probe = ("import signal, sys; from mpiddp.job.stopping import early_request; "
-             "stop = early_request(['--epochs', '1']); "
+    probe = ("import signal, sys; from mpiddp.trainer.early import install_stop; "
+             "stop = install_stop(['--epochs', '1']); "
              "print(sorted(m for m in ('numpy', 'torch', 'mpi4py') if m in sys.modules), "
-             "signal.getsignal(signal.SIGTERM) == stop._handle, early_request(['launch', '-np', '2']))")
+             "signal.getsignal(signal.SIGTERM) == stop._handle, install_stop(['launch', '-np', '2']))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["[]", "True", "None"], out

@@ -349,6 +349,12 @@ def script_progress() -> tuple[int | None, bool]:
     return None, tdist.is_available() and tdist.is_initialized()
 
 
+def main(args: list[str]) -> int:
+    """`python -m mpiddp run ...`: the user's script on every rank, any failure ending the whole job."""
+    with FailFast() as guard:
+        return run_script(args, guard)
+
+
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
     from mpiddp.job import api

@@ -17,7 +17,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from mpiddp.commands import split_command
 from mpiddp import supervision
 from mpiddp.failure import records_dir
 from mpiddp.job.helper_signals import STOP_SIGNALS
@@ -93,13 +92,6 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         elif self.interrupts < INTERRUPTS_TO_ABORT - 1:  # SIG_IGN, unlike a Python handler, outlives Python's
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # finalization, where MPI_Finalize still runs
-
-
-def early_request(args: list[str]) -> StopRequest | None:
-    """For `python -m mpiddp ARGS`, before anything heavy is imported: training's stop request, installed now;
-    None for the other commands (`run`'s script owns its signals; `launch` has its own)."""
-    command, _ = split_command(args)
-    return StopRequest().install() if command == "train" else None
 
 
 def note_supervisor_death(topo: Topology, run_dir: Path, step: int) -> bool:
