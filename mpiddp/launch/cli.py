@@ -11,11 +11,10 @@ from pathlib import Path
 
 from mpiddp.launch.command import LAUNCHERS, choose_launcher, find_program, mpi_flavour, version_text
 from mpiddp.launch.hosts import HostListError, discover, place
-from mpiddp.errors import UserError
+from mpiddp.errors import EXIT_USER_ERROR, UserError
 from mpiddp.launch.supervisor import Plan, Supervisor, say
 from mpiddp.runname import DEFAULT_RUNS_ROOT, new_timestamped_dir
 
-EXIT_USER_ERROR = 2
 USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] "
          "[--host-strikes 1] [--exclude HOST,...] "
          "[--launcher auto|mpirun|mpiexec|srun] -- TRAINING FLAGS | run SCRIPT ARGS")

@@ -32,9 +32,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from mpiddp.errors import EXIT_HANG, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USER_ERROR  # noqa: F401 - re-exported
 from mpiddp.failure import FailureRecord
 
-EXIT_USER_ERROR, EXIT_STOPPED, EXIT_HANG, EXIT_INTERRUPTED = 2, 3, 4, 130  # as mpiddp.job.failfast (a job module)
 
 # Open MPI 5: "prterun noticed that process rank 1 with PID 1234 on node nodeb exited on signal 9 (Killed)."
 OPENMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?)\.? exited on\s+signal (\d+)")
