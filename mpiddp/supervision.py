@@ -20,6 +20,8 @@ SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of the supervisor; read by the 
 # start (the fork and spawn methods' workers, the forkserver), the forkserver its own for the workers it forks.
 HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# The decision in attempts.json of an attempt whose supervisor died (the job writes it): the next launch continues it.
+SUPERVISOR_DIED = "the supervisor died: not relaunched; rerun the same launch command"
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -97,7 +99,7 @@ def complete_last_attempt(path: Path, message: str, step: int) -> bool:
     if not isinstance(last, dict) or last.get("status") is not None:
         return False
     last.update(status=EXIT_STOPPED, ended_at=time.time(), cause="stopped", cause_source="job", message=message,
-                failed_at_step=step, decision="the supervisor died: not relaunched; rerun the same launch command")
+                failed_at_step=step, decision=SUPERVISOR_DIED)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         temporary.write_text(json.dumps(data, indent=1) + "\n")
@@ -105,3 +107,17 @@ def complete_last_attempt(path: Path, message: str, step: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def stopped_by_supervisor_death(run_dir: Path) -> bool:
+    """Whether the last finished attempt in `run_dir`'s attempts.json stopped because its supervisor died. The job
+    told the user to rerun the same launch command to resume; that command names no --resume, so the new launch's
+    first attempt must resume by itself, as a requeue does (else it refuses the snapshots as an earlier job's).
+    This launch's own attempt, listed as it starts, has no status yet and is passed over."""
+    try:
+        attempts = json.loads((run_dir / failure.ATTEMPTS_FILE).read_text())["attempts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    finished = [a for a in attempts if isinstance(a, dict) and a.get("status") is not None] \
+        if isinstance(attempts, list) else []
+    return bool(finished) and finished[-1].get("decision") == SUPERVISOR_DIED

@@ -659,3 +659,22 @@ def test_a_dead_supervisor_s_last_attempt_is_completed_once_and_the_record_says_
     assert "supervisor died" in last["decision"]
     # an attempt the supervisor completed itself is left alone
     assert not supervision.complete_last_attempt(tmp_path / "attempts.json", "again", 50)
+
+
+def test_a_launch_rerun_after_its_supervisor_died_resumes_by_itself(tmp_path):
+    """The dead supervisor's record says "rerun the same launch command": that command names no --resume, so the
+    job reads from attempts.json that it continues a stopped run (before: it refused the snapshots, exit 2)."""
+    from mpiddp import supervision
+
+    path = tmp_path / "attempts.json"
+    assert not supervision.stopped_by_supervisor_death(tmp_path)  # no attempts.json: a fresh run
+    write_attempts(path, [Attempt(0, ["a"], ["mpirun"], 1.0)])
+    supervision.record_supervisor_death(tmp_path, tmp_path / "failures", 0, "pid 7 on a", 42)
+    assert supervision.stopped_by_supervisor_death(tmp_path)
+    # the rerun's own attempt, listed as it starts (no status yet), is passed over
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "attempts": [*data["attempts"], {"status": None, "decision": ""}]}))
+    assert supervision.stopped_by_supervisor_death(tmp_path)
+    # once an attempt after it finished, the run goes on as usual
+    path.write_text(json.dumps({**data, "attempts": [*data["attempts"], {"status": 0, "decision": "finished"}]}))
+    assert not supervision.stopped_by_supervisor_death(tmp_path)
