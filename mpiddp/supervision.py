@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mpiddp import failure
+from mpiddp.contract import JOB_RECORD_FILE, write_text_atomic
 from mpiddp.errors import EXIT_STOPPED
 
 SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of the supervisor; read by the job's topology only
@@ -121,3 +122,53 @@ def stopped_by_supervisor_death(run_dir: Path) -> bool:
     finished = [a for a in attempts if isinstance(a, dict) and a.get("status") is not None] \
         if isinstance(attempts, list) else []
     return bool(finished) and finished[-1].get("decision") == SUPERVISOR_DIED
+
+
+def move_records(before: Path, after: Path) -> None:
+    """Move launch's records of the attempt from its own run dir `before` to the job's `after` (the job's flags
+    named another): every file of failures/, the job record, the attempts' output. File by file: `after` may
+    hold a failures/ of an earlier launch already, which a whole directory cannot replace (os.replace then
+    failed, and this attempt's records stayed behind, unread). Those earlier records no longer describe it."""
+    records, target = before / failure.FAILURES_DIR, after / failure.FAILURES_DIR
+    outputs = [path.name for pattern in ("attempt*.out", "attempt*.err") for path in before.glob(pattern)]
+    moves = [(before / name, after / name) for name in (JOB_RECORD_FILE, *outputs)]
+    if records.is_dir():
+        failure.clear(target)
+        target.mkdir(parents=True, exist_ok=True)
+        moves += [(path, target / path.name) for path in records.iterdir()]
+    for source, destination in moves:
+        try:
+            os.replace(source, destination)
+        except OSError:  # none there (no failure record: the job succeeded, or died without one)
+            pass
+    try:
+        records.rmdir()
+    except OSError:
+        pass
+
+
+def adopt_launch_records(launch_dir: Path, run_dir: Path) -> None:
+    """After its supervisor died, a job whose flags named another run dir than launch's does what the supervisor
+    did after each attempt: moves launch's records into its own run dir, and lists this launch's attempts after
+    the earlier launches' in its attempts.json (so that the same launch command, rerun, finds them)."""
+    if launch_dir.resolve() == run_dir.resolve():
+        return
+    move_records(launch_dir, run_dir)
+    ours, theirs = launch_dir / failure.ATTEMPTS_FILE, run_dir / failure.ATTEMPTS_FILE
+    try:
+        data = json.loads(ours.read_text())
+        attempts = [a for a in data["attempts"] if isinstance(a, dict)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    try:
+        earlier = [a for a in json.loads(theirs.read_text())["attempts"] if isinstance(a, dict)]
+    except (OSError, ValueError, KeyError, TypeError):
+        earlier = []
+    launch = max([a.get("launch", 0) for a in earlier if isinstance(a.get("launch", 0), int)], default=-1) + 1
+    listed = [*earlier, *({**a, "launch": launch} for a in attempts)]
+    try:
+        write_text_atomic(theirs, json.dumps({**data, "restarts": max(0, len(listed) - 1), "attempts": listed},
+                                             indent=1) + "\n")
+        ours.unlink()
+    except OSError:
+        pass

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from mpiddp.commands import split_command
 from mpiddp import supervision
-from mpiddp.failure import records_dir
+from mpiddp.failure import FAILURES_DIR, records_dir
 from mpiddp.job.helper_signals import STOP_SIGNALS
 from mpiddp.job.topology import supervisor_identity
 
@@ -112,6 +112,9 @@ def note_supervisor_death(topo: Topology, run_dir: Path, step: int) -> bool:
         return False
     path = records_dir(topo.failure_file, run_dir)
     assert path is not None  # a run dir is given
+    if topo.failure_file:  # launch's records are still in its own run dir: nobody else is left to move them
+        supervision.adopt_launch_records(Path(topo.failure_file).parent, run_dir)
+        path = run_dir / FAILURES_DIR
     supervision.record_supervisor_death(run_dir, path, topo.rank, f"pid {found[1]} on {found[0]}", step)
     log.warning("the supervisor (pid %d on %s) died: recorded in %s; rerun the same launch command to resume",
                 found[1], found[0], path)
