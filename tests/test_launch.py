@@ -659,3 +659,55 @@ def test_a_dead_supervisor_s_last_attempt_is_completed_once_and_the_record_says_
     assert "supervisor died" in last["decision"]
     # an attempt the supervisor completed itself is left alone
     assert not supervision.complete_last_attempt(tmp_path / "attempts.json", "again", 50)
+
+
+def test_a_launch_rerun_after_its_supervisor_died_resumes_by_itself(tmp_path):
+    """The dead supervisor's record says "rerun the same launch command": that command names no --resume, so the
+    job reads from attempts.json that it continues a stopped run (before: it refused the snapshots, exit 2)."""
+    from mpiddp import supervision
+
+    path = tmp_path / "attempts.json"
+    assert not supervision.stopped_by_supervisor_death(tmp_path)  # no attempts.json: a fresh run
+    write_attempts(path, [Attempt(0, ["a"], ["mpirun"], 1.0)])
+    supervision.record_supervisor_death(tmp_path, tmp_path / "failures", 0, "pid 7 on a", 42)
+    assert supervision.stopped_by_supervisor_death(tmp_path)
+    # the rerun's own attempt, listed as it starts (no status yet), is passed over
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "attempts": [*data["attempts"], {"status": None, "decision": ""}]}))
+    assert supervision.stopped_by_supervisor_death(tmp_path)
+    # once an attempt after it finished, the run goes on as usual
+    path.write_text(json.dumps({**data, "attempts": [*data["attempts"], {"status": 0, "decision": "finished"}]}))
+    assert not supervision.stopped_by_supervisor_death(tmp_path)
+
+
+def test_records_follow_the_job_into_a_run_dir_an_earlier_launch_left_records_in(tmp_path):
+    """The job's own --run-dir already holds failures/ of an earlier launch: this attempt's records still move
+    there (a whole directory could not replace it, and they stayed behind unread), the stale ones go."""
+    from mpiddp import failure, supervision
+
+    before, after = tmp_path / "launch", tmp_path / "job"
+    failure.write_rank(after / failure.FAILURES_DIR, 1, failure.FailureRecord("killed", [1], ["old"], "earlier", rank=1))
+    failure.write_rank(before / failure.FAILURES_DIR, 0, failure.FailureRecord("exception", [0], ["a"], "now", rank=0))
+    (before / "attempt0.out").write_text("out")
+    supervision.move_records(before, after)
+    assert [r.message for r in failure.read_all(after / failure.FAILURES_DIR)] == ["now"]
+    assert (after / "attempt0.out").read_text() == "out" and not (before / failure.FAILURES_DIR).exists()
+
+
+def test_a_job_whose_supervisor_died_lists_its_launch_after_the_earlier_ones_in_its_run_dir(tmp_path):
+    """Launch's records wait in launch's own run dir until the attempt ends; a dead supervisor never moves them,
+    so the job does, or its run dir says nothing and a rerun of the same command cannot resume."""
+    from mpiddp import failure, supervision
+
+    before, after = tmp_path / "launch", tmp_path / "job"
+    before.mkdir()
+    after.mkdir()
+    write_attempts(after / "attempts.json", [Attempt(0, ["a"], ["mpirun"], 1.0, status=0)])
+    write_attempts(before / "attempts.json", [Attempt(0, ["a"], ["mpirun"], 2.0)])
+    failure.write_placement(before / failure.FAILURES_DIR, [("a", [0, 1])])
+    supervision.adopt_launch_records(before, after)
+    supervision.record_supervisor_death(after, after / failure.FAILURES_DIR, 0, "pid 7 on a", 42)
+    data = json.loads((after / "attempts.json").read_text())
+    assert [(a["launch"], a["status"]) for a in data["attempts"]] == [(0, 0), (1, 3)] and data["restarts"] == 1
+    assert failure.read_placement(after / failure.FAILURES_DIR) and not (before / "attempts.json").exists()
+    assert supervision.stopped_by_supervisor_death(after)

@@ -327,13 +327,18 @@ def test_the_same_crash_on_every_rank_blames_no_host_on_fake_hosts(hosts, tmp_pa
     assert sorted(p.name for p in (run_dir / "failures").iterdir()) == ["placement.json", "rank-0.json", "rank-1.json"]
 
 
+def refusing_transport(hosts, path, refused):
+    """The fake hosts' transport flags, with an agent for which ssh to host `refused` is refused, as for a host
+    that is down."""
+    path.write_text(hosts.agent.read_text().replace('host="$1"; shift\n', f'host="$1"; shift\nif [ "$host" = {refused} ]; '
+                    f'then echo "ssh: connect to host {refused} port 22: Connection refused" >&2; exit 255; fi\n'))
+    path.chmod(0o755)
+    return " ".join(hosts.transport_args()).replace(str(hosts.agent), str(path))
+
+
 def test_a_host_the_launcher_cannot_reach_is_left_out_for_the_spare(hosts, tmp_path):
     run_dir = tmp_path / "run"
-    agent = tmp_path / "refusing-agent.sh"  # ssh to nodeb is refused, as for a host that is down
-    agent.write_text(hosts.agent.read_text().replace('host="$1"; shift\n', 'host="$1"; shift\nif [ "$host" = nodeb ]; '
-                     'then echo "ssh: connect to host nodeb port 22: Connection refused" >&2; exit 255; fi\n'))
-    agent.chmod(0o755)
-    transport = " ".join(hosts.transport_args()).replace(str(hosts.agent), str(agent))
+    transport = refusing_transport(hosts, tmp_path / "refusing-agent.sh", "nodeb")
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
                              "--launcher-args", transport, "--", "--run-dir", str(run_dir), "--epochs", "1", *FAST)
     env = job_env()

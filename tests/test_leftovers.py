@@ -97,9 +97,9 @@ def test_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_record_says_w
 
     run_dir = tmp_path / "run"
     env, mark = marked_env()
-    launch = [sys.executable, "-m", "mpiddp", "launch", "-np", "2", "--run-dir", str(run_dir), "--"]
+    launch = [sys.executable, "-m", "mpiddp", "launch", "-np", "2", "--"]
     # Quiet: the launcher has nothing to write to its dead supervisor's pipes, so only being told stops it.
-    flags = ("--no-progress", "--wandb", "disabled", "--log-every", "1000",
+    flags = ("--run-dir", str(run_dir), "--no-progress", "--wandb", "disabled", "--log-every", "1000",
              "--log-level", "warning")
     with (tmp_path / "launch.log").open("w") as log:
         supervisor = subprocess.Popen([*launch, *flags, "--epochs", "100"], cwd=REPO, env=env,
@@ -123,7 +123,7 @@ def test_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_record_says_w
     (found,) = [r for r in failure.read_all(run_dir / failure.FAILURES_DIR) if "supervisor" in r.message]
     record = {"kind": found.kind, "message": found.message, "step": found.step}
     assert record["kind"] == "stopped" and "supervisor" in record["message"], record
-    assert "launch it again with --resume" in record["message"].lower()
+    assert "rerun the same launch command" in record["message"].lower()
     last = json.loads((run_dir / "attempts.json").read_text())["attempts"][-1]
     assert last["status"] == 3 and "supervisor died" in last["decision"], last
     assert last["failed_at_step"] == record["step"]

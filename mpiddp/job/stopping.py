@@ -18,7 +18,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from mpiddp import supervision
-from mpiddp.failure import records_dir
+from mpiddp.failure import FAILURES_DIR, records_dir
 from mpiddp.job.helper_signals import STOP_SIGNALS
 from mpiddp.job.topology import supervisor_identity
 
@@ -104,11 +104,11 @@ def note_supervisor_death(topo: Topology, run_dir: Path, step: int) -> bool:
         return False
     path = records_dir(topo.failure_file, run_dir)
     assert path is not None  # a run dir is given
-    # where launch keeps its records (attempts.json): its own run dir, which the job's own --run-dir may differ from,
-    # and the dead supervisor can no longer move them to the job's
-    launch_dir = Path(topo.launch_run_dir) if topo.launch_run_dir else run_dir
-    supervision.record_supervisor_death(launch_dir, path, topo.rank, f"pid {found[1]} on {found[0]}", step)
-    log.warning("the supervisor (pid %d on %s) died: recorded in %s; launch again with --resume to continue",
+    if topo.failure_file:  # launch's records are still in its own run dir: nobody else is left to move them
+        supervision.adopt_launch_records(Path(topo.failure_file).parent, run_dir)
+        path = run_dir / FAILURES_DIR
+    supervision.record_supervisor_death(run_dir, path, topo.rank, f"pid {found[1]} on {found[0]}", step)
+    log.warning("the supervisor (pid %d on %s) died: recorded in %s; rerun the same launch command to resume",
                 found[1], found[0], path)
     return True
 

@@ -365,12 +365,7 @@ class Supervisor:
         if self.plan.run_dir.resolve() == before.resolve():
             return
         say(f"training writes to {self.plan.run_dir} (its own flags): launch's records follow it there")
-        for name in (failure.FAILURES_DIR, JOB_RECORD_FILE, *(path.name for path in before.glob("*attempt*.out")),
-                     *(path.name for path in before.glob("*attempt*.err"))):
-            try:
-                os.replace(before / name, self.plan.run_dir / name)
-            except OSError:  # none (no failure record: the job succeeded, or died without one)
-                pass
+        supervision.move_records(before, self.plan.run_dir)
         self.earlier, self.launch = earlier_launches(self.plan.run_dir)
         for attempt in self.attempts:
             attempt.launch = self.launch

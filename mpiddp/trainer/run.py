@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpiddp import failure
+from mpiddp import failure, supervision
 from mpiddp.contract import JobRecord, default_checkpoint_dir, write_job_record
 from mpiddp.errors import UserError
 from mpiddp.failure import read_attempts
@@ -56,12 +56,14 @@ def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
     return build_loaders(cfg, datasets, dist), datasets.channels
 
 
-def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[Path, Any] | None:
+def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path,
+           mode: str | None = None) -> tuple[Path, Any] | None:
     """Collective: with --resume (or in a job the scheduler requeued), put the snapshot back into `state` on
-    every rank; settings that cannot continue the run stop every rank, the others are listed."""
+    every rank; settings that cannot continue the run stop every rank, the others are listed. `mode`: what
+    resume_mode answered (`run` asks it once), else the flags' and the restart count's answer."""
     from mpiddp.trainer import checkpoint
 
-    mode = resume_mode(cfg, dist)
+    mode = mode or resume_mode(cfg, dist)
     if mode is None:
         return None
     # A relaunch of a rollback (`--resume PATH`): the newest snapshot this launch saved since, else PATH again.
@@ -95,13 +97,19 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path) -> tuple[P
     return restored
 
 
-def resume_mode(cfg: Config, dist: Dist) -> str | None:
+def resume_mode(cfg: Config, dist: Dist, run_dir: Path | None = None) -> str | None:
     """'auto', a snapshot path, or None (a fresh run). A requeued or relaunched job resumes by itself: with the
-    user's snapshot path, `checkpoint.restore` prefers what this launch has saved since."""
+    user's snapshot path, `checkpoint.restore` prefers what this launch has saved since. Collective when
+    `run_dir` is given under `launch`: so does the first attempt of a launch rerun after its supervisor died."""
     if cfg.resume:
         return cfg.resume
     if dist.topology.restarts > 0:
         log.info("the scheduler requeued this job (restart %d): resuming from the newest snapshot", dist.topology.restarts)
+        return "auto"
+    # The dead supervisor's record told the user to rerun the same launch command, which names no --resume.
+    if run_dir is not None and dist.topology.launch_id and \
+            dist.from_main(lambda: supervision.stopped_by_supervisor_death(run_dir)):
+        log.info("the last attempt in %s stopped when its supervisor died: resuming from the newest snapshot", run_dir)
         return "auto"
     return None
 
@@ -151,13 +159,14 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     startup.mark("process_group")
     (job_started_at,) = dist.reduce([startup.started_at], "min")
     checkpoint_dir = checkpoint_dir_of(cfg, run_dir)
-    if resume_mode(cfg, dist) is None:  # before anything is loaded or written
+    mode = resume_mode(cfg, dist, run_dir)
+    if mode is None:  # before anything is loaded or written
         dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
     configure_torch(cfg)
     loaders, channels = load_data(cfg, dist)
     startup.mark("data")
     state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
-    restored = resume(cfg, dist, state, checkpoint_dir)
+    restored = resume(cfg, dist, state, checkpoint_dir, mode)
     resumed_at_step = state.step
     startup.mark("model")
     if state.epoch >= cfg.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
