@@ -210,3 +210,62 @@ def test_a_failing_rank_records_first_and_waits_briefly_for_its_peers_records_be
     dead.set_run_dir(tmp_path / "dead")
     dead.tally = lambda amount: (_ for _ in ()).throw(ConnectionError("store gone"))  # rank 0 died with the store
     assert fail(dead, RuntimeError("boom")) == 1 and len(read_all(tmp_path / "dead" / FAILURES_DIR)) == 1
+
+
+def test_a_ranks_own_timeout_is_not_a_witness_but_a_collective_timeout_is():
+    """Only a wait for a peer makes a witness: a GPU's "the launch timed out" or a loader's own timeout is the
+    raising rank's fault (found by an outside review: the broad "timed out" hid the culprit)."""
+    from mpiddp.failure import FailureRecord
+    from mpiddp.launch.diagnose import lost_peer
+
+    def record(message):
+        return FailureRecord("exception", [1], ["nodeb"], message)
+
+    assert not lost_peer(record("RuntimeError: CUDA error: the launch timed out and was terminated"))
+    assert not lost_peer(record("RuntimeError: DataLoader timed out after 60 seconds"))
+    assert lost_peer(record("DistBackendError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms "
+                            "for recv operation to complete"))
+    assert lost_peer(record("RuntimeError: [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(...)"))
+
+
+def test_a_store_that_stops_answering_names_rank_0_and_ends_the_job(tmp_path):
+    """Rank 0 stopped (SIGSTOP) or wedged: the store in its process stops answering, and every other rank's
+    watchdog used to end quietly, leaving the job waiting forever (found by an outside review). Now the watchdog
+    names rank 0 in its record and ends the job with the hang status."""
+    from mpiddp import failure
+    from mpiddp.errors import EXIT_HANG
+    from mpiddp.job.watchdog import Watchdog
+
+    class SilentStore:
+        def __getattr__(self, name):
+            def request(*args, **kwargs):
+                raise RuntimeError("Socket Timeout")
+            return request
+
+    aborted = []
+    watchdog = Watchdog(60.0, 1, 2, "rank 1/2", SilentStore(), aborted.append, {0: "nodea", 1: "nodeb"},
+                        tmp_path / "failures", tmp_path)
+    watchdog.interval = 0.01
+    watchdog.start()
+    watchdog.thread.join(30)
+    assert aborted == [EXIT_HANG]
+    (record,) = failure.read_all(tmp_path / "failures")
+    assert (record.kind, record.ranks, record.hosts) == ("hang", [0], ["nodea"])
+
+
+def test_a_store_closed_at_the_end_of_the_job_is_no_hang(tmp_path):
+    from mpiddp.job.watchdog import Watchdog
+
+    class ClosedStore:
+        def __getattr__(self, name):
+            def request(*args, **kwargs):
+                raise RuntimeError("Connection reset by peer")
+            return request
+
+    aborted = []
+    watchdog = Watchdog(60.0, 1, 2, "rank 1/2", ClosedStore(), aborted.append, {0: "nodea"}, tmp_path / "failures",
+                        tmp_path)
+    watchdog.interval = 0.01
+    watchdog.start()
+    watchdog.thread.join(30)
+    assert aborted == [] and not (tmp_path / "failures").exists()

@@ -304,6 +304,15 @@ def test_the_jobs_own_run_dir_flag_wins_over_launchs(tmp_path):
     assert launch_run_dir(parse_args([]), topo) == str(tmp_path / "launch")
     assert launch_run_dir(parse_args(["--runs-r", "elsewhere"]), topo) is None  # a new directory under it
     assert launch_run_dir(parse_args([]), SimpleNamespace(launch_run_dir="")) is None  # not under launch
+    # a relaunch is told the directory the first attempt made under --runs-root, and keeps it (found by an outside
+    # review: each attempt made a new one and started from scratch)
+    followed = SimpleNamespace(launch_run_dir=str(tmp_path / "root" / "20261124-040400"))
+    assert launch_run_dir(parse_args(["--runs-root", str(tmp_path / "root")]), followed) == followed.launch_run_dir
+
+
+def test_a_run_dir_launch_cannot_write_in_is_one_line_before_any_attempt():
+    with pytest.raises(LaunchError, match="cannot write in the run directory /proc"):
+        make_plan(["-np", "1", "--run-dir", "/proc", "--", "--epochs", "1"], {})
 
 
 def test_the_global_batch_of_a_shrunk_relaunch_comes_from_the_environment(monkeypatch):

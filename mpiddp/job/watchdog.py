@@ -12,6 +12,7 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -34,6 +35,9 @@ GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their
 REQUEST_KEY = "mpiddp/hang-request"  # set by the rank that writes the hang file: every watchdog answers
 STACKS_COUNT_KEY = "mpiddp/stacks-given"  # how many ranks have put their stacks in the store
 REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advance the clock, publish, look for a request
+# A store request that timed out (torch: "Socket Timeout", "wait timeout"), unlike one refused or reset after the
+# store closed at the end of the job
+STORE_UNANSWERED = re.compile(r"time(d)? ?out", re.IGNORECASE)
 READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight-recorder dumps
 # The phases of a training step, in the order a rank goes through them: waiting for its loader, computing, then in
 # the gradient all-reduce (it waits there for every other rank). At one step, a rank in an earlier phase than the
@@ -117,13 +121,27 @@ class Watchdog:
             try:
                 self._publish()
                 asked = not self.answered and self.store.check([REQUEST_KEY])
-            except Exception:  # the store is gone: the job is ending anyway
-                return
+            except Exception as exc:
+                if not self.stopped.is_set() and STORE_UNANSWERED.search(str(exc)):
+                    self._store_unanswered(exc)
+                return  # else the store is gone (closed at the end): the job is ending anyway
             if time.monotonic() - self.last_beat > self.timeout_s:
                 self._fire()
                 return
             if asked:  # another rank's watchdog fired: give it this rank's stacks and dump, and keep watching
                 self._answer()
+
+    def _store_unanswered(self, exc: BaseException) -> None:
+        """Rank 0's store (in rank 0's process) stopped answering while the job runs: rank 0 is stopped or wedged,
+        and nothing can be gathered through the store. Name rank 0 as behind, in this rank's record, and end the
+        job, rather than leave every other rank waiting on it forever."""
+        where = self.host_of_rank.get(0, "?")
+        sys.stderr.write(f"mpiddp: hang watchdog: {self.label}: rank 0's store (rank 0 on {where}) stopped answering "
+                         f"({exc}); rank 0 is stopped or wedged; ending the job\n"
+                         f"mpiddp: Python stacks of {self.label}:\n{own_stacks()}")
+        sys.stderr.flush()
+        self._record({}, [0])
+        self.abort(EXIT_HANG)
 
     def _dump_trace(self) -> None:
         """On NCCL: this rank's flight-recorder buffer into the run dir, and whether it worked, in the store."""

@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -119,6 +120,11 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise LaunchError(f"cannot create the run directory {run_dir} ({exc.strerror or exc}): "
+                          f"give a writable --run-dir") from None
+    try:  # launch writes its records and each attempt's output there: fail now, not as a launcher that cannot start
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as exc:
+        raise LaunchError(f"cannot write in the run directory {run_dir} ({exc.strerror or exc}): "
                           f"give a writable --run-dir") from None
     mpirun = find_program("mpirun") or "mpirun"
     given = args.launcher_path

@@ -70,7 +70,11 @@ LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|b
                        r"|peer process has unexpectedly disconnected|remote process exited|got 0 bytes"
                        r"|DistNetworkError|ncclRemoteError|NCCL communicator was aborted"
                        r"|MPI_ERR_PROC_FAILED|MPI_ERR_REVOKED"
-                       r"|timed out|timeout|DistBackendError", re.IGNORECASE)
+                       # a collective or the store timed out waiting for a peer (gloo: "Timed out waiting 8000ms for
+                       # recv"; NCCL's watchdog; the store's "Socket Timeout"), never any "timed out" (a GPU's "the
+                       # launch timed out", a loader's own timeout are the raising rank's own fault)
+                       r"|timed out waiting|collective operation timeout|socket timeout|wait timeout"
+                       r"|DistBackendError", re.IGNORECASE)
 # Lines of the launcher's output that may be evidence (kept wherever they appear, with EVIDENCE_CONTEXT lines after
 # each, since several of the reports above span lines)
 EVIDENCE = re.compile(r"process rank \d+ with PID|peer process has unexpectedly disconnected|RUNNING AT"

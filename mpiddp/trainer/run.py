@@ -309,8 +309,14 @@ def parse_for_world(args: list[str], world_size: int) -> tuple[Config, Config]:
 
 def launch_run_dir(cfg: Config, topo: Any) -> str | None:
     """Under `launch`, training writes into launch's run dir unless its own --run-dir (checked by the caller) or a
-    --runs-root other than the default names another place: launch then learns it from the job record."""
-    return (topo.launch_run_dir or None) if cfg.runs_root == DEFAULT_RUNS_ROOT else None
+    --runs-root other than the default names another place: launch then learns it from the job record, and a
+    relaunch is told that directory (one under --runs-root), which it then keeps."""
+    given = topo.launch_run_dir
+    if not given:
+        return None
+    if cfg.runs_root == DEFAULT_RUNS_ROOT or Path(given).resolve().parent == Path(cfg.runs_root).resolve():
+        return given
+    return None
 
 
 def tell_launch(path: Path, run_dir: Path, checkpoint_dir: Path, cfg: Config, max_per_rank: int,
