@@ -144,3 +144,17 @@ def _trained(run_dir: Path) -> bool:
     from mpiddp.failure import read_metrics
 
     return any(record.get("kind") != "start" for record in read_metrics(run_dir))
+
+
+def test_a_script_under_run_killed_with_loader_workers_ends_the_job_and_leaves_nothing(mpirun, tmp_path):
+    """The same for the user's own script under `mpiddp run` (found by an outside review: only the built-in
+    trainer's loaders had helpers that die with their rank)."""
+    from conftest import REPO
+
+    env, mark = marked_env()
+    command = [mpirun, "-np", "2", sys.executable, "-m", "mpiddp", "run", str(REPO / "tests/programs/loader_kill.py")]
+    try:
+        job = run_command(command, tmp_path / "run", timeout=150, env=env)
+        assert job.returncode != 0, job.output[-3000:]
+    finally:
+        assert_nothing_left(mark)

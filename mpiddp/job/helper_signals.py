@@ -48,3 +48,16 @@ def die_with_parent() -> None:
     expected = os.environ.get(HELPER_PARENT_ENV, "")
     if expected.isdigit() and os.getppid() != int(expected):
         os._exit(1)
+
+
+def prepare_forkserver() -> None:
+    """Make the forkserver itself ignore stop signals (it forks every worker, and a dead one fails every later
+    worker start with BrokenPipeError) and die with its rank: it imports mpiddp.job.forkserver_preload before
+    anything else."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", ["__main__"]))  # type: ignore[attr-defined]
+    if "mpiddp.job.forkserver_preload" not in preload:
+        context.set_forkserver_preload([*preload, "mpiddp.job.forkserver_preload"])

@@ -31,6 +31,7 @@ from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.job import preflight
 from mpiddp.job.collective import Dist, Rendezvous
 from mpiddp.job.failfast import EXIT_HANG, FailFast
+from mpiddp.job.helper_signals import mark_helper_parent, prepare_forkserver
 from mpiddp.job.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
 from mpiddp.job.storeload import paced_interval
 from mpiddp.job.topology import Topology
@@ -389,6 +390,11 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     guard.progress = script_progress
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
     with default_start_method(cfg.start_method) as start_method:
+        # The script's loader helpers die with this rank: a forkserver that outlived a SIGKILLed rank held mpirun's
+        # output open and the job never ended (its workers follow their forkserver, torch's own watch ends them).
+        mark_helper_parent()
+        if start_method == "forkserver":
+            prepare_forkserver()
         log.info("running %s %s on %d ranks on %d hosts; torchrun's variables set, rendezvous %s:%d; "
                  "multiprocessing start method: %s", target.name, json.dumps(list(target.args)), dist.world_size,
                  dist.topology.num_hosts, rendezvous.master_addr, rendezvous.master_port,

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from mpiddp.errors import UserError
 from mpiddp.job.collective import Dist
-from mpiddp.job.helper_signals import die_with_parent, ignore_stop_signals, mark_helper_parent, stop_signals_blocked
+from mpiddp.job.helper_signals import (die_with_parent, ignore_stop_signals, mark_helper_parent, prepare_forkserver,
+                                       stop_signals_blocked)
 from mpiddp.trainer.config import ON_DISK_DATASETS, Config
 
 log = logging.getLogger(__name__)
@@ -157,15 +158,6 @@ class HelperSafeLoader(DataLoader):
 def _worker_init(worker_id: int) -> None:
     ignore_stop_signals()
     die_with_parent()  # a killed rank (or its forkserver) takes its workers with it
-
-
-def prepare_forkserver() -> None:
-    """Make the forkserver itself ignore stop signals (it forks every worker, and a dead one fails every later
-    worker start with BrokenPipeError): it imports mpiddp.job.forkserver_preload before anything else."""
-    context = multiprocessing.get_context("forkserver")
-    preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", ["__main__"]))  # type: ignore[attr-defined]
-    if "mpiddp.job.forkserver_preload" not in preload:
-        context.set_forkserver_preload([*preload, "mpiddp.job.forkserver_preload"])
 
 
 class SyntheticBatches:
