@@ -720,3 +720,23 @@ def test_a_job_whose_supervisor_died_lists_its_launch_after_the_earlier_ones_in_
     assert [(a["launch"], a["status"]) for a in data["attempts"]] == [(0, 0), (1, 3)] and data["restarts"] == 1
     assert failure.read_placement(after / failure.FAILURES_DIR) and not (before / "attempts.json").exists()
     assert supervision.stopped_by_supervisor_death(after)
+
+
+def test_a_stop_that_arrives_as_the_launcher_is_reaped_is_no_crash(tmp_path):
+    """A stop signal can interrupt the wait that has just reaped the launcher, while poll() (Popen's lock held)
+    still says it runs: seen under Slurm's scancel, where the supervisor crashed with ProcessLookupError (exit 1
+    instead of the job's 3)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+
+    class Reaped:
+        pid = gone.pid
+
+        def poll(self):
+            return None
+
+    plan = Plan("train", ["--epochs", "1"], tmp_path, 2, [], [], 0, "srun", "srun", "openmpi")
+    watcher = Supervisor(plan, {})
+    watcher.child = Reaped()
+    watcher._forward(signal.SIGTERM, None)
+    assert watcher.stop_signal == signal.SIGTERM

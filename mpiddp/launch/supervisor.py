@@ -339,11 +339,16 @@ class Supervisor:
             elif self.interrupts >= KILL_AFTER_INTERRUPTS and running:
                 _say_now("killing the job (SIGKILL to the launcher's process group): no snapshot")
                 assert self.child is not None
-                os.killpg(self.child.pid, signal.SIGKILL)  # its own session: the group id is its pid
+                _kill_group(self.child.pid)  # its own session: the group id is its pid
                 return
         if running:
             assert self.child is not None
-            os.kill(self.child.pid, self.child_stop)  # srun and mpirun hand it on to every rank
+            # The launcher may have exited and been reaped by the wait this handler interrupted (poll() cannot tell
+            # while wait() holds Popen's lock): then there is nobody left to tell (srun after a scancel).
+            try:
+                os.kill(self.child.pid, self.child_stop)  # srun and mpirun hand it on to every rank
+            except ProcessLookupError:
+                pass
 
     def _count_steps_lost(self, records: list[dict[str, Any]]) -> None:
         """Now that the latest attempt has run, the one before it learns where training resumed, and how long
