@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, JobResult, rank_pid, run_command
 from fakehosts import FakeHosts, running_fake_hosts
 from test_launch_e2e import FAST, attempts, launch_command, refusing_transport
-from test_leftovers import _trained, assert_nothing_left, data_dir, marked_env, processes_of  # noqa: F401 (fixture)
+from test_leftovers import _trained, assert_nothing_left, data_dir, kill_supervisor_and_wait, marked_env  # noqa: F401
 
 pytestmark = pytest.mark.mpi
 HOSTS = "nodea:1,nodeb:1,nodec:1"
@@ -155,16 +155,7 @@ def test_6_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_same_comman
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = ("--run-dir", str(run_dir), "--epochs", "3", *FAST, "--log-every", "1")
     supervisor, mark = start_on(cluster, job, log)
-    try:
-        supervisor.send_signal(signal.SIGKILL)  # command_on's wrappers exec: this is launch itself, on nodea
-        supervisor.wait()
-        deadline = time.monotonic() + 120
-        while processes_of(mark) and time.monotonic() < deadline:
-            time.sleep(0.2)  # the ranks save a snapshot, then the job ends
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-        assert_nothing_left(mark)
+    kill_supervisor_and_wait(supervisor, mark)  # command_on's wrappers exec: this is launch itself, on nodea
     stopped = [r for r in failure.read_all(run_dir / failure.FAILURES_DIR) if "supervisor" in r.message]
     assert len(stopped) == 1, (stopped, log.read_text()[-4000:])
     found = stopped[0]

@@ -44,6 +44,20 @@ def processes_of(mark: str) -> dict[int, str]:
     return found
 
 
+def kill_supervisor_and_wait(supervisor, mark: str) -> None:
+    """SIGKILL `launch` itself; its ranks hear of it, save a snapshot and end: wait for that, then nothing of the job
+    may be left running."""
+    import signal
+
+    if supervisor.poll() is None:
+        supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait()
+    deadline = time.monotonic() + 120
+    while processes_of(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling a condition with a deadline: the ranks save a snapshot, then the job ends
+    assert_nothing_left(mark)
+
+
 def assert_nothing_left(mark: str) -> None:
     """Poll (a process killed a moment ago may still be exiting) with a generous deadline, then kill what is left
     so that one failure does not leave processes for the tests after it."""
@@ -90,7 +104,6 @@ def test_under_launch_a_rank_killed_with_loader_workers_ends_the_attempt_and_lea
 
 def test_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_record_says_why(tmp_path):
     import json
-    import signal
     import subprocess
 
     from conftest import REPO
@@ -109,15 +122,8 @@ def test_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_record_says_w
         while not _trained(run_dir) and supervisor.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)  # polling a condition with a deadline, not synchronising
         assert _trained(run_dir), (tmp_path / "launch.log").read_text()[-3000:]
-        supervisor.send_signal(signal.SIGKILL)
-        supervisor.wait()
-        deadline = time.monotonic() + 120
-        while processes_of(mark) and time.monotonic() < deadline:
-            time.sleep(0.2)  # the ranks save a snapshot, then the job ends
     finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-        assert_nothing_left(mark)
+        kill_supervisor_and_wait(supervisor, mark)
     from mpiddp import failure
 
     (found,) = [r for r in failure.read_all(run_dir / failure.FAILURES_DIR) if "supervisor" in r.message]
