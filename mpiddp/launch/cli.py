@@ -10,7 +10,9 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from mpiddp.launch.command import LAUNCHERS, choose_launcher, find_program, mpi_flavour, version_text
+from mpiddp.launch.command import (LAUNCHERS, NO_RECOVERY_FLAG, InJobRecovery, choose_launcher,
+                                   decide_in_job_recovery, find_program, mpi_flavour, ompi_info_text,
+                                   users_ft_choice, version_text)
 from mpiddp.launch.hosts import HostListError, discover, place
 from mpiddp.errors import EXIT_USER_ERROR, UserError
 from mpiddp.launch.supervisor import Plan, Supervisor, say
@@ -18,7 +20,7 @@ from mpiddp.runname import DEFAULT_RUNS_ROOT, new_timestamped_dir
 
 USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] "
          "[--host-strikes 1] [--exclude HOST,...] "
-         "[--launcher auto|mpirun|mpiexec|srun] -- TRAINING FLAGS | run SCRIPT ARGS")
+         "[--launcher auto|mpirun|mpiexec|srun] [--no-in-job-recovery] -- TRAINING FLAGS | run SCRIPT ARGS")
 
 
 class LaunchError(ValueError):
@@ -49,6 +51,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher-args", action="append", default=[],
                    help="extra arguments for the launcher, one string (shell-split), e.g. '--mca btl tcp,self' "
                         "or --oversubscribe (a value that starts with '-' is taken as it is)")
+    p.add_argument(NO_RECOVERY_FLAG, dest="in_job_recovery", action="store_false",
+                   help="do not run the job with MPI fault tolerance: a failed rank then always ends the job and "
+                        "launch relaunches it. By default launch passes --with-ft ulfm to Open MPI 5's mpirun when "
+                        "its ompi_info says it has ULFM, so the survivors can recover in the job (never with MPICH "
+                        "or srun, which cannot; launch says why in one line)")
     p.add_argument("--run-dir", help="where failures/ (every rank's record) and attempts.json go, and training's outputs unless its "
                                      "own --run-dir or --runs-root names another place, which launch then follows "
                                      "(default: a new directory under runs/)")
@@ -138,16 +145,30 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
         raise LaunchError(f"--launcher-args {' '.join(args.launcher_args)!r}: {exc}") from None
     # MPICH or Open MPI: the given launcher's own word, unless it is srun (then the mpirun that belongs to this MPI)
     judged = given if given and Path(given).name != "srun" else mpirun
-    flavour = mpi_flavour(version_text(judged))
+    version = version_text(judged)
+    flavour = mpi_flavour(version)
     launcher = choose_launcher(args.launcher, env, flavour)
     if launcher == "srun" and not hosts:  # inside an allocation the hosts come from it: this is outside one
         raise LaunchError("--launcher srun runs inside a Slurm allocation (sbatch, salloc): none here, and no "
                           "--hostfile or -H; use --launcher mpirun, or launch from within the allocation")
     program = given or (mpirun if launcher == "mpirun" else find_program(launcher) or launcher)
+    recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
                 extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
-                made_run_dir=not args.run_dir)
+                made_run_dir=not args.run_dir, in_job_recovery=recovery)
+
+
+def in_job_recovery(wanted: bool, launcher: str, flavour: str, program: str, version: str,
+                    extra: list[str]) -> InJobRecovery:
+    """Decided once per launch from the launcher it will run: its --version (`version`, judged from `program`
+    unless that is srun) and its Open MPI's ompi_info; said in one line."""
+    if not wanted and users_ft_choice(extra) == "ulfm":
+        raise LaunchError(f"{NO_RECOVERY_FLAG} and --launcher-args --with-ft ulfm contradict each other: give one")
+    info = ompi_info_text(program) if wanted and launcher != "srun" and flavour == "openmpi" else None
+    recovery = decide_in_job_recovery(wanted, launcher, flavour, version, info, extra)
+    say(recovery.why)
+    return recovery
 
 
 def main(argv: list[str]) -> int:

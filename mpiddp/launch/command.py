@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpiddp.launch.hosts import Host, format_hosts
 
 LAUNCHERS = ("auto", "mpirun", "mpiexec", "srun")
+FT_ARGS = ("--with-ft", "ulfm")  # Open MPI 5's mpirun: ULFM fault tolerance, so survivors can recover in the job
+FT_SUPPORT_LINE = "options:ft_mpi_support:yes"  # what `ompi_info --parsable` says of an Open MPI built with ULFM
+NO_RECOVERY_FLAG = "--no-in-job-recovery"
 
 
 def mpi_flavour(version_text: str) -> str:
@@ -33,6 +38,94 @@ def version_text(program: str) -> str:
     return done.stdout + done.stderr
 
 
+@dataclass(frozen=True)
+class InJobRecovery:
+    """Whether a launch runs its job with in-job recovery (decided once per launch, from the launcher's evidence)."""
+
+    on: bool
+    why: str  # one line: the evidence when on, the reason when off
+    add_args: tuple[str, ...] = ()  # what launch adds to the launcher's command line (FT_ARGS, or nothing)
+
+
+def ompi_info_of(program: str) -> str | None:
+    """The ompi_info of the same Open MPI as the launcher `program`: beside it, or beside what it links to."""
+    found = program if "/" in program else shutil.which(program)
+    if not found:
+        return None
+    for folder in (Path(found).parent, Path(found).resolve().parent):
+        if (folder / "ompi_info").is_file():
+            return str(folder / "ompi_info")
+    return None
+
+
+def ompi_info_text(program: str) -> str | None:
+    """`ompi_info --parsable` of the launcher's Open MPI (None: no ompi_info found, or it did not run)."""
+    info = ompi_info_of(program)
+    if info is None:
+        return None
+    try:
+        done = subprocess.run([info, "--parsable"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def open_mpi_major(version_text: str) -> int | None:
+    """5 from `mpirun (Open MPI) 5.0.11` (None when the text names no Open MPI version)."""
+    found = re.search(r"Open MPI\)?\s+v?(\d+)\.\d+", version_text)
+    return int(found.group(1)) if found else None
+
+
+def users_ft_choice(extra: list[str]) -> str | None:
+    """The value of a --with-ft the user gave in --launcher-args (None when none)."""
+    for index, arg in enumerate(extra):
+        if arg.startswith("--with-ft="):
+            return arg.split("=", 1)[1]
+        if arg == "--with-ft":
+            return extra[index + 1] if index + 1 < len(extra) else ""
+    return None
+
+
+SRUN_REFUSAL = ("in-job recovery is off: srun direct launch cannot recover in the job (Open MPI's fault tolerance "
+                "needs mpirun's runtime to tell the survivors who failed, and srun ends the whole step when a task "
+                "dies); a failure ends the job and launch relaunches it (use --launcher mpirun to recover in the job)")
+
+
+def decide_in_job_recovery(wanted: bool, launcher: str, flavour: str, version: str, info: str | None,
+                           extra: list[str]) -> InJobRecovery:
+    """Pure: whether to run the job with ULFM fault tolerance. `version` is the launcher's --version, `info` its
+    Open MPI's `ompi_info --parsable` (None: not found). Only Open MPI 5 or newer built with ULFM can: never MPICH,
+    never srun. A --with-ft the user put in --launcher-args is theirs: launch adds nothing then."""
+    chosen = users_ft_choice(extra)
+    if not wanted:
+        return InJobRecovery(False, f"in-job recovery is off ({NO_RECOVERY_FLAG}): a failure ends the job and "
+                                    "launch relaunches it")
+    if launcher == "srun":
+        return InJobRecovery(False, SRUN_REFUSAL)
+    if flavour == "mpich":
+        return InJobRecovery(False, "in-job recovery is off: MPICH has no ULFM fault tolerance (it needs Open MPI 5 "
+                                    "with --with-ft ulfm); a failure ends the job and launch relaunches it")
+    if chosen is not None:
+        on = chosen == "ulfm"
+        return InJobRecovery(on, f"in-job recovery is {'on' if on else 'off'}: --launcher-args give --with-ft "
+                                 f"{chosen}" + ("" if on else "; a failure ends the job and launch relaunches it"))
+    major = open_mpi_major(version)
+    off = "; a failure ends the job and launch relaunches it"
+    if major is None or major < 5:
+        said = f"Open MPI {major}" if major is not None else "this launcher's MPI (its --version names no Open MPI)"
+        return InJobRecovery(False, f"in-job recovery is off: {said} has no ULFM fault tolerance (Open MPI 5 or "
+                                    f"newer has it){off}")
+    if info is None:
+        return InJobRecovery(False, f"in-job recovery is off: no ompi_info beside the launcher to tell whether its "
+                                    f"Open MPI {major} has ULFM fault tolerance{off}")
+    if FT_SUPPORT_LINE not in info.splitlines():
+        return InJobRecovery(False, f"in-job recovery is off: this Open MPI {major} was built without ULFM fault "
+                                    f"tolerance (ompi_info: FT MPI support: no){off}")
+    return InJobRecovery(True, f"in-job recovery is on: Open MPI {major} with ULFM (ompi_info: FT MPI support: yes); "
+                               f"the launcher runs with {' '.join(FT_ARGS)} ({NO_RECOVERY_FLAG} turns it off)",
+                         FT_ARGS)
+
+
 def choose_launcher(requested: str, env: Mapping[str, str], flavour: str) -> str:
     """auto: srun inside a Slurm allocation, else the MPI's own launcher (mpirun for Open MPI, mpiexec for MPICH)."""
     if requested != "auto":
@@ -44,9 +137,10 @@ def choose_launcher(requested: str, env: Mapping[str, str], flavour: str) -> str
 
 def build_command(launcher: str, program: str, flavour: str, hosts: list[Host], num_ranks: int, inner: list[str],
                   exports: Mapping[str, str], excluded: list[str] = (), extra: list[str] = (),
-                  python: str = sys.executable) -> list[str]:
+                  python: str = sys.executable, ft_args: tuple[str, ...] = ()) -> list[str]:
     """The whole command for one attempt: `launcher ... python -m mpiddp INNER`. `exports` are variables (with the
-    values the launcher's environment gives them) the ranks on other hosts must see too: Open MPI forwards only
+    values the launcher's environment gives them) the ranks on other hosts must see too (`ft_args`: Open MPI's
+    fault tolerance, see decide_in_job_recovery): Open MPI forwards only
     those named with -x; Hydra and srun forward the whole environment. Hydra gets them as `-genv NAME VALUE`,
     which adds to that: `-genvlist` would replace it, and the ranks on other hosts would lose PATH and the rest."""
     job = [python, "-m", "mpiddp", *inner]
@@ -64,4 +158,5 @@ def build_command(launcher: str, program: str, flavour: str, hosts: list[Host], 
         return [program, "-n", str(num_ranks), *placement, "-bind-to", "none", *genv, *extra, *job]
     forwarded = [arg for name in exports for arg in ("-x", name)]
     # No core binding (it starves data-loader workers); fill each host's slots in order, as run/multinode.sh does.
-    return [program, "-np", str(num_ranks), *placement, "--bind-to", "none", "--map-by", "slot", *forwarded, *extra, *job]
+    return [program, "-np", str(num_ranks), *placement, "--bind-to", "none", "--map-by", "slot", *ft_args, *forwarded, *extra,
+            *job]

@@ -21,12 +21,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from mpiddp import failure, supervision
+from mpiddp import failure, recoveries, supervision
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
                              RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record, write_text_atomic)
 from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
-from mpiddp.launch.command import build_command
+from mpiddp.launch.command import InJobRecovery, build_command
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import blamed, decide, same_host
@@ -59,6 +59,7 @@ class Plan:
     global_batch: tuple[int, int] | None = None  # training with --min-np: (samples per step, largest per-rank batch)
     host_strikes: int = 1  # a host is left out on its N-th blamed failure
     made_run_dir: bool = False  # launch created run_dir: removed if training writes elsewhere and leaves it empty
+    in_job_recovery: InJobRecovery = InJobRecovery(False, "in-job recovery is off")  # decided once per launch
 
 
 @dataclass
@@ -87,6 +88,9 @@ class Attempt:
     ranks_recorded: int | None = None  # how many ranks left a failure record (RUN_DIR/failures)
     witness_ranks: list[int] = field(default_factory=list)  # ranks that only saw a peer fail or time out
     blamed_hosts: list[str] = field(default_factory=list)  # the hosts this failure counted against
+    in_job_recovery: bool = False  # the job ran with MPI fault tolerance (its survivors may recover in the job)
+    in_job_recovery_off: str = ""  # why not, in one line, when off
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # in-job recoveries (the job's summary.json)
 
 
 def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
@@ -218,13 +222,16 @@ class Supervisor:
                 return EXIT_USER_ERROR
             metrics = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
             self._count_steps_lost(metrics)
+            attempt.recoveries = recoveries.read_recoveries(self.plan.run_dir, attempt.started_at)
+            within = recoveries.count_line(attempt.recoveries)
             if attempt.status == 0 or self.stop_signal:
                 attempt.decision = "finished" if attempt.status == 0 else (
                     f"stopped by {signal.Signals(self.stop_signal).name}: not relaunched")
                 attempt.cause = None if attempt.status == 0 else "stopped"
                 attempt.excluded_hosts = list(excluded)
                 self._save()
-                say(f"attempt {number}: exit status {attempt.status}; {attempt.decision}")
+                say(f"attempt {number}: exit status {attempt.status}; {attempt.decision}"
+                    + (f" after {within}" if within else ""))
                 return attempt.status or 0
             found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
             progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
@@ -238,7 +245,8 @@ class Supervisor:
             attempt.blamed_hosts = blamed(found, self.plan.hosts, hosts_now, placement)
             attempt.failed_at_step, attempt.excluded_hosts, attempt.decision = found.step, decision.excluded, decision.reason
             self._save()
-            say(f"attempt {number} failed (exit status {attempt.status}): {found.kind} per the {found.source}"
+            say(f"attempt {number} failed (exit status {attempt.status}"
+                f"{', after ' + within if within else ''}): {found.kind} per the {found.source}"
                 f"{': ' + found.message.splitlines()[0] if found.message else ''}; {decision.reason}")
             if not decision.retry:
                 return attempt.status or 1
@@ -271,11 +279,14 @@ class Supervisor:
         exports = {**job_exports(self.plan, number, self.launch_id), supervision.SUPERVISOR_ENV: supervision.identity()}
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
-                                list(self.plan.inner), exports, excluded, self.plan.extra)
+                                list(self.plan.inner), exports, excluded, self.plan.extra,
+                                ft_args=self.plan.in_job_recovery.add_args)
         failure.clear(self.failure_file)  # records from an earlier attempt must not explain this one
         (self.plan.run_dir / JOB_RECORD_FILE).unlink(missing_ok=True)  # nor an earlier job's record describe it
+        recovery = self.plan.in_job_recovery
         attempt = Attempt(number, [h.name for h in hosts], command, time.time(), num_ranks=num_ranks,
-                          excluded_hosts=list(excluded), launch=self.launch)
+                          excluded_hosts=list(excluded), launch=self.launch, in_job_recovery=recovery.on,
+                          in_job_recovery_off="" if recovery.on else recovery.why)
         self.attempts.append(attempt)
         self._save()  # listed as it starts: the job reads when it was launched (its downtime) and the restarts
         say(f"attempt {number} on {', '.join(attempt.hosts) or 'the default hosts'}: {' '.join(command)}")

@@ -7,13 +7,16 @@ on every host, and wandb. Every rank takes part; rank 0 prints one report; every
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 import numpy as np
 
 from mpiddp.job import preflight
+from mpiddp.job.membership import ulfm_refusal
 from mpiddp.job.collective import Dist
 from mpiddp.job.topology import Topology
 from mpiddp.trainer.config import Config, wandb_mode
@@ -90,6 +93,40 @@ def device_names(dist: Dist) -> str:
     return f"{dist.device} {props.name} GPU-{props.uuid}"
 
 
+def in_job_recovery_refusal(library_version: str, env: Mapping[str, str], has_api: bool, torch_version: str,
+                            torch_can_regroup: bool) -> str | None:
+    """None when this job can recover in the job (a failed rank's survivors carry on), else one line why not:
+    the MPI library's ULFM support, whether the job was started with it, mpi4py's Comm.Shrink/Revoke/Agree
+    (membership.ulfm_refusal), and whether this torch lets a new default process group replace the old one."""
+    older = re.match(r"Open MPI v(\d+)\.", library_version)
+    if older and int(older.group(1)) < 5:
+        return (f"in-job recovery needs Open MPI 5 or newer (ULFM fault tolerance); this job runs Open MPI "
+                f"v{older.group(1)}: a failure ends the job and `launch` relaunches it")
+    refusal = ulfm_refusal(library_version, env, has_api)
+    if refusal is not None:
+        return refusal
+    if not torch_can_regroup:
+        return (f"in-job recovery cannot rebuild torch {torch_version}'s process group over the survivors (it lacks "
+                "distributed_c10d._update_default_pg): a failure ends the job and `launch` relaunches it")
+    return None
+
+
+def in_job_recovery_line(env: Mapping[str, str] | None = None) -> str:
+    """`check`'s one line on in-job recovery, for this process (every rank of a job gives the same answer)."""
+    import mpi4py
+    import torch
+    from mpi4py import MPI
+    from torch.distributed import distributed_c10d
+
+    library = MPI.Get_library_version()
+    refusal = in_job_recovery_refusal(library, os.environ if env is None else env, hasattr(MPI.Comm, "Shrink"),
+                                      torch.__version__, hasattr(distributed_c10d, "_update_default_pg"))
+    if refusal is not None:
+        return f"in-job recovery: no: {refusal}"
+    return (f"in-job recovery: yes ({library.split(',')[0]} with ULFM, started with --with-ft ulfm; mpi4py "
+            f"{mpi4py.__version__}; torch {torch.__version__})")
+
+
 def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
     """Collective: (exit status, report). Every rank returns the same status; rank 0's report is the one to print."""
     topo = dist.topology
@@ -110,6 +147,7 @@ def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
               f"{rendezvous.interface_per_host or 'left to gloo/NCCL'}"]
     versions = {k: v for k, v in prints[0].items() if not k.startswith("_")}
     lines.append(f"fingerprint: {'same on every rank' if not problems else 'DIFFERS'}: {versions}")
+    lines.append(in_job_recovery_line())  # not a problem when off: the job then fails fast and launch relaunches
 
     if topo.world_size > 1:
         latency = dist.pingpong(topo.world_size - 1, 8, 200)

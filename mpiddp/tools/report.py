@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mpiddp import recoveries
 from mpiddp.errors import UserError
 from mpiddp.failure import DOWNTIME_PHASES
 
@@ -103,10 +104,11 @@ def attempt_lines(data: dict[str, Any]) -> list[str]:
         ranks_used = f" ({count} rank{'' if count == 1 else 's'})" if count else ""
         launch = f"launch {attempt['launch']}, " if attempt.get("launch") else ""  # a requeue's or resubmission's
         parts = [f"  {launch}attempt {attempt.get('number')} on {hosts}{ranks_used}: "]
+        within = recoveries.count_line(recoveries.recoveries_in(attempt))
         if attempt.get("status") is None:
             parts.append("running (or the supervisor was killed)")
         elif attempt.get("cause") is None:
-            parts.append("finished")
+            parts.append("finished" + (f" after {within}" if within else ""))
         else:
             ranks, blamed = attempt.get("failed_ranks") or [], attempt.get("failed_hosts") or []
             who = ([("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))] if ranks else []) + (
@@ -125,7 +127,21 @@ def attempt_lines(data: dict[str, Any]) -> list[str]:
                                    for name in sorted(given, key=lambda n: DOWNTIME_PHASES.index(n)
                                                       if n in DOWNTIME_PHASES else len(DOWNTIME_PHASES)))
                 parts.append(f", down {attempt['downtime_s']:.1f} s" + (f" ({phases})" if phases else ""))
+            if within:
+                parts.append(f"; before it, {within}")
         lines.append("".join(parts))
+    return lines
+
+
+def recovery_lines(summary: dict[str, Any] | None) -> list[str]:
+    """One line per in-job recovery in summary.json (none when it recorded none): who was lost, the world before
+    and after, the steps lost and the downtime with its phases."""
+    found = recoveries.recoveries_in(summary)
+    if not found:
+        return []
+    total = sum(recoveries.downtime(item) or 0.0 for item in found)
+    lines = [f"in-job recoveries: {len(found)}, down {total:.2f} s in all"]
+    lines += [f"  recovery {number}: {recoveries.describe(item)}" for number, item in enumerate(found)]
     return lines
 
 
@@ -233,5 +249,7 @@ def main(argv: list[str]) -> int:
     attempts = read_attempts(run_dir, summary)
     if attempts is not None:
         print("\n".join(attempt_lines(attempts)))
+    for line in recovery_lines(summary):
+        print(line)
     print("plots: " + ", ".join(str(p) for p in paths))
     return 0

@@ -1,0 +1,191 @@
+"""In-job recovery around the job, in-process: which launcher gets Open MPI's fault tolerance (and why not, in one
+line), what launch records of it per attempt, `check`'s line, and how `report` tells the recoveries."""
+
+import json
+import signal
+import sys
+
+import pytest
+
+from mpiddp import recoveries
+from mpiddp.launch.cli import LaunchError, make_plan
+from mpiddp.launch.command import FT_ARGS, build_command, decide_in_job_recovery, open_mpi_major
+from mpiddp.launch.hosts import Host
+from mpiddp.launch.supervisor import Supervisor
+from mpiddp.tools.report import attempt_lines, recovery_lines
+
+OPEN_MPI_5 = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
+WITH_FT = "options:mpi_ext:affinity, cuda, ftmpi\noptions:ft_support:yes\noptions:ft_mpi_support:yes\n"
+WITHOUT_FT = "options:ft_support:no\noptions:ft_mpi_support:no\n"
+HYDRA = "HYDRA build details:\n    Version: 4.2.1\n"
+
+RECOVERY = {"cause": "killed", "ranks_lost": [1], "hosts_lost": ["nodeb"], "step": 30, "steps_lost": 1,
+            "world_before": 3, "world_after": 2,
+            # summary.json sorts its keys: the phases are told in the order they happen all the same
+            "phases": {"agree_and_shrink": 0.11, "ddp": 0.02, "detect": 0.03, "first_step": 0.21,
+                       "process_group": 0.05}}
+
+
+def test_open_mpi_5_built_with_ulfm_gets_with_ft_ulfm():
+    on = decide_in_job_recovery(True, "mpirun", "openmpi", OPEN_MPI_5, WITH_FT, [])
+    assert on.on and on.add_args == FT_ARGS == ("--with-ft", "ulfm")
+    assert on.why.startswith("in-job recovery is on: Open MPI 5 with ULFM") and "--no-in-job-recovery" in on.why
+    # Open MPI's mpiexec is its mpirun
+    assert decide_in_job_recovery(True, "mpiexec", "openmpi", OPEN_MPI_5, WITH_FT, []).add_args == FT_ARGS
+
+
+@pytest.mark.parametrize("launcher, flavour, version, info, says", [
+    ("mpiexec", "mpich", HYDRA, None, "in-job recovery is off: MPICH has no ULFM fault tolerance"),
+    ("srun", "openmpi", OPEN_MPI_5, WITH_FT, "in-job recovery is off: srun direct launch cannot recover in the job"),
+    ("srun", "mpich", HYDRA, None, "srun direct launch cannot recover"),
+    ("mpirun", "openmpi", "mpirun (Open MPI) 4.1.6\n", WITH_FT, "Open MPI 4 has no ULFM fault tolerance"),
+    ("mpirun", "openmpi", "", WITH_FT, "its --version names no Open MPI"),
+    ("mpirun", "openmpi", OPEN_MPI_5, None, "no ompi_info beside the launcher"),
+    ("mpirun", "openmpi", OPEN_MPI_5, WITHOUT_FT, "built without ULFM fault tolerance (ompi_info: FT MPI support: no)"),
+])
+def test_where_in_job_recovery_cannot_work_it_is_off_saying_why_in_one_line(launcher, flavour, version, info, says):
+    off = decide_in_job_recovery(True, launcher, flavour, version, info, [])
+    assert not off.on and off.add_args == () and says in off.why, off.why
+    assert "\n" not in off.why and off.why.endswith("launch relaunches it" if launcher != "srun" else
+                                                    "(use --launcher mpirun to recover in the job)")
+
+
+def test_the_flag_turns_it_off_and_the_users_own_with_ft_is_kept():
+    off = decide_in_job_recovery(False, "mpirun", "openmpi", OPEN_MPI_5, WITH_FT, [])
+    assert not off.on and off.add_args == () and "(--no-in-job-recovery)" in off.why
+    given = decide_in_job_recovery(True, "mpirun", "openmpi", OPEN_MPI_5, None, ["--with-ft", "ulfm"])
+    assert given.on and given.add_args == ()  # already on the command line: not twice
+    assert not decide_in_job_recovery(True, "mpirun", "openmpi", OPEN_MPI_5, WITH_FT, ["--with-ft=none"]).on
+    assert open_mpi_major("mpirun (Open MPI) 5.0.11") == 5 and open_mpi_major("HYDRA") is None
+
+
+def test_the_fault_tolerance_arguments_go_on_open_mpis_command_line():
+    command = build_command("mpirun", "mpirun", "openmpi", [Host("a", 1)], 1, ["--epochs", "1"], {"V": "1"}, [],
+                            ["--mca", "x", "y"], "py", ft_args=FT_ARGS)
+    assert command == ["mpirun", "-np", "1", "-H", "a:1", "--bind-to", "none", "--map-by", "slot", "--with-ft", "ulfm",
+                       "-x", "V", "--mca", "x", "y", "py", "-m", "mpiddp", "--epochs", "1"]
+
+
+def fake_open_mpi(folder, ft_line, calls):
+    """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
+    launcher it writes a summary.json with one recovery into RUN_DIR and exits 0."""
+    folder.mkdir()
+    info = folder / "ompi_info"
+    info.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'options:ft_mpi_support:{ft_line}'\n")
+    launcher = folder / "mpirun"
+    launcher.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
+        "run_dir = os.environ['MPIDDP_RUN_DIR']\n"
+        f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{RECOVERY!r}]}}))\n")
+    for program in (info, launcher):
+        program.chmod(0o755)
+    return launcher
+
+
+def test_launch_decides_once_from_the_launchers_ompi_info_and_records_it_per_attempt(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's own handlers
+    calls, run_dir = tmp_path / "calls", tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", calls)
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"],
+                     {})
+    assert plan.in_job_recovery.on and plan.in_job_recovery.add_args == FT_ARGS
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
+    assert calls.read_text().count("called") == 1  # once per launch, not once per attempt
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert attempt["in_job_recovery"] is True and attempt["in_job_recovery_off"] == ""
+    assert attempt["command"][:3] == [str(launcher), "-np", "2"] and "--with-ft" in attempt["command"]
+    assert attempt["recoveries"] == [RECOVERY]
+    err = capsys.readouterr().err
+    assert "mpiddp launch: in-job recovery is on: Open MPI 5 with ULFM" in err
+    assert "attempt 0: exit status 0; finished after 1 in-job recovery (rank 1 on nodeb lost, down 0.42 s)" in err
+
+
+def test_an_open_mpi_without_ulfm_or_the_flag_records_why_it_is_off(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    launcher = fake_open_mpi(tmp_path / "bin", "no", tmp_path / "calls")
+    for flags, why in (([], "built without ULFM"), (["--no-in-job-recovery"], "(--no-in-job-recovery)")):
+        run_dir = tmp_path / f"run{len(flags)}"
+        plan = make_plan(["-np", "2", "--launcher-path", str(launcher), *flags, "--run-dir", str(run_dir), "--",
+                          "--epochs", "1"], {})
+        assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
+        (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+        assert attempt["in_job_recovery"] is False and why in attempt["in_job_recovery_off"]
+        assert "--with-ft" not in attempt["command"]
+        assert f"mpiddp launch: in-job recovery is off" in capsys.readouterr().err
+    with pytest.raises(LaunchError, match="--no-in-job-recovery and --launcher-args --with-ft ulfm contradict"):
+        make_plan(["-np", "2", "--launcher-path", str(launcher), "--no-in-job-recovery", "--launcher-args",
+                   "--with-ft ulfm", "--run-dir", str(tmp_path), "--", "--epochs", "1"], {})
+
+
+def test_launch_with_the_open_mpi_beside_this_python_turns_it_on(tmp_path, mpirun):
+    plan = make_plan(["-np", "2", "--launcher", "mpirun", "--run-dir", str(tmp_path), "--", "--epochs", "1"], {})
+    assert plan.in_job_recovery.on, plan.in_job_recovery.why  # the pip Open MPI 5.0.11 has ULFM
+
+
+def test_launch_with_mpich_leaves_it_off_naming_mpich(tmp_path, mpich):
+    plan = make_plan(["-np", "2", "--launcher-path", str(mpich / "bin" / "mpiexec"), "--run-dir", str(tmp_path),
+                      "--", "run", "x.py"], {})
+    assert not plan.in_job_recovery.on and "MPICH has no ULFM" in plan.in_job_recovery.why
+
+
+def test_help_names_the_flag(capsys):
+    from mpiddp.main import main
+
+    assert main(["launch", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--no-in-job-recovery" in out and "passes --with-ft ulfm to Open MPI 5's mpirun" in out
+
+
+def test_report_tells_each_recovery_in_one_line_with_its_phases_in_order():
+    lines = recovery_lines({"recoveries": [RECOVERY, {**RECOVERY, "ranks_lost": [0, 2], "hosts_lost": [],
+                                                     "world_before": 2, "world_after": 1, "step": None,
+                                                     "steps_lost": 0}]})
+    assert lines == [
+        "in-job recoveries: 2, down 0.84 s in all",
+        "  recovery 0: killed at step 30: rank 1 on nodeb lost, 3 -> 2 ranks, 1 step lost, down 0.42 s (detect 0.03, "
+        "agree and shrink 0.11, process group 0.05, DDP 0.02, first step 0.21)",
+        "  recovery 1: killed: ranks 0, 2 lost, 2 -> 1 ranks, 0 steps lost, down 0.42 s (detect 0.03, agree and "
+        "shrink 0.11, process group 0.05, DDP 0.02, first step 0.21)"]
+    assert recovery_lines({"recoveries": []}) == recovery_lines({}) == recovery_lines(None) == []
+    assert recoveries.describe({"cause": "hang"}) == "hang: a rank lost"  # what is not recorded is left out
+
+
+def test_reports_attempt_line_mentions_the_recoveries_inside_it():
+    attempts = {"restarts": 0, "attempts": [{"number": 0, "hosts": ["nodea", "nodeb"], "num_ranks": 2, "status": 0,
+                                             "cause": None, "recoveries": [RECOVERY]}]}
+    assert attempt_lines(attempts)[1] == ("  attempt 0 on nodea, nodeb (2 ranks): finished after 1 in-job recovery "
+                                          "(rank 1 on nodeb lost, down 0.42 s)")
+    attempts["attempts"][0]["recoveries"] = []
+    assert attempt_lines(attempts)[1] == "  attempt 0 on nodea, nodeb (2 ranks): finished"
+
+
+def test_a_summary_older_than_the_attempt_is_not_its_recoveries(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"recoveries": [RECOVERY]}))
+    assert recoveries.read_recoveries(tmp_path, 0.0) == [RECOVERY]
+    assert recoveries.read_recoveries(tmp_path, (tmp_path / "summary.json").stat().st_mtime + 1) == []
+    (tmp_path / "summary.json").write_text("{not json")
+    assert recoveries.read_recoveries(tmp_path) == []
+
+
+@pytest.mark.parametrize("library, env, has_api, can_regroup, says", [
+    ("Open MPI v5.0.11, package: ...", {"OMPI_MCA_mpi_ft_enable": "1"}, True, True, None),
+    ("Open MPI v5.0.11, package: ...", {}, True, True, "needs mpirun --with-ft ulfm"),
+    ("Open MPI v4.1.6, package: ...", {"OMPI_MCA_mpi_ft_enable": "1"}, True, True, "needs Open MPI 5 or newer"),
+    ("MPICH Version:      5.0.2\n", {}, True, True, "this job runs MPICH Version:      5.0.2"),
+    ("Open MPI v5.0.11, package: ...", {"OMPI_MCA_mpi_ft_enable": "1"}, False, True, "needs mpi4py 4 or newer"),
+    ("Open MPI v5.0.11, package: ...", {"OMPI_MCA_mpi_ft_enable": "1"}, True, False, "cannot rebuild torch 2.4.0's"),
+])
+def test_checks_verdict_on_in_job_recovery(library, env, has_api, can_regroup, says):
+    from mpiddp.tools.check import in_job_recovery_refusal
+
+    refusal = in_job_recovery_refusal(library, env, has_api, "2.4.0", can_regroup)
+    assert refusal is None if says is None else says in refusal and "\n" not in refusal, refusal
+
+
+def test_checks_line_in_this_process(monkeypatch):
+    from mpiddp.tools.check import in_job_recovery_line
+
+    line = in_job_recovery_line({"OMPI_MCA_mpi_ft_enable": "1"})
+    assert line.startswith("in-job recovery: yes (Open MPI v5") and "torch " in line, line
+    assert in_job_recovery_line({}).startswith("in-job recovery: no: in-job recovery needs mpirun --with-ft ulfm")
