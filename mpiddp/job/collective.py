@@ -46,6 +46,7 @@ class Transport(Protocol):
     def barrier(self) -> None: ...
     def idle_barrier(self, poll_s: float) -> None: ...
     def abort(self, code: int) -> NoReturn: ...
+    def failed_ranks(self) -> tuple[int, ...]: ...
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float: ...
     def allreduce_inplace(self, values: object, sum_as: HalfFloat | None = None) -> None: ...
     def gradient_support(self) -> GradientSupport: ...
@@ -136,6 +137,22 @@ class MpiTransport:
         self.comm.Abort(code)  # type: ignore[attr-defined]
         raise SystemExit(code)  # not reached
 
+    def failed_ranks(self) -> tuple[int, ...]:
+        """Ranks MPI's fault tolerance (ULFM: MPI_Comm_get_failed) knows have failed; local, never a message.
+        Empty without ULFM, or when it knows of none."""
+        from mpi4py import MPI
+
+        try:
+            group = self.comm.Get_failed()  # type: ignore[attr-defined]
+        except (NotImplementedError, AttributeError, MPI.Exception):
+            return ()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                              self.comm.Get_group())  # type: ignore[attr-defined]
+        finally:
+            group.Free()
+        return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
+
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
         """Median one-way time (s) of `nbytes` between rank 0 and `peer`; every rank returns rank 0's value."""
         buffer = np.zeros(max(1, nbytes), dtype=np.uint8)
@@ -215,6 +232,9 @@ class SoloTransport:
 
     def abort(self, code: int) -> NoReturn:
         raise SystemExit(code)
+
+    def failed_ranks(self) -> tuple[int, ...]:
+        return ()
 
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
         return 0.0
@@ -431,6 +451,10 @@ class Dist:
     def abort(self, code: int) -> NoReturn:
         """End every rank of the job now (MPI_Abort), whatever the others are doing. Main thread only."""
         self.transport.abort(code)
+
+    def failed_ranks(self) -> tuple[int, ...]:
+        """Ranks MPI knows have failed (only an MPI with ULFM fault tolerance knows; local, never a message)."""
+        return self.transport.failed_ranks()
 
     def abort_from_thread(self, code: int) -> NoReturn:
         """The same from a helper thread (watchdogs). MPI was initialised FUNNELED, so only the main thread may

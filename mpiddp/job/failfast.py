@@ -127,7 +127,28 @@ class FailFast:
         else:
             kind = "exception"
             message = f"{type(exc).__name__}: {message}"
+            lost = self._failed_peers()
+            if lost:
+                return self._peers_failed(lost, rank, type(exc).__name__, known)
         return FailureRecord(kind, [rank], [host], message, **known)
+
+    def _failed_peers(self) -> tuple[int, ...]:
+        """Peers MPI's fault tolerance reports failed (ULFM, under mpirun --with-ft ulfm), else nothing."""
+        if self.dist is None:
+            return ()
+        try:
+            return tuple(r for r in self.dist.failed_ranks() if r != self.dist.rank)
+        except Exception:  # never let the record's detail cost the record
+            return ()
+
+    def _peers_failed(self, lost: tuple[int, ...], rank: int, seen: str, known: dict) -> FailureRecord:
+        """Under MPI fault tolerance the launcher says nothing of a rank that died (mpirun --with-ft ulfm does not
+        report it), so the survivor that MPI told names it: a record that blames the dead, not a witness's."""
+        assert self.dist is not None
+        hosts = list(dict.fromkeys(self.dist.topology.host_of(r) for r in lost))
+        said = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} on {', '.join(hosts)}"
+        return FailureRecord("killed", list(lost), hosts, f"{said} died (MPI's fault tolerance reports "
+                             f"{'them' if len(lost) > 1 else 'it'} failed; rank {rank} saw {seen})", **known)
 
     def _where(self) -> tuple[int | None, bool | None]:
         if self.progress is None:  # the loop (or the script) has not started: nothing done yet

@@ -158,6 +158,16 @@ def ranks_on(hosts: list[Host], names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(ranks)
 
 
+def status_under_fault_tolerance(status: int, records: list[failure.FailureRecord]) -> int:
+    """The attempt's status when the launcher ran with MPI fault tolerance: Open MPI's mpirun --with-ft ulfm exits 0
+    when a rank died and a survivor then aborted the job (reproduced with Open MPI 5.0.11), so a 0 with failure
+    records of this attempt is a failure after all: the status the ranks recorded, else 1. A job whose survivors
+    recovered in the job leaves no record."""
+    if status != 0 or not records:
+        return status
+    return next((r.status for r in records if r.status), 1)
+
+
 def last_logged_step(records: list[dict[str, Any]]) -> int | None:
     """The last training step in metrics.jsonl's `records`: where a rank that wrote no record had got to, at least."""
     steps = [r["step"] for r in records if r.get("kind") != "start"]
@@ -302,6 +312,8 @@ class Supervisor:
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()
+        if attempt.in_job_recovery:
+            attempt.status = status_under_fault_tolerance(attempt.status, failure.read_all(self.failure_file))
         return attempt, output
 
     def _output_paths(self, number: int) -> tuple[Path, Path]:
