@@ -268,6 +268,11 @@ def test_mpich_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, 
     assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("killed", [1], ["nodeb"]), first
     assert first["hosts"] == ["nodea", "nodeb"] and second["hosts"] == ["nodea", "nodec"]
     assert second["command"][0] == str(mpich / "bin" / "mpiexec") and "--resume" not in second["command"]
+    # in-job recovery falls back, saying why once: MPICH has no ULFM (launch never passes --with-ft to Hydra)
+    off = "in-job recovery is off: MPICH has no ULFM fault tolerance"
+    assert job.output.count(off) == 1, job.output[-5000:]
+    assert not first["in_job_recovery"] and first["in_job_recovery_off"].startswith(off)
+    assert "--with-ft" not in first["command"]
 
 
 def test_abbreviated_training_flags_keep_the_users_run_dir_and_checkpoint_dir(tmp_path):

@@ -129,6 +129,17 @@ def test_launch_with_mpich_leaves_it_off_naming_mpich(tmp_path, mpich):
     assert not plan.in_job_recovery.on and "MPICH has no ULFM" in plan.in_job_recovery.why
 
 
+def test_launch_under_srun_leaves_it_off_saying_why_in_one_line(tmp_path, capsys):
+    plan = make_plan(["-H", "a:1,b:1", "-np", "2", "--launcher", "srun", "--run-dir", str(tmp_path), "--",
+                      "--epochs", "1"], {})
+    assert plan.launcher == "srun" and not plan.in_job_recovery.on
+    said = [line for line in capsys.readouterr().err.splitlines() if "in-job recovery" in line]
+    assert said == ["mpiddp launch: in-job recovery is off: srun direct launch cannot recover in the job (Open MPI's "
+                    "fault tolerance needs mpirun's runtime to tell the survivors who failed, and srun ends the whole "
+                    "step when a task dies); a failure ends the job and launch relaunches it (use --launcher mpirun "
+                    "to recover in the job)"]
+
+
 def test_help_names_the_flag(capsys):
     from mpiddp.main import main
 

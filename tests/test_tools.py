@@ -27,6 +27,16 @@ def test_check_reports_a_healthy_job(mpirun, tmp_path):
     assert "MPI rank 0 <-> rank 1: latency" in job.output
     assert "writable on every host" in job.output and "wandb: offline" in job.output
     assert "all good: 2 ranks on 1 hosts" in job.output
+    # not started with MPI fault tolerance: one line says so, and it is no problem (the job fails fast instead)
+    assert "in-job recovery: no: in-job recovery needs mpirun --with-ft ulfm" in job.output
+
+
+def test_check_says_a_job_started_with_fault_tolerance_can_recover_in_the_job(mpirun, tmp_path):
+    command = [mpirun, "--with-ft", "ulfm", "-np", "2", sys.executable, "-m", "mpiddp", "check", "--runs-root",
+               str(tmp_path / "runs"), "--wandb", "disabled"]
+    job = run_command(command, tmp_path, timeout=120)
+    assert job.returncode == 0, job.output[-3000:]
+    assert job.output.count("in-job recovery: yes (Open MPI v5") == 1, job.output[-3000:]
 
 
 def test_check_fails_with_reasons(mpirun, tmp_path):
