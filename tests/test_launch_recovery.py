@@ -200,3 +200,40 @@ def test_checks_line_in_this_process(monkeypatch):
     line = in_job_recovery_line({"OMPI_MCA_mpi_ft_enable": "1"})
     assert line.startswith("in-job recovery: yes (Open MPI v5") and "torch " in line, line
     assert in_job_recovery_line({}).startswith("in-job recovery: no: in-job recovery needs mpirun --with-ft ulfm")
+
+
+def test_a_zero_from_a_fault_tolerant_mpirun_with_failure_records_is_a_failure():
+    from mpiddp.failure import FailureRecord
+    from mpiddp.launch.supervisor import status_under_fault_tolerance
+
+    crashed = FailureRecord("killed", [1], ["nodeb"], "rank 1 on nodeb died", rank=0, status=1)
+    assert status_under_fault_tolerance(0, []) == 0  # finished (its survivors may have recovered in the job)
+    assert status_under_fault_tolerance(0, [crashed]) == 1  # mpirun --with-ft ulfm said 0 after an abort
+    assert status_under_fault_tolerance(0, [FailureRecord("hang", [1], [], "hang")]) == 1
+    assert status_under_fault_tolerance(3, [crashed]) == 3
+
+
+def test_a_survivor_names_the_ranks_mpi_reports_failed_so_their_host_is_blamed():
+    """mpirun --with-ft ulfm prints nothing of a rank that died: the survivor's record, from what MPI told it."""
+    from mpiddp.job.collective import Dist, SoloTransport
+    from mpiddp.job.failfast import FailFast
+    from mpiddp.job.topology import RankRecord, build_topology
+    from mpiddp.launch.diagnose import diagnose, lost_peer
+
+    class KnowsTheDead(SoloTransport):
+        def __init__(self, failed):
+            self.rank, self.size, self.failed = 0, 3, failed
+
+        def failed_ranks(self):
+            return self.failed
+
+    records = [RankRecord(r, f"node{'abc'[r]}", r, 0, 1) for r in range(3)]  # one rank per host
+    guard = FailFast()
+    guard.dist = Dist(build_topology(0, records), KnowsTheDead((1,)))
+    record = guard.record(RuntimeError("MPI_ERR_PROC_FAILED: Process Failure"), 1)
+    assert (record.kind, record.ranks, record.hosts, record.rank) == ("killed", [1], ["nodeb"], 0)
+    assert not lost_peer(record)  # it names the culprit: not a witness's record
+    found = diagnose(0, [record], "", 3, {0: "nodea", 1: "nodeb", 2: "nodec"})
+    assert (found.kind, found.ranks, found.hosts) == ("killed", (1,), ("nodeb",))
+    guard.dist = Dist(build_topology(0, records), KnowsTheDead(()))  # MPI knows of no failure: a witness as before
+    assert guard.record(RuntimeError("Connection reset by peer"), 1).ranks == [0]
