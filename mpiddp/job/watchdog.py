@@ -11,7 +11,6 @@ import collections
 import faulthandler
 import json
 import logging
-import os
 import re
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpiddp.atomicfile import write_text_atomic
 from mpiddp.failure import FailureRecord, records_dir, write_rank
 from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
@@ -222,9 +222,7 @@ class Watchdog:
             else:
                 text += [f"==== {where}: no stacks (stopped, dead, or its watchdog did not fire in time)", ""]
         try:
-            temporary = path.with_name(f".{path.name}.tmp")
-            temporary.write_text("\n".join(text))
-            os.replace(temporary, path)
+            write_text_atomic(path, "\n".join(text))
             sys.stderr.write(f"mpiddp: hang report with every rank's stacks: {path}\n")
         except OSError as exc:
             sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
