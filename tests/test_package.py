@@ -176,3 +176,24 @@ def test_no_function_of_the_job_or_launch_layers_is_over_60_lines():
 @pytest.mark.xfail(strict=False, reason="trainer functions are being split on another branch")
 def test_no_function_of_mpiddp_is_over_60_lines():
     assert _long_functions(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def _store_keys(path: Path) -> list[str]:
+    """String literals and f-strings that spell a key of mpiddp's in the rendezvous store ("mpiddp/...", not a
+    file of the package)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            text = str(node.values[0].value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        else:
+            continue
+        if text.startswith("mpiddp/") and ".py" not in text:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {text!r}")
+    return sorted(set(found))  # an f-string's constant part is visited again on its own
+
+
+def test_every_store_key_is_spelled_in_storekeys_only():
+    home = PACKAGE / "job" / "storekeys.py"
+    assert [hit for path in sorted(PACKAGE.rglob("*.py")) if path != home for hit in _store_keys(path)] == []

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 from mpiddp.errors import ScriptExit
 from mpiddp.job.collective import Dist, Rendezvous, set_current
 from mpiddp.job.failfast import FailFast, flush_logs
+from mpiddp.job.finishwatch import FinishWatch
 from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV
 
 if TYPE_CHECKING:
     from mpiddp.job.bootstrap import _Store
-    from mpiddp.job.script import FinishWatch
 
 
 @dataclass
@@ -109,7 +109,6 @@ def _bootstrap(settings: InitSettings) -> Session:
     """Plain `mpirun python script.py`: mpiddp's bootstrap, an exception hook that ends the whole job, and an
     exit handler that ends it the way `mpiddp run` does."""
     from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
-    from mpiddp.job.script import FinishWatch
 
     guard = FailFast()
     _abort_on_unhandled_exception(guard)

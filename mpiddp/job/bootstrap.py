@@ -18,6 +18,7 @@ from typing import Protocol
 
 from mpiddp.errors import AgreedError, HostFault, UserError
 from mpiddp.failure import write_placement
+from mpiddp.job import storekeys
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.job.failfast import FailFast
 from mpiddp.job.flightrec import TRACE_PREFIX
@@ -363,8 +364,10 @@ def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | Non
     if guard is not None:
         # The one connection (looked up when needed: once closed, rank 0's store must be free to go), with a
         # short wait of its own, so reporting a failure never hangs on the store.
-        guard.claim_report = lambda: add_within(rendezvous.client(), "mpiddp/failures", 1, REPORT_CLAIM_S) == 1
-        guard.tally = lambda amount: add_within(rendezvous.client(), "mpiddp/failed-ranks", amount, REPORT_CLAIM_S)
+        guard.claim_report = lambda: add_within(rendezvous.client(), storekeys.FAILURE_REPORTS, 1,
+                                                REPORT_CLAIM_S) == 1
+        guard.tally = lambda amount: add_within(rendezvous.client(), storekeys.FAILED_RANKS, amount,
+                                                REPORT_CLAIM_S)
     return rendezvous, store
 
 

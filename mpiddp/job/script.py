@@ -9,7 +9,6 @@ guarantees: a failure on any rank ends the job; a rank that finishes waits for t
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import hashlib
 import importlib.util
 import json
@@ -18,7 +17,6 @@ import multiprocessing
 import os
 import runpy
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -29,11 +27,10 @@ from types import TracebackType
 
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.job import preflight
-from mpiddp.job.collective import Dist, Rendezvous
-from mpiddp.job.failfast import EXIT_HANG, FailFast
+from mpiddp.job.failfast import FailFast
+from mpiddp.job.finishwatch import FinishWatch
 from mpiddp.job.helper_signals import mark_helper_parent, prepare_forkserver
 from mpiddp.job.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
-from mpiddp.job.storeload import paced_interval
 from mpiddp.job.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -244,102 +241,6 @@ def execute(target: Target, source: Path) -> None:
         raise ScriptError(target.name, "".join(lines).rstrip(), lines[-1].strip()) from None
     finally:
         sys.argv, sys.path[0] = saved_argv, saved_path0
-
-
-class FinishWatch:
-    """Ends the job when a rank is still running `timeout_s` after another rank's script finished.
-
-    A rank whose script ends (even with status 0) while the others wait for it in a collective would leave them
-    blocked until torch's collective timeout; the watch, a thread talking through the rendezvous store, shows
-    where the late rank is and aborts instead.
-    """
-
-    KEY = "mpiddp/finished"
-
-    def __init__(self, timeout_s: float, dist: Dist, store: object | None, setting: str = "--finish-timeout {}") -> None:
-        self.timeout_s, self.dist, self.store = timeout_s, dist, store
-        self.setting = setting.format(f"{timeout_s:g}")  # how the user changes the timeout, for the messages
-        self.done = threading.Event()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="mpiddp-finish-watch", daemon=True)
-
-    @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist, rendezvous: Rendezvous,
-                setting: str = "--finish-timeout {}") -> FinishWatch:
-        """A watch on this rank's one connection to the rendezvous store (none when it is turned off)."""
-        store = rendezvous.client() if timeout_s > 0 and dist.world_size > 1 else None
-        return cls(timeout_s, dist, store, setting)
-
-    def start(self) -> FinishWatch:
-        if self.store is not None:
-            self.thread.start()
-        return self
-
-    def finished(self) -> None:
-        """This rank's script is done: tell the other ranks' watches (from the watch's own thread)."""
-        self.done.set()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout=5)
-        if not self.thread.is_alive():  # let go of the rank's one connection (rank 0: the store), so teardown closes it
-            self.store = None
-
-    def _watch(self) -> None:
-        store = self.store
-        assert store is not None
-        first_seen: float | None = None
-        reported: float | None = None
-        # one request per interval from every rank, paced so that rank 0's store serves a fixed rate at any scale
-        interval = paced_interval(min(2.0, max(0.2, self.timeout_s / 10)), self.dist.world_size, 1, self.timeout_s)
-        while not self.stopped.wait(interval):
-            try:
-                if self.done.is_set():
-                    if reported is None:
-                        store.set(f"{self.KEY}/{self.dist.rank}", "1")  # type: ignore[attr-defined]
-                        store.add(self.KEY, 1)  # type: ignore[attr-defined]
-                        reported = time.monotonic()
-                    elif time.monotonic() - reported > 2 * self.timeout_s + 10:
-                        # The late ranks' own watches fire after timeout_s; this one only when they cannot (a
-                        # rank stuck holding the GIL), so a finished rank never waits forever.
-                        self._give_up(time.monotonic() - reported)
-                        return
-                    continue
-                if store.add(self.KEY, 0) == 0:  # type: ignore[attr-defined]
-                    continue
-            except Exception:  # the store went away with rank 0: the job is ending anyway
-                return
-            first_seen = first_seen or time.monotonic()
-            if time.monotonic() - first_seen > self.timeout_s:
-                self._fire(time.monotonic() - first_seen)
-                return
-
-    def _finished_ranks(self) -> list[int]:
-        store = self.store
-        return [r for r in range(self.dist.world_size) if store.check([f"{self.KEY}/{r}"])]  # type: ignore[attr-defined]
-
-    def _give_up(self, waited: float) -> None:
-        finished = set(self._finished_ranks())
-        late = [r for r in range(self.dist.world_size) if r not in finished]
-        shown = ", ".join(map(str, late[:8])) + (" ..." if len(late) > 8 else "")
-        sys.stderr.write(f"mpiddp: {self.dist.label} finished {waited:.0f} s ago, and rank(s) {shown} have neither "
-                         f"finished nor ended the job ({self.setting}); ending the job\n")
-        self.dist.abort_from_thread(EXIT_HANG)
-
-    def _fire(self, waited: float) -> None:
-        finished = self._finished_ranks()
-        shown = ", ".join(map(str, finished[:8])) + (" ..." if len(finished) > 8 else "")
-        sys.stderr.write(
-            f"mpiddp: {self.dist.label} is still running {waited:.0f} s after the script finished on rank(s) "
-            f"{shown} ({self.setting}). If it waits in a collective for them, it would never "
-            f"return: every rank must make the same collective calls. Ending the job; Python stacks of "
-            f"{self.dist.label}:\n"
-        )
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        self.dist.abort_from_thread(EXIT_HANG)
 
 
 def script_progress() -> tuple[int | None, bool]:
