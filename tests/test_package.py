@@ -146,9 +146,10 @@ def _renames(path: Path) -> list[str]:
             continue
         owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
         attr = node.func.attr
-        if (owner == "os" and attr in ("replace", "rename", "renames", "link")) or (owner == "shutil" and attr == "move") \
-                or (owner not in ("os", "shutil", "dataclasses") and (attr in ("rename", "hardlink_to", "link_to") or
-                    (attr == "replace" and len(node.args) == 1 and not node.keywords))):
+        path_method = attr in ("rename", "hardlink_to", "link_to") or (
+            attr == "replace" and len(node.args) == 1 and not node.keywords)
+        if (owner == "os" and attr in ("replace", "rename", "renames", "link")) or (
+                owner == "shutil" and attr == "move") or (owner not in ("os", "shutil", "dataclasses") and path_method):
             found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     return found
 
@@ -163,9 +164,10 @@ MAX_LINES = 60
 
 
 def _long_functions(paths: list[Path]) -> list[str]:
+    functions = [(path, node) for path in paths for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     return [f"{path.relative_to(REPO)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for path in paths for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_LINES]
+            for path, node in functions if node.end_lineno - node.lineno + 1 > MAX_LINES]
 
 
 def test_no_function_of_the_job_or_launch_layers_is_over_60_lines():

@@ -29,7 +29,8 @@ def test_both_watchers_are_one_watcher_with_their_own_pace():
     store = DictStore()
     # a tenth of the timeout, within each one's bounds, as before the two shared a base
     assert FinishWatch(600, rank(0, []), store).interval == 2.0 and FinishWatch(1, rank(0, []), store).interval == 0.2
-    assert Watchdog(600, 0, 2, "r", store, print).interval == 5.0 and Watchdog(1, 0, 2, "r", store, print).interval == 0.5
+    assert Watchdog(600, 0, 2, "r", store, print).interval == 5.0
+    assert Watchdog(1, 0, 2, "r", store, print).interval == 0.5
     assert not FinishWatch(0, rank(0, []), store).active and not FinishWatch(60, rank(0, []), None).active
 
 
