@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job import storekeys
@@ -121,7 +121,7 @@ class Watcher(StoreMixin):
         """Whether there is anything to watch (turned off: timeout 0, or no store)."""
         return self.timeout_s > 0 and self.store is not None
 
-    def start(self) -> Any:
+    def start(self) -> Self:
         if self.active:
             self.starting()
             self.thread.start()
