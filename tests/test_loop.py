@@ -1,7 +1,6 @@
 """The training loop's parts in-process (one rank, no mpirun): step, accumulation, epochs, stops, resume skipping."""
 
 import copy
-import dataclasses
 import signal
 
 import pytest
@@ -29,7 +28,7 @@ class Recorder(NullLogger):
 
 
 def job(**overrides):
-    cfg = Config(device="cpu", wandb="disabled", progress="off", **overrides)
+    cfg = Config.of(device="cpu", wandb="disabled", progress="off", **overrides)
     dist = solo_dist()
     datasets = load_datasets(cfg, lambda channels: channels)
     loaders = build_loaders(cfg, datasets, dist)
@@ -125,7 +124,7 @@ def test_a_slow_loader_or_device_shows_in_its_own_phase(monkeypatch):
     measured = {}
     for phase in ("data", "compute"):
         cfg, dist, loaders, state = job(epochs=1, batch_size=256)
-        cfg = dataclasses.replace(cfg, inject_fault=FaultInjection.parse(f"slow-{phase}:0:0"))
+        cfg = cfg.replace(inject_fault=FaultInjection.parse(f"slow-{phase}:0:0"))
         record = train(cfg, state, loaders, dist, hooks([])).epochs[0]
         measured[phase] = (record["rank_data_wait_s"][0], record["rank_compute_s"][0], record["rank_step_time_s"][0])
     assert measured["data"] == pytest.approx((0.1, 0.0, 0.1))
@@ -203,11 +202,11 @@ def test_download_happens_once_per_filesystem(tmp_path):
     from mpiddp.trainer.data import fetch
 
     calls = []
-    cfg = Config(dataset="mnist", data_dir=str(tmp_path / "data"), download=True)
-    fetch(cfg, solo_dist(), download=lambda c: calls.append(c.data_dir))
+    cfg = Config.of(dataset="mnist", data_dir=str(tmp_path / "data"), download=True)
+    fetch(cfg.data, solo_dist(), download=lambda c: calls.append(c.data_dir))
     assert calls == [str(tmp_path / "data")]
     assert not any(p.name.startswith(".mpiddp-download-") for p in (tmp_path / "data").iterdir())  # marker gone
-    fetch(Config(), solo_dist(), download=lambda c: calls.append("never"))
+    fetch(Config().data, solo_dist(), download=lambda c: calls.append("never"))
     assert len(calls) == 1
 
 

@@ -246,12 +246,12 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
     times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step."""
     device = dist.device
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
     skipped = state.batches_done
     loaders.set_epoch(epoch, skip_batches=skipped)
     epoch_batches = skipped + len(loaders.train)
-    progress = make_progress(progress_wanted(cfg.progress) and dist.is_main,
-                             optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum), f"epoch {epoch}/{cfg.epochs}")
+    progress = make_progress(progress_wanted(cfg.outputs.progress) and dist.is_main,
+                             optimizer_steps_per_epoch(len(loaders.train), cfg.training.grad_accum), f"epoch {epoch}/{cfg.training.epochs}")
     state.model.train()
     totals, window = Meter.on(device), Meter.on(device)
     epoch_durations = StepDurations()
@@ -268,26 +268,26 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             timing.record(step)
 
     batches_seen = skipped
-    groups = micro_batch_groups(loaders.train, cfg.grad_accum)
+    groups = micro_batch_groups(loaders.train, cfg.training.grad_accum)
     while True:
         clock.waiting_for_data()
         hooks.phase("data")
-        straggle(cfg.inject_fault, dist.rank, state.step, "data")
+        straggle(cfg.drills.inject_fault, dist.rank, state.step, "data")
         group = next(groups, None)
         if group is None:
             break
         if state.step == 0:  # start-up: the first batch is loaded, the loader's helpers are running
-            stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
+            stop_drill(cfg.drills.inject_fault, dist.rank, state.step, "train")
         clock.computing()
         hooks.phase("compute")
-        straggle(cfg.inject_fault, dist.rank, state.step, "compute")
-        loss_sum, images = train_step(state, group, device, cfg.amp, memory_format)
+        straggle(cfg.drills.inject_fault, dist.rank, state.step, "compute")
+        loss_sum, images = train_step(state, group, device, cfg.training.amp, memory_format)
         clock.step_done(images)
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
             hooks.log.log({"kind": "first_step", "step": state.step, "time": timing.first_step_done_at})  # downtime
-        inject_fault(cfg.inject_fault, dist.rank, state.step, resumed=cfg.resume is not None or dist.topology.restarts > 0)
-        stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
+        inject_fault(cfg.drills.inject_fault, dist.rank, state.step, resumed=cfg.checkpoint.resume is not None or dist.topology.restarts > 0)
+        stop_drill(cfg.drills.inject_fault, dist.rank, state.step, "train")
         batches_seen += len(group)
         totals.add(loss_sum, images)
         window.add(loss_sum, images)
@@ -312,7 +312,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             hooks.save_now(state)
         elif save_due:  # the epoch's last step: its own snapshot after the evaluation is the one, not a copy before
             hooks.save_clock.pending = True
-        if state.step % cfg.log_every == 0:
+        if state.step % cfg.outputs.log_every == 0:
             account()
             record = step_record(window, dist, state, epoch)  # the only per-window sync
             hooks.log.log(record)
@@ -327,17 +327,17 @@ def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dis
                      epoch: int) -> tuple[float, float, float]:
     """Collective: evaluate this rank's shard, stopping early on a signal. When any rank got one, every rank
     saves the epoch (its training is complete) and raises Stopped; otherwise this rank's eval sums."""
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
     sums = (0.0, 0.0, 0.0)
     drilled: list[None] = []
 
     def heartbeat(phase: str, step: int) -> None:
         if not drilled:  # the drill signals once, at the first batch
-            drilled.append(stop_drill(cfg.inject_fault, dist.rank, step, "eval"))
+            drilled.append(stop_drill(cfg.drills.inject_fault, dist.rank, step, "eval"))
         hooks.heartbeat(phase, step)
 
     if loaders.eval is not None:
-        sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, heartbeat,
+        sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.training.amp, memory_format, heartbeat,
                         state.step, should_stop=lambda: bool(hooks.stop.signum))
     signum = hooks.stop.agreed(dist)
     if signum:  # the snapshot keeps state.pending_epoch: a resume evaluates the epoch and writes its record
@@ -396,9 +396,9 @@ def finish_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, h
     accuracy = "n/a" if record["eval_accuracy"] is None else f"{100 * record['eval_accuracy']:.2f}%"
     log.info(
         "epoch %d/%d | train loss %.4f | eval acc %s | %.0f images/s | %.2f s",
-        epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
+        epoch, cfg.training.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
     )
-    if epoch % cfg.save_every == 0 or epoch == cfg.epochs or hooks.save_clock.pending:
+    if epoch % cfg.checkpoint.save_every == 0 or epoch == cfg.training.epochs or hooks.save_clock.pending:
         hooks.save_now(state)
     return record
 
@@ -426,21 +426,21 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
     try:
         return _train(cfg, state, loaders, dist, hooks)
     except RuntimeError as exc:
-        explained = nondeterministic_op(exc, cfg.model_name, dist.device) if cfg.deterministic else None
+        explained = nondeterministic_op(exc, cfg.data.model_name, dist.device) if cfg.training.deterministic else None
         if explained is None:
             raise
         raise explained from None
 
 
 def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
-    timing = RankTiming(cfg.throughput_warmup_steps)
+    timing = RankTiming(cfg.outputs.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
     signum = hooks.stop.agreed(dist)
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)
     if state.pending_epoch is not None:  # resumed after a stop that left an epoch's evaluation undone: it comes first
         history.append(finish_epoch(cfg, state, loaders, dist, hooks))
-    for epoch in range(state.epoch + 1, cfg.epochs + 1):
+    for epoch in range(state.epoch + 1, cfg.training.epochs + 1):
         totals, epoch_durations = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
         state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
         state.epoch, state.batches_done = epoch, 0
