@@ -106,3 +106,41 @@ def test_wandb_mode_lives_with_the_flag_so_check_never_reaches_into_the_trainer(
     check = ast.parse((Path(__file__).resolve().parent.parent / "mpiddp" / "tools" / "check.py").read_text())
     imported = {node.module for node in ast.walk(check) if isinstance(node, ast.ImportFrom)}
     assert "mpiddp.trainer.metrics" not in imported  # a tool, not the trainer's metric log
+
+
+def test_the_config_is_in_sections_and_each_flag_is_declared_once():
+    import dataclasses
+
+    from mpiddp.job.flags import DistSettings, flag_fields
+
+    cfg = parse_args(["--dataset", "synthetic", "--lr", "0.2", "--keep-last", "2", "--wandb", "disabled",
+                      "--device", "cpu", "--inject-fault", "raise:0:1"])
+    assert (cfg.data.dataset, cfg.training.lr, cfg.checkpoint.keep_last, cfg.outputs.wandb, cfg.dist.device) == \
+        ("synthetic", 0.2, 2, "disabled", "cpu")
+    assert cfg.drills.inject_fault == FaultInjection("raise", 0, 1)
+    assert isinstance(cfg.dist, DistSettings)
+    names = [spec.name for spec, _ in flag_fields(Config)]
+    assert len(names) == len(set(names)) == sum(len(dataclasses.fields(type(section))) for section in
+                                                (cfg.data, cfg.training, cfg.checkpoint, cfg.outputs, cfg.dist, cfg.drills))
+    assert list(cfg.to_dict()) == names  # the flat view of logs, summaries and snapshots, as before the sections
+    assert Config.of(lr=0.2, device="cpu") == Config().replace(lr=0.2, device="cpu")
+    with pytest.raises(TypeError, match="no setting nonsense"):
+        Config.of(nonsense=1)
+
+
+def test_the_network_settings_are_declared_once_for_training_run_and_init():
+    import inspect
+
+    from mpiddp.job import api, bootstrap
+    from mpiddp.job.flags import DistSettings, flag_fields
+    from mpiddp.job.script import RunConfig
+
+    declared = {spec.name: spec for spec, _ in flag_fields(DistSettings)}
+    training = {spec.name: spec for spec, _ in flag_fields(Config)}
+    run = {spec.name: (spec, meta) for spec, meta in flag_fields(RunConfig)}
+    for name in ("master_addr", "iface", "rendezvous_timeout_s", "num_threads"):
+        assert training[name] is declared[name] and run[name][0] is declared[name]  # the same field, not a copy
+    assert run["master_addr"][1]["help"] != declared["master_addr"].metadata["help"]  # run's own wording
+    assert isinstance(api.InitSettings().dist, DistSettings)
+    assert not [name for name, value in vars(bootstrap).items()
+                if inspect.isclass(value) and value.__module__ == bootstrap.__name__ and name.endswith("Settings")]
