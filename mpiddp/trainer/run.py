@@ -152,64 +152,26 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     `guard` learns the step a failure happens after."""
     from mpiddp.job.watchdog import Watchdog
     from mpiddp.trainer import checkpoint
-    from mpiddp.trainer.saveclock import SaveClock, SaveCost
-    from mpiddp.trainer.snapshot import Snapshot
-    from mpiddp.trainer.state import TrainState, build_state, configure_torch
+    from mpiddp.trainer.saveclock import SaveClock
     from mpiddp.trainer.train import Hooks, train
 
     startup.mark("process_group")
     (job_started_at,) = dist.reduce([startup.started_at], "min")
     checkpoint_dir = checkpoint_dir_of(cfg.checkpoint, run_dir)
-    mode = resume_mode(cfg.checkpoint, dist, run_dir)
-    if mode is None:  # before anything is loaded or written
-        dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
-    configure_torch(cfg.training)
-    loaders, channels = load_data(cfg, dist)
-    startup.mark("data")
-    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
-    restored = resume(cfg, dist, state, checkpoint_dir, mode)
-    resumed_at_step = state.step
-    startup.mark("model")
-    if state.epoch >= cfg.training.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
-        log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
-                 checkpoint_dir, state.epoch)
+    built = build(cfg, dist, run_dir, checkpoint_dir, startup)
+    if built is None:
         return None
-    log.info(
-        "training %s on %s: %d train / %d eval samples, global batch %d (%d per rank x %d ranks x %d accumulation)",
-        cfg.data.model_name, cfg.data.dataset, loaders.num_train, loaders.num_eval,
-        cfg.training.batch_size * dist.world_size * cfg.training.grad_accum, cfg.training.batch_size, dist.world_size, cfg.training.grad_accum,
-    )
-    run_logger, wandb_run_id = make_run_logger(
-        cfg, run_dir, dist.topology, restored[1].wandb_run_id if restored else None
-    )
-    # the start-up times only this job knows, for the downtime of a relaunch (mpiddp.failure.downtime)
-    run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
-                    "resumed_from": str(restored[0]) if restored else None, "time": time.time(),
-                    "process_started_at": job_started_at, "rendezvous_at": startup.ends["process_group"],
-                    "restored_at": startup.ends["model"]})
-    startup.mark("logger")
+    state, loaders, restored = built
+    resumed_at_step = state.step
+    run_logger, wandb_run_id = start_logger(cfg, dist, run_dir, state, restored, job_started_at, startup)
     watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, run_dir).start()
     if guard is not None:  # a failure record carries the last completed step, and whether this job made progress
         guard.progress = lambda: (state.step, watchdog.progressed)
-
     # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).
-    parent = restored[0] if restored is not None else None
-    save_cost = SaveCost()
-
-    def save(train_state: TrainState) -> None:
-        nonlocal parent
-        watchdog.beat("save", train_state.step)
-        started = time.perf_counter()
-        snapshot = Snapshot.capture(train_state, dist, cfg.data.model_name, cfg.to_dict(), wandb_run_id)
-        parent = checkpoint.save(checkpoint_dir, snapshot, dist, cfg.checkpoint.keep_last, parent)
-        # The save ends when every rank has heard `latest` moved: the slowest rank's time is the job's cost.
-        seconds, nbytes = dist.reduce([time.perf_counter() - started, file_size(parent) if dist.is_main else 0], "max")
-        save_cost.add(seconds, int(nbytes))
-        log.info("saved %s in %.2f s (%.1f MB)", parent, seconds, nbytes / 1e6)
-        watchdog.beat("train", train_state.step)
-
+    saver = Saver(cfg, dist, checkpoint_dir, watchdog, wandb_run_id, restored[0] if restored is not None else None)
     try:
-        hooks = Hooks(run_logger, save, stop, watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s), watchdog.enter)
+        hooks = Hooks(run_logger, saver.save, stop, watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
+                      watchdog.enter)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
         watchdog.stop()
@@ -224,7 +186,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         rendezvous={"master_addr": dist.rendezvous.master_addr, "master_port": dist.rendezvous.master_port,
                     "interfaces": dist.rendezvous.interface_per_host},
         wandb_run_id=wandb_run_id,
-        snapshots=save_cost.record(),
+        snapshots=saver.cost.record(),
         grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
     )
     # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
@@ -233,6 +195,79 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         summary["attempts"] = attempts
     dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
     return summary
+
+
+def build(cfg: Config, dist: Dist, run_dir: Path, checkpoint_dir: Path,
+          startup: StartupClock) -> tuple[Any, Any, tuple[Path, Any] | None] | None:
+    """Collective: (state, loaders, (snapshot path, snapshot) resumed from or None) with the data loaded and the
+    model built and restored; None when a resumed run has nothing left to train."""
+    from mpiddp.trainer import checkpoint
+    from mpiddp.trainer.state import build_state, configure_torch
+
+    mode = resume_mode(cfg.checkpoint, dist, run_dir)
+    if mode is None:  # before anything is loaded or written
+        dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
+    configure_torch(cfg.training)
+    loaders, channels = load_data(cfg, dist)
+    startup.mark("data")
+    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
+    restored = resume(cfg, dist, state, checkpoint_dir, mode)
+    startup.mark("model")
+    if state.epoch >= cfg.training.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
+        log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
+                 checkpoint_dir, state.epoch)
+        return None
+    training = cfg.training
+    log.info(
+        "training %s on %s: %d train / %d eval samples, global batch %d (%d per rank x %d ranks x %d accumulation)",
+        cfg.data.model_name, cfg.data.dataset, loaders.num_train, loaders.num_eval,
+        training.batch_size * dist.world_size * training.grad_accum, training.batch_size, dist.world_size,
+        training.grad_accum,
+    )
+    return state, loaders, restored
+
+
+def start_logger(cfg: Config, dist: Dist, run_dir: Path, state: Any, restored: tuple[Path, Any] | None,
+                 job_started_at: float, startup: StartupClock) -> tuple[Any, str | None]:
+    """Collective: (the run's logger, its wandb run id), with the job's start record written."""
+    run_logger, wandb_run_id = make_run_logger(
+        cfg, run_dir, dist.topology, restored[1].wandb_run_id if restored else None
+    )
+    # the start-up times only this job knows, for the downtime of a relaunch (mpiddp.failure.downtime)
+    run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
+                    "resumed_from": str(restored[0]) if restored else None, "time": time.time(),
+                    "process_started_at": job_started_at, "rendezvous_at": startup.ends["process_group"],
+                    "restored_at": startup.ends["model"]})
+    startup.mark("logger")
+    return run_logger, wandb_run_id
+
+
+class Saver:
+    """The loop's collective `save`: a snapshot whose parent is the one resumed from, then the last one this job
+    saved (its lineage); the watchdog hears of it, and the cost is summed for the summary."""
+
+    def __init__(self, cfg: Config, dist: Dist, checkpoint_dir: Path, watchdog: Any, wandb_run_id: str | None,
+                 parent: Path | None) -> None:
+        from mpiddp.trainer.saveclock import SaveCost
+
+        self.cfg, self.dist, self.checkpoint_dir, self.watchdog = cfg, dist, checkpoint_dir, watchdog
+        self.wandb_run_id, self.parent, self.cost = wandb_run_id, parent, SaveCost()
+
+    def save(self, train_state: Any) -> None:
+        from mpiddp.trainer import checkpoint
+        from mpiddp.trainer.snapshot import Snapshot
+
+        dist = self.dist
+        self.watchdog.beat("save", train_state.step)
+        started = time.perf_counter()
+        snapshot = Snapshot.capture(train_state, dist, self.cfg.data.model_name, self.cfg.to_dict(), self.wandb_run_id)
+        self.parent = checkpoint.save(self.checkpoint_dir, snapshot, dist, self.cfg.checkpoint.keep_last, self.parent)
+        # The save ends when every rank has heard `latest` moved: the slowest rank's time is the job's cost.
+        seconds, nbytes = dist.reduce([time.perf_counter() - started, file_size(self.parent) if dist.is_main else 0],
+                                      "max")
+        self.cost.add(seconds, int(nbytes))
+        log.info("saved %s in %.2f s (%.1f MB)", self.parent, seconds, nbytes / 1e6)
+        self.watchdog.beat("train", train_state.step)
 
 
 def checkpoint_dir_of(checkpoints: CheckpointSettings, run_dir: Path) -> Path:
