@@ -1,8 +1,10 @@
-"""The job's configuration: one dataclass whose fields declare their own flags; validated on construction.
+"""The job's configuration: Config, in sections (data, training, checkpoint, outputs, dist, drills: torchtitan's
+nested dataclasses), whose fields declare their own flags; validated on construction.
 
 Each setting is written once: its field holds the default, the flag names, the help text and the simple
-rules (choices, lower bound). The parser and the generic checks are derived from the fields; rules that
-involve several settings live in `__post_init__`.
+rules (choices, lower bound). The parser and the generic checks are derived from the fields; rules within a
+section live in its `__post_init__`, rules across sections (and DistSettings', which its holder checks) in
+Config's. `cfg.to_dict()` stays flat, one key per flag, as logs, summaries and snapshots have it.
 """
 
 from __future__ import annotations
