@@ -20,7 +20,7 @@ from mpiddp.job.collective import Dist
 from mpiddp.job.log import make_progress, progress_wanted
 from mpiddp.job.stopping import Stopped, StopRequest
 from mpiddp.trainer.callbacks import Callback, Callbacks
-from mpiddp.trainer.config import Config
+from mpiddp.trainer.config import Config, TrainingSettings
 from mpiddp.trainer.data import Loaders
 from mpiddp.trainer.drills import drills_for
 from mpiddp.trainer.metrics import RunLogger
@@ -313,11 +313,11 @@ def stop_in_epoch(signum: int, state: TrainState, dist: Dist, hooks: Hooks, epoc
     raise Stopped(signal.Signals(signum).name, state.step)
 
 
-def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks,
+def evaluate_or_stop(training: TrainingSettings, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks,
                      epoch: int) -> tuple[float, float, float]:
     """Collective: evaluate this rank's shard, stopping early on a signal. When any rank got one, every rank
     saves the epoch (its training is complete) and raises Stopped; otherwise this rank's eval sums."""
-    memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if training.channels_last else torch.contiguous_format
     sums = (0.0, 0.0, 0.0)
     started: list[None] = []
 
@@ -327,7 +327,7 @@ def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dis
         hooks.heartbeat(phase, step)
 
     if loaders.eval is not None:
-        sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.training.amp, memory_format, heartbeat,
+        sums = evaluate(state.unwrapped, loaders.eval, dist.device, training.amp, memory_format, heartbeat,
                         state.step, should_stop=lambda: bool(hooks.stop.signum))
     signum = hooks.stop.agreed(dist)
     if signum:  # the snapshot keeps state.pending_epoch: a resume evaluates the epoch and writes its record
@@ -379,7 +379,7 @@ def finish_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, h
     epoch with its evaluation still pending and raises Stopped."""
     epoch = state.epoch
     assert state.pending_epoch is not None and state.batches_done == 0
-    evaluation = evaluate_or_stop(cfg, state, loaders, dist, hooks, epoch)
+    evaluation = evaluate_or_stop(cfg.training, state, loaders, dist, hooks, epoch)
     record = epoch_record(loaders, dist, state.pending_epoch, evaluation)
     state.pending_epoch = None
     hooks.log.log(record)
