@@ -175,7 +175,6 @@ def test_no_function_of_the_job_or_launch_layers_is_over_60_lines():
     assert _long_functions(paths) == []
 
 
-@pytest.mark.xfail(strict=False, reason="trainer functions are being split on another branch")
 def test_no_function_of_mpiddp_is_over_60_lines():
     assert _long_functions(sorted(PACKAGE.rglob("*.py"))) == []
 

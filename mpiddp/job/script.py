@@ -8,7 +8,6 @@ guarantees: a failure on any rank ends the job; a rank that finishes waits for t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -30,12 +29,13 @@ from mpiddp.job import preflight
 from mpiddp.job.failfast import FailFast
 from mpiddp.job.finishwatch import FinishWatch
 from mpiddp.job.helper_signals import mark_helper_parent, prepare_forkserver
-from mpiddp.job.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
+from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, DistSettings, check_address, check_declared,
+                              flag_fields, flat_values, option, parse_into, parser_for, section)
 from mpiddp.job.topology import Topology
 
 log = logging.getLogger(__name__)
 
-RUN, DISTRIBUTED = "run", "distributed"
+RUN = "run"
 USAGE = "python -m mpiddp run [options] SCRIPT [script args]  or  python -m mpiddp run [options] -m MODULE [args]"
 
 
@@ -53,22 +53,20 @@ class RunConfig:
         help="multiprocessing's default start method for the script (DataLoader workers), unless the script sets "
         "one: fork after MPI_Init is unsafe with InfiniBand; forkserver and spawn need the script's "
         "`if __name__ == '__main__':` guard")
-    master_addr: str | None = option(None, "--master-addr", group=DISTRIBUTED, env=MASTER_ADDR_ENV,
-                                     help=f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV})")
-    iface: str | None = option(None, "--iface", group=DISTRIBUTED,
-                               help="network interface for the rendezvous and gloo/NCCL on every host")
-    rendezvous_timeout_s: float = option(120.0, "--rendezvous-timeout", group=DISTRIBUTED, parse=float,
-                                         help="seconds a rank waits to reach rank 0's store")
-    num_threads: int | None = option(None, "--num-threads", group=DISTRIBUTED, parse=int, at_least=1,
-                                     help="torch/OpenMP threads per rank (default: OMP_NUM_THREADS if set, else a "
-                                     "fair share of the host's cores)")
+    # the network settings (DistSettings, declared once in flags.py); the rest of them are the process group's,
+    # which the script starts itself
+    dist: DistSettings = section(DistSettings, flags=("master_addr", "iface", "rendezvous_timeout_s", "num_threads"), help={
+        "master_addr": f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV})",
+        "iface": "network interface for the rendezvous and gloo/NCCL on every host",
+        "num_threads": "torch/OpenMP threads per rank (default: OMP_NUM_THREADS if set, else a fair share of the "
+        "host's cores)"})
 
     def __post_init__(self) -> None:
         check_declared(self)
-        if self.rendezvous_timeout_s <= 0:
+        check_declared(self.dist)  # DistSettings is checked by its holder
+        if self.dist.rendezvous_timeout_s <= 0:
             raise ValueError("--rendezvous-timeout must be positive seconds")
-        if self.master_addr is not None and not self.master_addr.strip():
-            raise ValueError("--master-addr is empty: give a host name or IP address, or leave it out")
+        check_address(self.dist)
 
 
 @dataclass(frozen=True)
@@ -112,7 +110,7 @@ class Target:
 
 def split_argv(argv: list[str]) -> tuple[list[str], Target]:
     """(mpiddp's options, the target): options end at the script name or at `-m MODULE`."""
-    takes_value = {name for spec in dataclasses.fields(RunConfig) for name in spec.metadata["names"]}
+    takes_value = {name for _, meta in flag_fields(RunConfig) for name in meta["names"]}
     own: list[str] = []
     index = 0
     while index < len(argv):
@@ -268,15 +266,15 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     cfg = dist.agree(lambda: parse_run_args(own))
     setup_logging(dist.topology, cfg.log_level)
     digest = dist.agree(target.digest)
-    settings = {**dataclasses.asdict(cfg), "target": target.name, "args": list(target.args)}
+    settings = {**flat_values(cfg), "target": target.name, "args": list(target.args)}
     log.info("every rank runs %s", preflight.check(settings, dist, {"script": digest}))
     dist.agree(lambda: check_contiguous(dist.topology))
-    num_threads = set_threads(cfg, dist.topology)
-    if cfg.num_threads is not None:
+    num_threads = set_threads(cfg.dist, dist.topology)
+    if cfg.dist.num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
-    rendezvous, store = open_rendezvous(cfg, dist, guard)
+    rendezvous, store = open_rendezvous(cfg.dist, dist, guard)
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
     gpus_per_rank = dist.allgather(visible_gpus())
     if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose
