@@ -9,11 +9,12 @@ global batch from the record (RUN_DIR/job.json), as it learns why a job failed f
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from mpiddp.atomicfile import write_text_atomic
 
 FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # where the job records why it failed
 RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # relaunches so far: > 0 and training resumes by itself
@@ -50,17 +51,6 @@ class JobRecord:
             if not isinstance(values[name], int) or isinstance(values[name], bool) or values[name] < 1:
                 raise ValueError(f"{name} is {values[name]!r}")
         return cls(**{**values, "run_dir": str(values["run_dir"]), "checkpoint_dir": str(values["checkpoint_dir"])})
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write-then-rename: a reader sees the old file or the new one, never half of one. Raises OSError."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(text)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def write_job_record(path: Path, record: JobRecord) -> bool:

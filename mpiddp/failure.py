@@ -10,12 +10,12 @@ while they may be stuck. Rank 0 also records where every rank runs (placement.js
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mpiddp.atomicfile import write_new
 
 FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that recorded a failure
 PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
@@ -87,14 +87,7 @@ def _write_new(path: Path, data: dict[str, Any]) -> bool:
     """Write `data` to `path` unless a file is there; True when written. Never raises OSError."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w") as out:
-                json.dump(data, out, indent=1)
-            os.link(temporary, path)  # fails if the file exists: the first complete one stays, atomically
-            return True
-        finally:
-            os.unlink(temporary)
+        return write_new(path, json.dumps(data, indent=1))  # the first complete one stays, atomically
     except OSError:
         return False
 

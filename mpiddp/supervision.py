@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mpiddp import failure
-from mpiddp.contract import HELPER_PARENT_ENV, JOB_RECORD_FILE, SUPERVISOR_ENV, write_text_atomic  # noqa: F401
+from mpiddp.atomicfile import move, write_text_atomic
+from mpiddp.contract import HELPER_PARENT_ENV, JOB_RECORD_FILE, SUPERVISOR_ENV  # noqa: F401
 from mpiddp.errors import EXIT_STOPPED
 
 # The pid a loader's helper process must die with (mpiddp.job.helper_signals): the rank sets its own before its helpers
@@ -99,10 +100,8 @@ def complete_last_attempt(path: Path, message: str, step: int) -> bool:
         return False
     last.update(status=EXIT_STOPPED, ended_at=time.time(), cause="stopped", cause_source="job", message=message,
                 failed_at_step=step, decision=SUPERVISOR_DIED)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        temporary.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(temporary, path)
+        write_text_atomic(path, json.dumps(data, indent=1) + "\n")
     except OSError:
         return False
     return True
@@ -136,7 +135,7 @@ def move_records(before: Path, after: Path) -> None:
         moves += [(path, target / path.name) for path in records.iterdir()]
     for source, destination in moves:
         try:
-            os.replace(source, destination)
+            move(source, destination)
         except OSError:  # none there (no failure record: the job succeeded, or died without one)
             pass
     try:

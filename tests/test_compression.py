@@ -104,8 +104,8 @@ def test_powersgd_state_survives_a_restart():
 
 def test_compression_flags():
     cfg = parse_args(["--grad-compression", "powersgd", "--powersgd-rank", "4", "--bucket-cap-mb", "50", "--static-graph"])
-    assert (cfg.grad_compression, cfg.powersgd_rank, cfg.bucket_cap_mb, cfg.static_graph) == ("powersgd", 4, 50.0, True)
+    assert (cfg.training.grad_compression, cfg.training.powersgd_rank, cfg.training.bucket_cap_mb, cfg.training.static_graph) == ("powersgd", 4, 50.0, True)
     with pytest.raises(ConfigError, match="--grad-compression must be one of none, fp16, bf16, powersgd"):
         parse_args(["--grad-compression", "int8"])
     with pytest.raises(ValueError, match="--powersgd-warmup-steps must be at least 2"):
-        Config(powersgd_warmup_steps=1)
+        Config.of(powersgd_warmup_steps=1)

@@ -57,13 +57,13 @@ def test_the_collective_timeout_is_raised_above_the_hang_timeout():
     from mpiddp.trainer.config import parse_args
 
     cfg, note = parse_args(["--hang-timeout", "8", "--collective-timeout", "8"]).ordered_timeouts()
-    assert cfg.collective_timeout_s >= 8 + 30 and "raised to" in note
+    assert cfg.dist.collective_timeout_s >= 8 + 30 and "raised to" in note
     kept, nothing = parse_args(["--hang-timeout", "8", "--collective-timeout", "100"]).ordered_timeouts()
-    assert kept.collective_timeout_s == 100 and nothing == ""
+    assert kept.dist.collective_timeout_s == 100 and nothing == ""
     off, nothing = parse_args(["--hang-timeout", "0", "--collective-timeout", "5"]).ordered_timeouts()
-    assert off.collective_timeout_s == 5 and nothing == ""
+    assert off.dist.collective_timeout_s == 5 and nothing == ""
     default, _ = parse_args([]).ordered_timeouts()
-    assert default.collective_timeout_s > default.hang_timeout_s
+    assert default.dist.collective_timeout_s > default.dist.hang_timeout_s
 
 
 def test_the_rank_that_never_reached_the_collective_is_behind():

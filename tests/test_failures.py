@@ -129,14 +129,14 @@ def test_more_local_ranks_than_gpus_names_both_numbers(monkeypatch):
     from mpiddp.errors import UserError
     from mpiddp.job.bootstrap import choose_device
     from mpiddp.job.topology import RankRecord, build_topology
-    from mpiddp.trainer.config import Config
+    from mpiddp.job.flags import DistSettings
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     topo = build_topology(0, [RankRecord(r, "gpu-a", 0, r, 3) for r in range(3)])
     with pytest.raises(UserError, match="gpu-a runs 3 ranks but has 2 GPUs.*-H gpu-a:2"):
-        choose_device(Config(), topo)
-    assert choose_device(Config(device="cpu"), topo) == ("cpu", "gloo", None)
+        choose_device(DistSettings(), topo)
+    assert choose_device(DistSettings(device="cpu"), topo) == ("cpu", "gloo", None)
 
 
 def test_a_killed_rank_ends_the_job_and_keeps_the_snapshot(mpirun, tmp_path):

@@ -10,7 +10,8 @@ import pytest
 
 from mpiddp.job.bootstrap import flight_recorder_env
 from mpiddp.job.flightrec import describe_traces, load_trace, slim, trace_path, write_trace
-from mpiddp.job.watchdog import REQUEST_KEY, Watchdog
+from mpiddp.job.storekeys import HANG_REQUEST as REQUEST_KEY
+from mpiddp.job.watchdog import Watchdog
 from test_launch_record import DictStore
 
 

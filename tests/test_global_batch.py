@@ -69,13 +69,13 @@ def test_another_global_batch_or_a_position_between_steps_restarts_the_epoch():
 @pytest.mark.usefixtures("solo_group")
 def test_restoring_on_fewer_ranks_at_the_same_global_batch_continues_the_epoch(caplog):
     dist = solo_dist()
-    cfg = Config(device="cpu", batch_size=32, global_batch=64).for_world(1)
+    cfg = Config.of(device="cpu", batch_size=32, global_batch=64).for_world(1)
     state = build_state(cfg, dist, 10, 1, batches_per_epoch=44)
     taken = snapshot_at(2, 32, 1, 6)
     taken.model, taken.optimizer = state.unwrapped.state_dict(), state.optimizer.state_dict()
     taken.scheduler, taken.rng = state.scheduler.state_dict(), [rng_state(dist.device)] * 2
     with caplog.at_level(logging.INFO):
-        taken.restore_into(state, dist, seed=0, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+        taken.restore_into(state, dist, seed=0, batch_size=cfg.training.batch_size, grad_accum=cfg.training.grad_accum)
     assert (state.epoch, state.batches_done) == (EPOCH - 1, 12)
     assert ("resuming a 2-rank snapshot on 1 ranks at the same global batch 64 (32 per rank x 1 ranks x 2 "
             "accumulation): epoch 3 continues after its first 384 samples") in caplog.text

@@ -300,14 +300,14 @@ def test_the_jobs_own_run_dir_flag_wins_over_launchs(tmp_path):
 
     topo = SimpleNamespace(launch_run_dir=str(tmp_path / "launch"))
     given = parse_args(["--run-d", "mydir"])
-    assert given.run_dir == "mydir"  # the caller takes it first: `cfg.run_dir or launch_run_dir(...)`
-    assert launch_run_dir(parse_args([]), topo) == str(tmp_path / "launch")
-    assert launch_run_dir(parse_args(["--runs-r", "elsewhere"]), topo) is None  # a new directory under it
-    assert launch_run_dir(parse_args([]), SimpleNamespace(launch_run_dir="")) is None  # not under launch
+    assert given.outputs.run_dir == "mydir"  # the caller takes it first: `cfg.run_dir or launch_run_dir(...)`
+    assert launch_run_dir(parse_args([]).outputs, topo) == str(tmp_path / "launch")
+    assert launch_run_dir(parse_args(["--runs-r", "elsewhere"]).outputs, topo) is None  # a new directory under it
+    assert launch_run_dir(parse_args([]).outputs, SimpleNamespace(launch_run_dir="")) is None  # not under launch
     # a relaunch is told the directory the first attempt made under --runs-root, and keeps it (found by an outside
     # review: each attempt made a new one and started from scratch)
     followed = SimpleNamespace(launch_run_dir=str(tmp_path / "root" / "20261124-040400"))
-    assert launch_run_dir(parse_args(["--runs-root", str(tmp_path / "root")]), followed) == followed.launch_run_dir
+    assert launch_run_dir(parse_args(["--runs-root", str(tmp_path / "root")]).outputs, followed) == followed.launch_run_dir
 
 
 def test_a_run_dir_launch_cannot_write_in_is_one_line_before_any_attempt():
@@ -320,8 +320,8 @@ def test_the_global_batch_of_a_shrunk_relaunch_comes_from_the_environment(monkey
     from mpiddp.trainer.config import parse_args
 
     monkeypatch.setenv(contract.GLOBAL_BATCH_ENV, "96")
-    assert parse_args(["--batch-size", "16"]).for_world(1).grad_accum == 6
-    assert parse_args(["--global-b", "32"]).global_batch == 32  # the user's flag wins
+    assert parse_args(["--batch-size", "16"]).for_world(1).training.grad_accum == 6
+    assert parse_args(["--global-b", "32"]).training.global_batch == 32  # the user's flag wins
 
 
 def test_attempts_of_earlier_launches_in_the_run_dir_are_kept(tmp_path):
@@ -508,10 +508,10 @@ def test_global_batch_split_keeps_it_exact():
 def test_config_for_world_derives_accumulation_from_the_global_batch():
     from mpiddp.trainer.config import Config, ConfigError
 
-    cfg = Config(batch_size=32, global_batch=64)
-    assert (cfg.for_world(2).batch_size, cfg.for_world(2).grad_accum) == (32, 1)
-    assert (cfg.for_world(1).batch_size, cfg.for_world(1).grad_accum) == (32, 2)
-    assert Config(batch_size=32, grad_accum=3).for_world(5).grad_accum == 3  # without --global-batch: as given
+    cfg = Config.of(batch_size=32, global_batch=64)
+    assert (cfg.for_world(2).training.batch_size, cfg.for_world(2).training.grad_accum) == (32, 1)
+    assert (cfg.for_world(1).training.batch_size, cfg.for_world(1).training.grad_accum) == (32, 2)
+    assert Config.of(batch_size=32, grad_accum=3).for_world(5).training.grad_accum == 3  # without --global-batch: as given
     with pytest.raises(ConfigError, match="--global-batch: the global batch 64 does not split over 3 ranks"):
         cfg.for_world(3)
 

@@ -1,7 +1,6 @@
 """The training loop's parts in-process (one rank, no mpirun): step, accumulation, epochs, stops, resume skipping."""
 
 import copy
-import dataclasses
 import signal
 
 import pytest
@@ -15,7 +14,8 @@ from mpiddp.trainer.data import SkippingSampler, SyntheticBatches, build_loaders
 from mpiddp.trainer.metrics import NullLogger
 from mpiddp.trainer.models import build_model
 from mpiddp.trainer.state import TrainState, build_state
-from mpiddp.trainer.train import Hooks, Meter, inject_fault, micro_batch_groups, train, train_step
+from mpiddp.trainer.drills import inject_fault
+from mpiddp.trainer.train import Hooks, Meter, micro_batch_groups, train, train_step
 
 pytestmark = pytest.mark.usefixtures("solo_group")
 
@@ -29,7 +29,7 @@ class Recorder(NullLogger):
 
 
 def job(**overrides):
-    cfg = Config(device="cpu", wandb="disabled", progress="off", **overrides)
+    cfg = Config.of(device="cpu", wandb="disabled", progress="off", **overrides)
     dist = solo_dist()
     datasets = load_datasets(cfg, lambda channels: channels)
     loaders = build_loaders(cfg, datasets, dist)
@@ -106,7 +106,7 @@ def test_a_stop_signal_during_start_up_stops_before_the_first_step_without_savin
 def test_a_slow_loader_or_device_shows_in_its_own_phase(monkeypatch):
     """Straggler drills in-process: each delay lands in the phase it hit, not in the other one. The step clock
     is a fake that only the injected delay moves, so the split is exact whatever else the machine is doing."""
-    from mpiddp.trainer import train as train_module
+    from mpiddp.trainer import drills as drills_module
     from mpiddp.trainer.config import FaultInjection
 
     class StepClock:
@@ -119,13 +119,13 @@ def test_a_slow_loader_or_device_shows_in_its_own_phase(monkeypatch):
             self.now += seconds
 
     clock = StepClock()
-    monkeypatch.setattr(train_module, "STRAGGLE_S", 0.1)
+    monkeypatch.setattr(drills_module, "STRAGGLE_S", 0.1)
     monkeypatch.setattr("time.perf_counter", clock.perf_counter)
     monkeypatch.setattr("time.sleep", clock.sleep)
     measured = {}
     for phase in ("data", "compute"):
         cfg, dist, loaders, state = job(epochs=1, batch_size=256)
-        cfg = dataclasses.replace(cfg, inject_fault=FaultInjection.parse(f"slow-{phase}:0:0"))
+        cfg = cfg.replace(inject_fault=FaultInjection.parse(f"slow-{phase}:0:0"))
         record = train(cfg, state, loaders, dist, hooks([])).epochs[0]
         measured[phase] = (record["rank_data_wait_s"][0], record["rank_compute_s"][0], record["rank_step_time_s"][0])
     assert measured["data"] == pytest.approx((0.1, 0.0, 0.1))
@@ -203,11 +203,11 @@ def test_download_happens_once_per_filesystem(tmp_path):
     from mpiddp.trainer.data import fetch
 
     calls = []
-    cfg = Config(dataset="mnist", data_dir=str(tmp_path / "data"), download=True)
-    fetch(cfg, solo_dist(), download=lambda c: calls.append(c.data_dir))
+    cfg = Config.of(dataset="mnist", data_dir=str(tmp_path / "data"), download=True)
+    fetch(cfg.data, solo_dist(), download=lambda c: calls.append(c.data_dir))
     assert calls == [str(tmp_path / "data")]
     assert not any(p.name.startswith(".mpiddp-download-") for p in (tmp_path / "data").iterdir())  # marker gone
-    fetch(Config(), solo_dist(), download=lambda c: calls.append("never"))
+    fetch(Config().data, solo_dist(), download=lambda c: calls.append("never"))
     assert len(calls) == 1
 
 
@@ -265,3 +265,47 @@ def test_a_stop_on_an_epochs_last_step_saves_the_epoch_and_the_resumed_job_recor
     assert all(r["train_loss"] > 0 and r["images_per_second"] > 0 and r["eval_accuracy"] is not None
                for r in outcome.epochs)
     assert outcome.timing.steps == steps and state.step == 2 * steps
+
+
+class PointRecorder:
+    """A callback that writes down every point of the loop it is called at."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_data_wait(self, step):
+        self.calls.append(("data_wait", step))
+
+    def on_batch_loaded(self, step):
+        self.calls.append(("batch_loaded", step))
+
+    def on_step_end(self, step):
+        self.calls.append(("step_end", step))
+
+    def on_eval_start(self, step):
+        self.calls.append(("eval_start", step))
+
+
+def test_the_loop_calls_its_callbacks_once_per_point_of_each_step():
+    cfg, dist, loaders, state = job(epochs=1, batch_size=256)
+    recorder = PointRecorder()
+    loop_hooks = hooks([])
+    loop_hooks.callbacks = recorder
+    train(cfg, state, loaders, dist, loop_hooks)
+    steps = len(loaders.train)
+    expected = [call for step in range(steps)
+                for call in (("data_wait", step), ("batch_loaded", step), ("step_end", step + 1))]
+    assert recorder.calls == expected + [("data_wait", steps), ("eval_start", steps)]
+
+
+def test_the_drills_are_a_callback_only_with_inject_fault():
+    from mpiddp.trainer.callbacks import Callback
+    from mpiddp.trainer.config import FaultInjection
+    from mpiddp.trainer.drills import Drills, drills_for
+
+    assert drills_for(None, 0, resumed=False) == []
+    (drill,) = drills_for(FaultInjection.parse("raise:0:2"), 0, resumed=False)
+    assert isinstance(drill, Drills) and isinstance(drill, Callback)
+    drill.on_step_end(1)  # not its step: nothing happens
+    with pytest.raises(RuntimeError, match="injected fault on rank 0 at step 2"):
+        drill.on_step_end(2)

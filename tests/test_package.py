@@ -1,8 +1,10 @@
 """The package face: importing mpiddp (and launch, which runs outside MPI) loads nothing heavy; the public names
 still resolve."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +43,158 @@ def test_comm_hook_finds_the_job_that_named_itself_current():
         assert state is not None
     finally:
         collective.set_current(None)
+
+
+PACKAGE = REPO / "mpiddp"
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of mpiddp by its dotted name."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imported(name: str, path: Path, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    """The mpiddp modules one import statement loads: `from mpiddp import failure` is mpiddp.failure, and
+    `from mpiddp.job.api import init` is mpiddp.job.api."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    base = node.module or ""
+    if node.level:
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        base = ".".join([*package[:len(package) - node.level + 1], *([node.module] if node.module else [])])
+    found = set()
+    for alias in node.names:
+        if f"{base}.{alias.name}" in modules:
+            found.add(f"{base}.{alias.name}")
+        elif base in modules:
+            found.add(base)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the mpiddp modules it imports anywhere: at the top, inside functions, under TYPE_CHECKING."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[name] |= _imported(name, path, node, modules) - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: the strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_mpiddp_imports_another_both_ways():
+    assert cycles(import_graph()) == []
+
+
+def test_the_job_layer_reaches_the_public_api_and_the_script_runner_only_through_the_package_face():
+    graph = import_graph()
+    users = {"mpiddp.job.api", "mpiddp.job.script"}
+    inside = {name: imports & users for name, imports in graph.items()
+              if name.startswith("mpiddp.job.") and name not in users and imports & users}
+    assert inside == {}
+    assert not ("mpiddp.job.script" in graph["mpiddp.job.api"] and "mpiddp.job.api" in graph["mpiddp.job.script"])
+
+
+def _renames(path: Path) -> list[str]:
+    """Calls that rename or link a file: os.replace/rename/renames/link, shutil.move, Path.rename/replace/
+    hardlink_to (a one-argument .replace(target) is Path's; str.replace takes two)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+        attr = node.func.attr
+        path_method = attr in ("rename", "hardlink_to", "link_to") or (
+            attr == "replace" and len(node.args) == 1 and not node.keywords)
+        if (owner == "os" and attr in ("replace", "rename", "renames", "link")) or (
+                owner == "shutil" and attr == "move") or (owner not in ("os", "shutil", "dataclasses") and path_method):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_every_write_then_rename_goes_through_the_one_atomic_write():
+    home = PACKAGE / "atomicfile.py"
+    assert _renames(home)  # the finder sees the one home's own renames
+    assert [hit for path in sorted(PACKAGE.rglob("*.py")) if path != home for hit in _renames(path)] == []
+
+
+MAX_LINES = 60
+
+
+def _long_functions(paths: list[Path]) -> list[str]:
+    functions = [(path, node) for path in paths for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [f"{path.relative_to(REPO)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path, node in functions if node.end_lineno - node.lineno + 1 > MAX_LINES]
+
+
+def test_no_function_of_the_job_or_launch_layers_is_over_60_lines():
+    paths = sorted([*(PACKAGE / "job").rglob("*.py"), *(PACKAGE / "launch").rglob("*.py")])
+    assert _long_functions(paths) == []
+
+
+def test_no_function_of_mpiddp_is_over_60_lines():
+    assert _long_functions(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def _store_keys(path: Path) -> list[str]:
+    """String literals and f-strings that spell a key of mpiddp's in the rendezvous store ("mpiddp/...", not a
+    file of the package)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            text = str(node.values[0].value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        else:
+            continue
+        if text.startswith("mpiddp/") and ".py" not in text:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {text!r}")
+    return sorted(set(found))  # an f-string's constant part is visited again on its own
+
+
+def test_every_store_key_is_spelled_in_storekeys_only():
+    home = PACKAGE / "job" / "storekeys.py"
+    assert [hit for path in sorted(PACKAGE.rglob("*.py")) if path != home for hit in _store_keys(path)] == []

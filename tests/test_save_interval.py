@@ -17,7 +17,7 @@ from test_loop import hooks, job
                                            ("0", 0.0), ("1.5h", 5400.0), (" 2M ", 120.0), ("0.5", 0.5)])
 def test_durations_parse_to_seconds(text, seconds):
     assert parse_duration(text) == seconds
-    assert parse_args(["--save-interval", text]).save_interval_s == seconds
+    assert parse_args(["--save-interval", text]).checkpoint.save_interval_s == seconds
 
 
 @pytest.mark.parametrize("text", ["15x", "-5", "m", "", "1h30m", "nan"])
@@ -29,11 +29,11 @@ def test_a_bad_duration_is_one_line_saying_what_to_give(text):
 
 
 def test_the_interval_is_off_by_default_and_never_negative():
-    assert Config().save_interval_s == 0.0
+    assert Config().checkpoint.save_interval_s == 0.0
     with pytest.raises(ValueError, match="--save-interval must be a duration >= 0"):
-        Config(save_interval_s=-1.0)
+        Config.of(save_interval_s=-1.0)
     with pytest.raises(ValueError, match="--save-interval must be a duration >= 0"):
-        Config(save_interval_s=float("inf"))
+        Config.of(save_interval_s=float("inf"))
 
 
 class FakeTime:

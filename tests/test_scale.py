@@ -173,7 +173,8 @@ def test_watchers_pace_themselves_so_rank_0s_store_load_stays_flat_as_the_world_
 
 def test_the_hang_writer_reads_each_ranks_stacks_once_and_otherwise_polls_one_counter(tmp_path, monkeypatch):
     import mpiddp.job.watchdog as watchdog_module
-    from mpiddp.job.watchdog import STACKS_COUNT_KEY, Watchdog
+    from mpiddp.job.storekeys import STACKS_GIVEN as STACKS_COUNT_KEY
+    from mpiddp.job.watchdog import Watchdog
 
     monkeypatch.setattr(watchdog_module, "GRACE_S", 1.0)  # several polls: ranks 2 to 63 never answer
     world = 64
@@ -216,7 +217,7 @@ def test_a_failing_rank_waits_a_bounded_time_for_the_shared_connection():
 
 def test_the_watchers_use_the_ranks_one_connection(tmp_path):
     from mpiddp.job.collective import Dist, Rendezvous, SoloTransport
-    from mpiddp.job.script import FinishWatch
+    from mpiddp.job.finishwatch import FinishWatch
     from mpiddp.job.topology import RankRecord, build_topology
     from mpiddp.job.watchdog import Watchdog
 

@@ -138,11 +138,12 @@ def test_forkserver_becomes_the_default_without_fixing_it():
 
 def test_the_users_omp_num_threads_wins_over_the_fair_share():
     from mpiddp.job.bootstrap import fair_thread_count, user_thread_count
+    from mpiddp.job.flags import DistSettings
     from mpiddp.job.collective import solo_topology
 
     topo = solo_topology()
-    assert fair_thread_count(RunConfig(), topo, {"OMP_NUM_THREADS": "1"}) == 1
-    assert fair_thread_count(RunConfig(num_threads=3), topo, {"OMP_NUM_THREADS": "1"}) == 3  # the flag first
+    assert fair_thread_count(RunConfig().dist, topo, {"OMP_NUM_THREADS": "1"}) == 1
+    assert fair_thread_count(RunConfig(dist=DistSettings(num_threads=3)).dist, topo, {"OMP_NUM_THREADS": "1"}) == 3  # the flag first
     assert user_thread_count({"OMP_NUM_THREADS": "4,2"}) == 4  # OpenMP's nested form: the outer level
     assert user_thread_count({}) is None and user_thread_count({"OMP_NUM_THREADS": "0"}) is None
     assert user_thread_count({"OMP_NUM_THREADS": "many"}) is None

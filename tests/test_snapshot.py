@@ -11,6 +11,7 @@ import torch
 from mpiddp.errors import UserError
 from mpiddp.job.collective import solo_dist
 from mpiddp.trainer import checkpoint
+from mpiddp.job.flags import flag_fields
 from mpiddp.trainer.config import Config
 from mpiddp.trainer.snapshot import FORMAT_VERSION, Snapshot
 from mpiddp.trainer.state import build_state
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("solo_group")
 
 
 def trained_state(steps=3):
-    cfg = Config(device="cpu", optimizer="adamw")
+    cfg = Config.of(device="cpu", optimizer="adamw")
     state = build_state(cfg, solo_dist(), 10, 1, batches_per_epoch=5)
     for _ in range(steps):
         loss = state.model(torch.randn(4, 1, 8, 8)).logsumexp(dim=1).mean()
@@ -41,7 +42,7 @@ def test_round_trip_restores_weights_optimizer_schedule_counters_and_rng(tmp_pat
     path, loaded = checkpoint.restore("auto", tmp_path, "digits_cnn", dist)
     assert path.name == "snapshot-epoch0001-batch000002.pt"
 
-    fresh = build_state(Config(device="cpu", optimizer="adamw"), dist, 10, 1, batches_per_epoch=5)
+    fresh = build_state(Config.of(device="cpu", optimizer="adamw"), dist, 10, 1, batches_per_epoch=5)
     torch.rand(100), np.random.rand(100), random.random()  # move the generators on: restoring brings them back
     loaded.restore_into(fresh, dist, seed=0, batch_size=32)
     assert torch.equal(torch.rand(3), after_capture[0])
@@ -83,7 +84,7 @@ def test_another_world_size_restarts_a_partial_epoch(caplog):
     dist = solo_dist()
     taken = Snapshot.capture(trained_state(), dist, "digits_cnn", {}, None)
     taken.world_size, taken.rng = 4, taken.rng * 4
-    fresh = build_state(Config(device="cpu", optimizer="adamw"), dist, 10, 1, batches_per_epoch=5)
+    fresh = build_state(Config.of(device="cpu", optimizer="adamw"), dist, 10, 1, batches_per_epoch=5)
     with caplog.at_level(logging.WARNING):
         taken.restore_into(fresh, dist, seed=0, batch_size=32)
     assert fresh.batches_done == 0 and fresh.epoch == 1
@@ -98,19 +99,19 @@ BATCHES_AT_32 = 10  # batches per epoch at --batch-size 32 (a made-up loader: on
 
 
 def batches_per_epoch(cfg):
-    return BATCHES_AT_32 * 32 // cfg.batch_size
+    return BATCHES_AT_32 * 32 // cfg.training.batch_size
 
 
 def first_job(tmp_path, batches_done=0, **settings):
     """Two epochs (plus `batches_done` batches) of job A, saved as a snapshot in tmp_path."""
-    dist, cfg = solo_dist(), Config(**{**FIRST, **settings})
+    dist, cfg = solo_dist(), Config.of(**{**FIRST, **settings})
     state = build_state(cfg, dist, 10, 1, batches_per_epoch=batches_per_epoch(cfg))
     for _ in range(2 * BATCHES_AT_32 + batches_done):
         state.optimizer.step()  # no gradients: only the schedule moves
         state.scheduler.step()
         state.step += 1
     state.epoch, state.batches_done = 2, batches_done
-    checkpoint.save(tmp_path, Snapshot.capture(state, dist, cfg.model_name, cfg.to_dict(), None), dist, keep_last=3)
+    checkpoint.save(tmp_path, Snapshot.capture(state, dist, cfg.data.model_name, cfg.to_dict(), None), dist, keep_last=3)
     return cfg
 
 
@@ -157,18 +158,18 @@ def optimizer_settings(state, steps=8):
 ], ids=lambda value: ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value))
 def test_a_setting_changed_on_resume_is_applied(tmp_path, caplog, first, changed, position):
     before = first_job(tmp_path, **first)
-    after = dataclasses.replace(before, resume="auto", **changed)
+    after = before.replace(resume="auto", **changed)
     with caplog.at_level(logging.WARNING):
         resumed = resumed_job(tmp_path, after)
     for key, value in changed.items():
-        assert f"resuming with --{key.replace('_', '-')} changed from {getattr(before, key)!r} to {value!r}" in caplog.text
+        assert f"resuming with --{key.replace('_', '-')} changed from {before.to_dict()[key]!r} to {value!r}" in caplog.text
     assert optimizer_settings(resumed) == optimizer_settings(straight_run_at(after, position))
-    assert optimizer_settings(resumed)[1] == [after.lr]
+    assert optimizer_settings(resumed)[1] == [after.training.lr]
 
 
 def test_unchanged_settings_continue_the_same_curve(tmp_path):
     before = first_job(tmp_path, batches_done=4)
-    resumed = resumed_job(tmp_path, dataclasses.replace(before, resume="auto"))
+    resumed = resumed_job(tmp_path, before.replace(resume="auto"))
     assert resumed.scheduler.last_epoch == resumed.step == 24
     assert optimizer_settings(resumed) == optimizer_settings(straight_run_at(before, 24))
 
@@ -176,10 +177,10 @@ def test_unchanged_settings_continue_the_same_curve(tmp_path):
 def test_another_batch_size_restarts_a_partial_epoch(tmp_path, caplog):
     before = first_job(tmp_path, batches_done=4)
     with caplog.at_level(logging.WARNING):
-        resumed = resumed_job(tmp_path, dataclasses.replace(before, resume="auto", batch_size=64))
+        resumed = resumed_job(tmp_path, before.replace(resume="auto", batch_size=64))
     assert (resumed.epoch, resumed.batches_done) == (2, 0)  # its 4 batches of 32 are not 4 batches of 64
     assert "part-way through epoch 3 with --batch-size 32: that epoch restarts from its beginning with 64" in caplog.text
-    assert optimizer_settings(resumed) == optimizer_settings(straight_run_at(dataclasses.replace(before, batch_size=64), 10))
+    assert optimizer_settings(resumed) == optimizer_settings(straight_run_at(before.replace(batch_size=64), 10))
 
 
 def test_a_changed_seed_is_refused_in_one_line(tmp_path):
@@ -187,7 +188,7 @@ def test_a_changed_seed_is_refused_in_one_line(tmp_path):
 
     before = first_job(tmp_path)
     with pytest.raises(AgreedError, match=r"cannot continue under: --seed 0 -> 1\. Resume with the snapshot's settings"):
-        resumed_job(tmp_path, dataclasses.replace(before, resume="auto", seed=1))
+        resumed_job(tmp_path, before.replace(resume="auto", seed=1))
 
 
 def test_every_setting_is_run_local_refused_or_applied_on_resume():
@@ -199,19 +200,19 @@ def test_every_setting_is_run_local_refused_or_applied_on_resume():
                             "lr_gamma", "batch_size", "grad_accum", "global_batch"}  # global_batch: as the other two
     built_from_flags = {"image_size", "steps_per_epoch", "grad_compression", "grad_transport", "powersgd_rank", "powersgd_warmup_steps",
                         "bucket_cap_mb", "static_graph", "channels_last", "compile", "deterministic"}
-    fields = {f.name for f in dataclasses.fields(Config)}
+    fields = {f.name for f, _ in flag_fields(Config)}
     assert fields == RUN_LOCAL_SETTINGS | INCOMPATIBLE_SETTINGS | applied_to_optimizer | built_from_flags
 
 
 def test_a_snapshot_stopped_after_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path):
     before = first_job(tmp_path, batches_done=BATCHES_AT_32)  # written so by an older mpiddp: 10 of 10 batches
-    resumed = resumed_job(tmp_path, dataclasses.replace(before, resume="auto"))
+    resumed = resumed_job(tmp_path, before.replace(resume="auto"))
     assert (resumed.epoch, resumed.batches_done, resumed.step) == (3, 0, 30)
 
 
 def test_a_changed_powersgd_rank_keeps_the_error_feedback_and_restarts_the_warm_start(tmp_path):
     dist = solo_dist()
-    before = Config(device="cpu", grad_compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=2, bucket_cap_mb=0.01)
+    before = Config.of(device="cpu", grad_compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=2, bucket_cap_mb=0.01)
 
     def train(state, count):
         for _ in range(count):
@@ -222,10 +223,10 @@ def test_a_changed_powersgd_rank_keeps_the_error_feedback_and_restarts_the_warm_
 
     state = build_state(before, dist, 10, 1, batches_per_epoch=5)
     train(state, 4)
-    taken = Snapshot.capture(state, dist, before.model_name, before.to_dict(), None)
+    taken = Snapshot.capture(state, dist, before.data.model_name, before.to_dict(), None)
     assert taken.side_ranks == 1 and taken.own_side["q"] and taken.own_side["error"]
     taken.take_own_side(0, taken.own_side)  # as checkpoint.restore does with this rank's side file
-    fresh = build_state(dataclasses.replace(before, powersgd_rank=1), dist, 10, 1, batches_per_epoch=5)
+    fresh = build_state(before.replace(powersgd_rank=1), dist, 10, 1, batches_per_epoch=5)
     taken.restore_into(fresh, dist, seed=0, batch_size=32)
     assert fresh.gradient_hook._pending_q == {} and fresh.gradient_hook._pending_error
     train(fresh, 2)  # rank-1 matrices from here on; the old rank-2 ones would not fit
@@ -234,8 +235,8 @@ def test_a_changed_powersgd_rank_keeps_the_error_feedback_and_restarts_the_warm_
 
 def test_a_changed_setting_without_effect_says_so(tmp_path):
     taken = Snapshot.capture(trained_state(1), solo_dist(), "digits_cnn",
-                             Config(optimizer="adamw", momentum=0.9, lr_gamma=0.1).to_dict(), None)
-    changes = taken.check_settings(Config(optimizer="adamw", momentum=0.5, lr_gamma=0.5, schedule="step").to_dict())
+                             Config.of(optimizer="adamw", momentum=0.9, lr_gamma=0.1).to_dict(), None)
+    changes = taken.check_settings(Config.of(optimizer="adamw", momentum=0.5, lr_gamma=0.5, schedule="step").to_dict())
     assert changes == ["--lr-gamma changed from 0.1 to 0.5",
                        "--momentum changed from 0.9 to 0.5 (no effect: it acts only with --optimizer sgd)",
                        "--schedule changed from 'cosine' to 'step'"]
@@ -262,7 +263,7 @@ def test_resume_sends_each_rank_only_its_own_state():
 
 
 def powersgd_state(steps=4):
-    cfg = Config(device="cpu", grad_compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=2, bucket_cap_mb=0.01)
+    cfg = Config.of(device="cpu", grad_compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=2, bucket_cap_mb=0.01)
     state = build_state(cfg, solo_dist(), 10, 1, batches_per_epoch=5)
     for _ in range(steps):
         torch.nn.functional.cross_entropy(state.model(torch.randn(8, 1, 8, 8)), torch.randint(0, 10, (8,))).backward()
@@ -275,7 +276,7 @@ def powersgd_state(steps=4):
 def test_powersgd_state_is_saved_per_rank_beside_the_snapshot_and_read_back_by_its_rank(tmp_path):
     cfg, state = powersgd_state()
     dist = solo_dist()
-    taken = Snapshot.capture(state, dist, cfg.model_name, cfg.to_dict(), None)
+    taken = Snapshot.capture(state, dist, cfg.data.model_name, cfg.to_dict(), None)
     path = checkpoint.save(tmp_path, taken, dist, keep_last=1)
     payload = torch.load(path, weights_only=True)
     # Nothing of any rank's PowerSGD state is in the snapshot file (nor gathered to rank 0): each rank's own file.
@@ -284,14 +285,14 @@ def test_powersgd_state_is_saved_per_rank_beside_the_snapshot_and_read_back_by_i
     assert own["error"] and all(torch.equal(own["error"][k], taken.own_side["error"][k]) for k in own["error"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage", path.name, f"{path.name}.rank00000"]
 
-    _, restored = checkpoint.restore("auto", tmp_path, cfg.model_name, dist)
+    _, restored = checkpoint.restore("auto", tmp_path, cfg.data.model_name, dist)
     assert list(restored.communication[0]["error"]) == list(own["error"])
     fresh = build_state(cfg, dist, 10, 1, batches_per_epoch=5)
     restored.restore_into(fresh, dist, seed=0, batch_size=32)
     assert all(torch.equal(fresh.gradient_hook._pending_error[k], own["error"][k]) for k in own["error"])
 
     state.epoch += 1  # the next snapshot rotates this one away, its side file with it
-    checkpoint.save(tmp_path, Snapshot.capture(state, dist, cfg.model_name, cfg.to_dict(), None), dist, keep_last=1,
+    checkpoint.save(tmp_path, Snapshot.capture(state, dist, cfg.data.model_name, cfg.to_dict(), None), dist, keep_last=1,
                     parent=path)
     assert not path.exists() and not checkpoint.side_path(path, 0).exists()
 

@@ -127,17 +127,19 @@ def test_gpu_binding_follows_what_each_rank_sees(monkeypatch):
 
     from mpiddp.errors import UserError
     from mpiddp.job.bootstrap import choose_device, shared_gpus
-    from mpiddp.trainer.config import Config
+    from mpiddp.job.flags import DistSettings
+    from mpiddp.trainer.config import TrainingSettings
+    from mpiddp.trainer.state import device_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     topo = build_topology(2, [RankRecord(r, "gpu-a", 0, r, 4) for r in range(4)])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert choose_device(Config(), topo) == ("cuda", "nccl", 2)  # all GPUs visible: cuda:<local rank>
+    assert choose_device(DistSettings(), topo) == ("cuda", "nccl", 2)  # all GPUs visible: cuda:<local rank>
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert choose_device(Config(), topo) == ("cuda", "nccl", 0)  # one visible GPU per rank
+    assert choose_device(DistSettings(), topo) == ("cuda", "nccl", 0)  # one visible GPU per rank
     with pytest.raises(UserError, match="no bfloat16 support"):
-        choose_device(Config(amp="bf16"), topo)
+        choose_device(DistSettings(), topo, device_check(TrainingSettings(amp="bf16"), topo.label))
     shared_gpus([("gpu-a", "GPU-1"), ("gpu-a", "GPU-2"), ("gpu-b", "GPU-1"), ("gpu-b", None)])
     with pytest.raises(UserError, match="ranks 0 and 2 on gpu-a both use GPU GPU-1"):
         shared_gpus([("gpu-a", "GPU-1"), ("gpu-a", "GPU-2"), ("gpu-a", "GPU-1")])

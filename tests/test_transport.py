@@ -95,8 +95,8 @@ def test_choice_without_a_probe():
 
 
 def test_transport_flags():
-    assert Config().grad_transport == "auto"
-    assert parse_args(["--grad-transport", "mpi", "--grad-compression", "bf16"]).grad_transport == "mpi"
+    assert Config().training.grad_transport == "auto"
+    assert parse_args(["--grad-transport", "mpi", "--grad-compression", "bf16"]).training.grad_transport == "mpi"
     with pytest.raises(ConfigError, match="--grad-transport must be one of auto, gloo, nccl, mpi"):
         parse_args(["--grad-transport", "tcp"])
     with pytest.raises(ConfigError, match="--grad-transport mpi cannot carry PowerSGD"):

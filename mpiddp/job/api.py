@@ -13,18 +13,18 @@ import atexit
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mpiddp.errors import ScriptExit
 from mpiddp.job.collective import Dist, Rendezvous, set_current
 from mpiddp.job.failfast import FailFast, flush_logs
-from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV
+from mpiddp.job.finishwatch import FinishWatch
+from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV, DistSettings
 
 if TYPE_CHECKING:
     from mpiddp.job.bootstrap import _Store
-    from mpiddp.job.script import FinishWatch
 
 
 @dataclass
@@ -39,26 +39,19 @@ class Session:
 
 @dataclass(frozen=True)
 class InitSettings:
-    """What `init` asks of the bootstrap (the same fields the training command's Config has)."""
+    """What `init` asks of the bootstrap: the network settings training and `run` have too (DistSettings), and how
+    long a rank may run on after another's script ended."""
 
-    device: str = "auto"
-    backend: str = "auto"
-    collective_timeout_s: float = 600.0
-    amp: str = "off"
-    sync_bn: bool = False
-    master_addr: str | None = None
-    iface: str | None = None
-    rendezvous_timeout_s: float = 120.0
-    num_threads: int | None = None
+    dist: DistSettings = field(default_factory=DistSettings)
     finish_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if self.dist.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.dist.device!r}")
+        if self.dist.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.dist.backend!r}")
+        if self.dist.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be positive, got {self.dist.collective_timeout_s}")
         if self.finish_timeout_s < 0:
             raise ValueError(f"finish_timeout_s must be 0 (wait forever) or positive, got {self.finish_timeout_s}")
 
@@ -97,10 +90,10 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
         return _initialised
     from mpiddp.job.bootstrap import start_process_group
 
-    settings = InitSettings(device, backend, collective_timeout_s, master_addr=os.environ.get(MASTER_ADDR_ENV),
-                            finish_timeout_s=finish_timeout_s)
+    settings = InitSettings(DistSettings(device, backend, master_addr=os.environ.get(MASTER_ADDR_ENV),
+                                         collective_timeout_s=collective_timeout_s), finish_timeout_s=finish_timeout_s)
     session = _session or _bootstrap(settings)
-    _initialised = start_process_group(settings, session.dist, session.rendezvous, session.store, session.num_threads)
+    _initialised = start_process_group(settings.dist, session.dist, session.rendezvous, session.store, session.num_threads)
     set_current(_initialised)
     return _initialised
 
@@ -109,13 +102,12 @@ def _bootstrap(settings: InitSettings) -> Session:
     """Plain `mpirun python script.py`: mpiddp's bootstrap, an exception hook that ends the whole job, and an
     exit handler that ends it the way `mpiddp run` does."""
     from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
-    from mpiddp.job.script import FinishWatch
 
     guard = FailFast()
     _abort_on_unhandled_exception(guard)
     dist = connect(guard)
-    num_threads = set_threads(settings, dist.topology)
-    rendezvous, store = open_rendezvous(settings, dist, guard)
+    num_threads = set_threads(settings.dist, dist.topology)
+    rendezvous, store = open_rendezvous(settings.dist, dist, guard)
     watch = FinishWatch.for_job(settings.finish_timeout_s, dist, rendezvous,
                                 setting="mpiddp.init(finish_timeout_s={})").start()
     exit_status = _ExitStatus().install()

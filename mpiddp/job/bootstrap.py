@@ -10,16 +10,17 @@ import dataclasses
 import logging
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
 
 from mpiddp.errors import AgreedError, HostFault, UserError
 from mpiddp.failure import write_placement
+from mpiddp.job import storekeys
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.job.failfast import FailFast
+from mpiddp.job.flags import DistSettings
 from mpiddp.job.flightrec import TRACE_PREFIX
 from mpiddp.job.netif import (Interface, Reach, choose_network, interfaces_toward, local_interfaces, master_address,
                           reach, resolve_ipv4)
@@ -54,33 +55,20 @@ def connect(guard: FailFast | None = None) -> Dist:
     return dist
 
 
-class NetworkSettings(Protocol):
-    """What the rendezvous needs to know (training's Config and `run`'s RunConfig both have it)."""
-
-    master_addr: str | None
-    iface: str | None
-    rendezvous_timeout_s: float
-    num_threads: int | None
-
-
-class GroupSettings(NetworkSettings, Protocol):
-    """What the process group needs on top: the device and backend asked for, and the collective timeout."""
-
-    device: str
-    backend: str
-    amp: str
-    sync_bn: bool
-    collective_timeout_s: float
-
-
 def _provisional_topology(transport: MpiTransport) -> Topology:
     """Enough of a topology to report and abort with before the real one is known."""
     host = socket.gethostname()
     return Topology(transport.rank, transport.size, 0, 1, 0, 1, host, ((host, (transport.rank,)),))
 
 
-def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str, int | None]:
+def _any_device(device_type: str) -> None:
+    """What start_process_group's caller asks of the device by default: nothing."""
+
+
+def choose_device(cfg: DistSettings, topo: Topology,
+                  fits: Callable[[str], None] = _any_device) -> tuple[str, str, int | None]:
     """(device type, backend, CUDA device index) for this rank; a UserError when the flags cannot work here.
+    `fits(device type)`: the caller's own checks of the device (training's --amp, --sync-bn), raising UserError.
 
     GPU binding: when a rank sees at least as many GPUs as its host runs ranks, it takes cuda:<local rank>;
     when it sees exactly one (Slurm's --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES), it takes cuda:0.
@@ -104,10 +92,7 @@ def choose_device(cfg: GroupSettings, topo: Topology) -> tuple[str, str, int | N
                 f"{num_gpus} ranks on it (e.g. -H {topo.hostname}:{num_gpus}), give each rank one GPU "
                 f"(CUDA_VISIBLE_DEVICES), or use --device cpu"
             )
-        if cfg.amp == "bf16" and not torch.cuda.is_bf16_supported():
-            raise UserError(f"--amp bf16, but the GPU of {topo.label} has no bfloat16 support: use --amp fp16")
-    if cfg.sync_bn and device != "cuda":
-        raise UserError("--sync-bn needs CUDA devices (torch's SyncBatchNorm is GPU-only): drop it on CPU")
+    fits(device)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         raise UserError("--backend nccl needs CUDA devices: use --backend gloo on CPU")
@@ -141,7 +126,7 @@ def shared_gpus(placements: list[tuple[str, str | None]]) -> None:
         owner[(host, uuid)] = rank
 
 
-def fair_thread_count(cfg: NetworkSettings, topo: Topology, env: Mapping[str, str] | None = None) -> int:
+def fair_thread_count(cfg: DistSettings, topo: Topology, env: Mapping[str, str] | None = None) -> int:
     """Threads per rank: --num-threads, else the user's OMP_NUM_THREADS, else the rank's share of the host's
     cores, so co-located ranks do not oversubscribe the CPU."""
     if cfg.num_threads is not None:
@@ -161,7 +146,7 @@ def user_thread_count(env: Mapping[str, str]) -> int | None:
     return int(first) if first.isdigit() and int(first) > 0 else None
 
 
-def choose_address(cfg: NetworkSettings, topo: Topology, per_host: list[list[Interface]],
+def choose_address(cfg: DistSettings, topo: Topology, per_host: list[list[Interface]],
                    toward_master: tuple[str, list[Reach]] | None = None) -> tuple[str, dict[str, str]]:
     """The address rank 0 advertises, and the interface gloo/NCCL should use on each host.
 
@@ -195,7 +180,7 @@ def socket_interfaces(chosen_here: str, user_chose: bool, env: dict[str, str]) -
     return {name: value for name, value in wanted.items() if name not in env}
 
 
-def _agree_on_address(cfg: NetworkSettings, dist: Dist) -> tuple[str, dict[str, str]]:
+def _agree_on_address(cfg: DistSettings, dist: Dist) -> tuple[str, dict[str, str]]:
     """Collective: gather each host's interfaces, agree on the address and the interface per host, and point
     gloo (and, with --iface, NCCL) at it, so collectives use the network of the rendezvous."""
     topo = dist.topology
@@ -269,7 +254,7 @@ class _Store:
         self.store = None  # the last reference: the server (rank 0) stops listening
 
 
-def _rendezvous(cfg: NetworkSettings, dist: Dist, address: str) -> tuple[_Store, str, int]:
+def _rendezvous(cfg: DistSettings, dist: Dist, address: str) -> tuple[_Store, str, int]:
     """Collective: rank 0 opens a TCPStore on a kernel-chosen port and broadcasts (address, port); the others
     connect to it."""
     import torch.distributed as tdist
@@ -352,7 +337,7 @@ def enable_flight_recorder(trace_dir: Path | None) -> dict[str, str]:
     return wanted
 
 
-def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | None = None) -> tuple[Rendezvous, _Store]:
+def open_rendezvous(settings: DistSettings, dist: Dist, guard: FailFast | None = None) -> tuple[Rendezvous, _Store]:
     """Collective: agree on the address, open rank 0's store on a kernel-chosen port, connect every rank (one
     connection each, which the Rendezvous hands on), export torchrun's variables. `guard` gets a way to claim the
     one full failure report."""
@@ -363,12 +348,14 @@ def open_rendezvous(settings: NetworkSettings, dist: Dist, guard: FailFast | Non
     if guard is not None:
         # The one connection (looked up when needed: once closed, rank 0's store must be free to go), with a
         # short wait of its own, so reporting a failure never hangs on the store.
-        guard.claim_report = lambda: add_within(rendezvous.client(), "mpiddp/failures", 1, REPORT_CLAIM_S) == 1
-        guard.tally = lambda amount: add_within(rendezvous.client(), "mpiddp/failed-ranks", amount, REPORT_CLAIM_S)
+        guard.claim_report = lambda: add_within(rendezvous.client(), storekeys.FAILURE_REPORTS, 1,
+                                                REPORT_CLAIM_S) == 1
+        guard.tally = lambda amount: add_within(rendezvous.client(), storekeys.FAILED_RANKS, amount,
+                                                REPORT_CLAIM_S)
     return rendezvous, store
 
 
-def set_threads(settings: NetworkSettings, topo: Topology) -> int:
+def set_threads(settings: DistSettings, topo: Topology) -> int:
     """A fair share of the host's cores for torch and OpenMP in this rank (unless the user chose)."""
     import torch
 
@@ -377,15 +364,16 @@ def set_threads(settings: NetworkSettings, topo: Topology) -> int:
     return num_threads
 
 
-def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezvous, store: _Store,
-                        num_threads: int, trace_dir: Path | None = None) -> Dist:
-    """Collective: choose the device (agreed), and start torch's default process group on mpiddp's store. On
-    NCCL, torch's flight recorder is on, its dumps in `trace_dir` (the run dir)."""
+def start_process_group(settings: DistSettings, dist: Dist, rendezvous: Rendezvous, store: _Store,
+                        num_threads: int, trace_dir: Path | None = None,
+                        fits: Callable[[str], None] = _any_device) -> Dist:
+    """Collective: choose the device (agreed, with the caller's `fits` checks), and start torch's default process
+    group on mpiddp's store. On NCCL, torch's flight recorder is on, its dumps in `trace_dir` (the run dir)."""
     import torch
     import torch.distributed as tdist
 
     topo = dist.topology
-    device_type, backend, device_index = dist.agree(lambda: choose_device(settings, topo))
+    device_type, backend, device_index = dist.agree(lambda: choose_device(settings, topo, fits))
     uuid = None
     if device_type == "cuda":
         torch.cuda.set_device(device_index)  # before the process group, so nothing lands on GPU 0 by accident
@@ -415,16 +403,16 @@ def start_process_group(settings: GroupSettings, dist: Dist, rendezvous: Rendezv
 
 
 @contextmanager
-def distributed(cfg: GroupSettings, dist: Dist, guard: FailFast | None = None,
-                trace_dir: Path | None = None) -> Iterator[Dist]:
+def distributed(cfg: DistSettings, dist: Dist, guard: FailFast | None = None, trace_dir: Path | None = None,
+                fits: Callable[[str], None] = _any_device) -> Iterator[Dist]:
     """Collective: set up the torch process group and yield the Dist placed on its device (on NCCL, with the
-    flight recorder's dumps in `trace_dir`). Tear it down on a clean exit, or when every rank raised together
-    (AgreedError, Stopped). After any other exception there is no teardown: FailFast aborts the whole job, the
-    only safe end when peers may be blocked in a collective.
+    flight recorder's dumps in `trace_dir`; `fits`: see choose_device). Tear it down on a clean exit, or when
+    every rank raised together (AgreedError, Stopped). After any other exception there is no teardown: FailFast
+    aborts the whole job, the only safe end when peers may be blocked in a collective.
     """
     num_threads = set_threads(cfg, dist.topology)
     rendezvous, store = open_rendezvous(cfg, dist, guard)
-    placed = start_process_group(cfg, dist, rendezvous, store, num_threads, trace_dir)
+    placed = start_process_group(cfg, dist, rendezvous, store, num_threads, trace_dir, fits)
     try:
         yield placed
     except (AgreedError, Stopped):

@@ -11,13 +11,14 @@ names them (`<prefix><rank>`), so torch's analyser reads them too.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mpiddp.atomicfile import write_bytes_atomic
 
 TRACE_PREFIX = "nccl-trace-rank"  # RUN_DIR/nccl-trace-rank<N>: ours, and torch's own on a collective timeout
 DUMP_TIMEOUT_S = 10.0  # a dump that takes longer (the recorder's lock held by a stuck thread) is given up
@@ -57,9 +58,7 @@ def write_trace(path: Path, dump: Callable[[], bytes], timeout_s: float = DUMP_T
     if isinstance(data, BaseException):
         return f"the dump failed ({type(data).__name__}: {data})"
     try:
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
+        write_bytes_atomic(path, data)
     except OSError as exc:
         return f"writing {path} failed ({exc.strerror or exc})"
     return None

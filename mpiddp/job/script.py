@@ -8,8 +8,6 @@ guarantees: a failure on any rank ends the job; a rank that finishes waits for t
 
 from __future__ import annotations
 
-import dataclasses
-import faulthandler
 import hashlib
 import importlib.util
 import json
@@ -18,7 +16,6 @@ import multiprocessing
 import os
 import runpy
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -29,16 +26,16 @@ from types import TracebackType
 
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.job import preflight
-from mpiddp.job.collective import Dist, Rendezvous
-from mpiddp.job.failfast import EXIT_HANG, FailFast
+from mpiddp.job.failfast import FailFast
+from mpiddp.job.finishwatch import FinishWatch
 from mpiddp.job.helper_signals import mark_helper_parent, prepare_forkserver
-from mpiddp.job.flags import LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, check_declared, option, parse_into, parser_for
-from mpiddp.job.storeload import paced_interval
+from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, DistSettings, check_address, check_declared,
+                              flag_fields, flat_values, option, parse_into, parser_for, section)
 from mpiddp.job.topology import Topology
 
 log = logging.getLogger(__name__)
 
-RUN, DISTRIBUTED = "run", "distributed"
+RUN = "run"
 USAGE = "python -m mpiddp run [options] SCRIPT [script args]  or  python -m mpiddp run [options] -m MODULE [args]"
 
 
@@ -56,22 +53,20 @@ class RunConfig:
         help="multiprocessing's default start method for the script (DataLoader workers), unless the script sets "
         "one: fork after MPI_Init is unsafe with InfiniBand; forkserver and spawn need the script's "
         "`if __name__ == '__main__':` guard")
-    master_addr: str | None = option(None, "--master-addr", group=DISTRIBUTED, env=MASTER_ADDR_ENV,
-                                     help=f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV})")
-    iface: str | None = option(None, "--iface", group=DISTRIBUTED,
-                               help="network interface for the rendezvous and gloo/NCCL on every host")
-    rendezvous_timeout_s: float = option(120.0, "--rendezvous-timeout", group=DISTRIBUTED, parse=float,
-                                         help="seconds a rank waits to reach rank 0's store")
-    num_threads: int | None = option(None, "--num-threads", group=DISTRIBUTED, parse=int, at_least=1,
-                                     help="torch/OpenMP threads per rank (default: OMP_NUM_THREADS if set, else a "
-                                     "fair share of the host's cores)")
+    # the network settings (DistSettings, declared once in flags.py); the rest of them are the process group's,
+    # which the script starts itself
+    dist: DistSettings = section(DistSettings, flags=("master_addr", "iface", "rendezvous_timeout_s", "num_threads"), help={
+        "master_addr": f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV})",
+        "iface": "network interface for the rendezvous and gloo/NCCL on every host",
+        "num_threads": "torch/OpenMP threads per rank (default: OMP_NUM_THREADS if set, else a fair share of the "
+        "host's cores)"})
 
     def __post_init__(self) -> None:
         check_declared(self)
-        if self.rendezvous_timeout_s <= 0:
+        check_declared(self.dist)  # DistSettings is checked by its holder
+        if self.dist.rendezvous_timeout_s <= 0:
             raise ValueError("--rendezvous-timeout must be positive seconds")
-        if self.master_addr is not None and not self.master_addr.strip():
-            raise ValueError("--master-addr is empty: give a host name or IP address, or leave it out")
+        check_address(self.dist)
 
 
 @dataclass(frozen=True)
@@ -115,7 +110,7 @@ class Target:
 
 def split_argv(argv: list[str]) -> tuple[list[str], Target]:
     """(mpiddp's options, the target): options end at the script name or at `-m MODULE`."""
-    takes_value = {name for spec in dataclasses.fields(RunConfig) for name in spec.metadata["names"]}
+    takes_value = {name for _, meta in flag_fields(RunConfig) for name in meta["names"]}
     own: list[str] = []
     index = 0
     while index < len(argv):
@@ -246,102 +241,6 @@ def execute(target: Target, source: Path) -> None:
         sys.argv, sys.path[0] = saved_argv, saved_path0
 
 
-class FinishWatch:
-    """Ends the job when a rank is still running `timeout_s` after another rank's script finished.
-
-    A rank whose script ends (even with status 0) while the others wait for it in a collective would leave them
-    blocked until torch's collective timeout; the watch, a thread talking through the rendezvous store, shows
-    where the late rank is and aborts instead.
-    """
-
-    KEY = "mpiddp/finished"
-
-    def __init__(self, timeout_s: float, dist: Dist, store: object | None, setting: str = "--finish-timeout {}") -> None:
-        self.timeout_s, self.dist, self.store = timeout_s, dist, store
-        self.setting = setting.format(f"{timeout_s:g}")  # how the user changes the timeout, for the messages
-        self.done = threading.Event()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="mpiddp-finish-watch", daemon=True)
-
-    @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist, rendezvous: Rendezvous,
-                setting: str = "--finish-timeout {}") -> FinishWatch:
-        """A watch on this rank's one connection to the rendezvous store (none when it is turned off)."""
-        store = rendezvous.client() if timeout_s > 0 and dist.world_size > 1 else None
-        return cls(timeout_s, dist, store, setting)
-
-    def start(self) -> FinishWatch:
-        if self.store is not None:
-            self.thread.start()
-        return self
-
-    def finished(self) -> None:
-        """This rank's script is done: tell the other ranks' watches (from the watch's own thread)."""
-        self.done.set()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout=5)
-        if not self.thread.is_alive():  # let go of the rank's one connection (rank 0: the store), so teardown closes it
-            self.store = None
-
-    def _watch(self) -> None:
-        store = self.store
-        assert store is not None
-        first_seen: float | None = None
-        reported: float | None = None
-        # one request per interval from every rank, paced so that rank 0's store serves a fixed rate at any scale
-        interval = paced_interval(min(2.0, max(0.2, self.timeout_s / 10)), self.dist.world_size, 1, self.timeout_s)
-        while not self.stopped.wait(interval):
-            try:
-                if self.done.is_set():
-                    if reported is None:
-                        store.set(f"{self.KEY}/{self.dist.rank}", "1")  # type: ignore[attr-defined]
-                        store.add(self.KEY, 1)  # type: ignore[attr-defined]
-                        reported = time.monotonic()
-                    elif time.monotonic() - reported > 2 * self.timeout_s + 10:
-                        # The late ranks' own watches fire after timeout_s; this one only when they cannot (a
-                        # rank stuck holding the GIL), so a finished rank never waits forever.
-                        self._give_up(time.monotonic() - reported)
-                        return
-                    continue
-                if store.add(self.KEY, 0) == 0:  # type: ignore[attr-defined]
-                    continue
-            except Exception:  # the store went away with rank 0: the job is ending anyway
-                return
-            first_seen = first_seen or time.monotonic()
-            if time.monotonic() - first_seen > self.timeout_s:
-                self._fire(time.monotonic() - first_seen)
-                return
-
-    def _finished_ranks(self) -> list[int]:
-        store = self.store
-        return [r for r in range(self.dist.world_size) if store.check([f"{self.KEY}/{r}"])]  # type: ignore[attr-defined]
-
-    def _give_up(self, waited: float) -> None:
-        finished = set(self._finished_ranks())
-        late = [r for r in range(self.dist.world_size) if r not in finished]
-        shown = ", ".join(map(str, late[:8])) + (" ..." if len(late) > 8 else "")
-        sys.stderr.write(f"mpiddp: {self.dist.label} finished {waited:.0f} s ago, and rank(s) {shown} have neither "
-                         f"finished nor ended the job ({self.setting}); ending the job\n")
-        self.dist.abort_from_thread(EXIT_HANG)
-
-    def _fire(self, waited: float) -> None:
-        finished = self._finished_ranks()
-        shown = ", ".join(map(str, finished[:8])) + (" ..." if len(finished) > 8 else "")
-        sys.stderr.write(
-            f"mpiddp: {self.dist.label} is still running {waited:.0f} s after the script finished on rank(s) "
-            f"{shown} ({self.setting}). If it waits in a collective for them, it would never "
-            f"return: every rank must make the same collective calls. Ending the job; Python stacks of "
-            f"{self.dist.label}:\n"
-        )
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        self.dist.abort_from_thread(EXIT_HANG)
-
-
 def script_progress() -> tuple[int | None, bool]:
     """(step, progressed) for a failure record: a script's steps are its own; it has made progress once it set up
     torch.distributed (a script that fails before, on its arguments say, fails alike on every relaunch)."""
@@ -367,15 +266,15 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     cfg = dist.agree(lambda: parse_run_args(own))
     setup_logging(dist.topology, cfg.log_level)
     digest = dist.agree(target.digest)
-    settings = {**dataclasses.asdict(cfg), "target": target.name, "args": list(target.args)}
+    settings = {**flat_values(cfg), "target": target.name, "args": list(target.args)}
     log.info("every rank runs %s", preflight.check(settings, dist, {"script": digest}))
     dist.agree(lambda: check_contiguous(dist.topology))
-    num_threads = set_threads(cfg, dist.topology)
-    if cfg.num_threads is not None:
+    num_threads = set_threads(cfg.dist, dist.topology)
+    if cfg.dist.num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
-    rendezvous, store = open_rendezvous(cfg, dist, guard)
+    rendezvous, store = open_rendezvous(cfg.dist, dist, guard)
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
     gpus_per_rank = dist.allgather(visible_gpus())
     if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose

@@ -1,40 +1,34 @@
 """Hang watchdog: when a rank makes no progress for --hang-timeout seconds, show where every rank is and abort.
 
-It runs in a daemon thread and talks through the rendezvous store, not through MPI or gloo/NCCL, so it works
-while the main thread is stuck inside a collective. The first rank to fire asks every other rank's watchdog for
-its stacks and, on NCCL, its flight-recorder dump, and writes what they show into one hang file.
+It is a watcher (mpiddp.job.watch): a daemon thread that talks through the rendezvous store, not through MPI or
+gloo/NCCL, so it works while the main thread is stuck inside a collective. The first rank to fire asks every
+other rank's watchdog for its stacks and, on NCCL, its flight-recorder dump, and writes what they show into one
+hang file.
 """
 
 from __future__ import annotations
 
 import collections
-import faulthandler
-import json
 import logging
-import os
 import re
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpiddp.atomicfile import write_text_atomic
 from mpiddp.failure import FailureRecord, records_dir, write_rank
 from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
 from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
-from mpiddp.job.storeload import paced_interval, store_rate
+from mpiddp.job.storeload import store_rate
+from mpiddp.job.watch import Ending, Watcher, own_stacks
 
 log = logging.getLogger(__name__)
 
-CLOCK_KEY = "mpiddp/progress-clock"
 STALE_INTERVALS = 3  # a rank whose watchdog missed this many of its reports is stopped or gone
 GRACE_S = 3.0  # after firing, time for the other ranks' watchdogs to dump their stacks too
-REQUEST_KEY = "mpiddp/hang-request"  # set by the rank that writes the hang file: every watchdog answers
-STACKS_COUNT_KEY = "mpiddp/stacks-given"  # how many ranks have put their stacks in the store
-REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advance the clock, publish, look for a request
 # A store request that timed out (torch: "Socket Timeout", "wait timeout"), unlike one refused or reset after the
 # store closed at the end of the job
 STORE_UNANSWERED = re.compile(r"time(d)? ?out", re.IGNORECASE)
@@ -43,33 +37,31 @@ READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight
 # the gradient all-reduce (it waits there for every other rank). At one step, a rank in an earlier phase than the
 # others never reached the collective they wait in: it is the one holding them up.
 STEP_PHASES = ("data", "compute", "communication")
+REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advance the clock, publish, look for a request
 
 
-class Watchdog:
+class Watchdog(Watcher):
     """beat(phase, step) from the main thread; the thread fires when beats stop for `timeout_s`. enter(phase)
     says where in a step the rank is, without counting as progress."""
+
+    THREAD_NAME = "mpiddp-watchdog"
+    INTERVAL_S = (0.5, 5.0)
+    REQUESTS_PER_INTERVAL = REQUESTS_PER_INTERVAL
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, label: str, store: Any,
                  abort: Callable[[int], None], host_of_rank: dict[int, str] | None = None,
                  failure_dir: Path | None = None, run_dir: Path | None = None,
                  trace: Callable[[], bytes] | None = None) -> None:
-        self.timeout_s = timeout_s
-        # paced by the world's size, so that rank 0's store never serves more than a fixed rate of reports
-        self.interval = paced_interval(min(5.0, max(0.5, timeout_s / 10)), world_size, REQUESTS_PER_INTERVAL, timeout_s)
+        super().__init__(timeout_s, rank, world_size, label, store, abort)
         self.run_dir = run_dir  # where the hang file goes (None: stderr only)
         self.trace = trace  # this rank's flight-recorder dump (NCCL), written to the run dir when the job hangs
         self.answered = False  # this rank gave its stacks (and dump) for the hang file
         self.host_of_rank = host_of_rank or {}
         self.failure_dir = failure_dir  # where this rank's failure record goes (None: nowhere)
-        self.rank, self.world_size, self.label = rank, world_size, label
-        self.store = store
-        self.abort = abort
         self.phase, self.step = "start", 0
         self.beats = 0  # progress in this job (a step, a save, an evaluation)
         self.last_beat = time.monotonic()
         self.own_ticks: collections.deque[int] = collections.deque(maxlen=STALE_INTERVALS + 1)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
 
     @classmethod
     def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
@@ -83,13 +75,10 @@ class Watchdog:
         return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
                    records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
 
-    def start(self) -> Watchdog:
-        if self.timeout_s > 0:
-            if self.rank == 0:
-                log.info("hang watchdog: each rank reports every %.1f s (%.0f requests/s to rank 0's store)",
-                         self.interval, store_rate(self.world_size, REQUESTS_PER_INTERVAL, self.interval))
-            self.thread.start()
-        return self
+    def starting(self) -> None:
+        if self.rank == 0:
+            log.info("hang watchdog: each rank reports every %.1f s (%.0f requests/s to rank 0's store)",
+                     self.interval, store_rate(self.world_size, REQUESTS_PER_INTERVAL, self.interval))
 
     def beat(self, phase: str, step: int) -> None:
         self.phase, self.step, self.last_beat = phase, step, time.monotonic()
@@ -104,60 +93,52 @@ class Watchdog:
         """Whether this job has done anything since it started (a step, a save, an evaluation)."""
         return self.beats > 0
 
-    def stop(self) -> None:
-        self.stopped.set()
-
     def _publish(self) -> None:
         # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
         # counter in the store that every publish advances, never off wall clocks, which differ across hosts.
-        tick = int(self.store.add(CLOCK_KEY, 1))
-        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1),
-                  "tick": tick}
-        self.store.set(f"mpiddp/progress/{self.rank}", json.dumps(record))
+        tick = self.advance_clock()
+        self.put_progress({"phase": self.phase, "step": self.step,
+                           "idle_s": round(time.monotonic() - self.last_beat, 1), "tick": tick})
         self.own_ticks.append(tick)
 
-    def _watch(self) -> None:
-        while not self.stopped.wait(self.interval):
-            try:
-                self._publish()
-                asked = not self.answered and self.store.check([REQUEST_KEY])
-            except Exception as exc:
-                if not self.stopped.is_set() and STORE_UNANSWERED.search(str(exc)):
-                    self._store_unanswered(exc)
-                return  # else the store is gone (closed at the end): the job is ending anyway
-            if time.monotonic() - self.last_beat > self.timeout_s:
-                self._fire()
-                return
-            if asked:  # another rank's watchdog fired: give it this rank's stacks and dump, and keep watching
-                self._answer()
+    def poll(self) -> Ending | None:
+        self._publish()
+        asked = not self.answered and self.hang_requested()
+        if time.monotonic() - self.last_beat > self.timeout_s:
+            return self._fire
+        if asked:  # another rank's watchdog fired: give it this rank's stacks and dump, and keep watching
+            self._answer()
+        return None
+
+    def store_failed(self, exc: Exception) -> None:
+        if STORE_UNANSWERED.search(str(exc)):
+            self._store_unanswered(exc)
 
     def _store_unanswered(self, exc: BaseException) -> None:
         """Rank 0's store (in rank 0's process) stopped answering while the job runs: rank 0 is stopped or wedged,
         and nothing can be gathered through the store. Name rank 0 as behind, in this rank's record, and end the
         job, rather than leave every other rank waiting on it forever."""
         where = self.host_of_rank.get(0, "?")
-        sys.stderr.write(f"mpiddp: hang watchdog: {self.label}: rank 0's store (rank 0 on {where}) stopped answering "
-                         f"({exc}); rank 0 is stopped or wedged; ending the job\n"
-                         f"mpiddp: Python stacks of {self.label}:\n{own_stacks()}")
-        sys.stderr.flush()
+        text = (f"mpiddp: hang watchdog: {self.label}: rank 0's store (rank 0 on {where}) stopped answering "
+                f"({exc}); rank 0 is stopped or wedged; ending the job\n"
+                f"mpiddp: Python stacks of {self.label}:\n{own_stacks()}")
         self._record({}, [0])
-        self.abort(EXIT_HANG)
+        self.end_job(text)
 
     def _dump_trace(self) -> None:
         """On NCCL: this rank's flight-recorder buffer into the run dir, and whether it worked, in the store."""
         if self.trace is None or self.run_dir is None:
             return
-        failed = write_trace(trace_path(self.run_dir, self.rank), self.trace)
-        self.store.set(f"mpiddp/trace/{self.rank}", failed or "")
+        self.put_trace_answer(write_trace(trace_path(self.run_dir, self.rank), self.trace))
 
     def _answer(self) -> None:
         self.answered = True
         try:
             self._dump_trace()  # before the stacks: the writer of the hang file waits for those
             idle = time.monotonic() - self.last_beat
-            self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label} (its own watchdog had not fired: asked "
-                           f"for the hang report, {idle:.0f} s after its last progress)\n{own_stacks()}")
-            self.store.add(STACKS_COUNT_KEY, 1)
+            self.put_stacks(f"{self.label} (its own watchdog had not fired: asked for the hang report, {idle:.0f} s "
+                            f"after its last progress)\n{own_stacks()}")
+            self.count_stacks()
         except Exception:  # the store is gone: the job is ending anyway
             pass
 
@@ -174,13 +155,13 @@ class Watchdog:
                 self.answered = True
                 self._dump_trace()  # before the abort, and before the stacks that the hang file's writer waits for
             # before claiming the report, so the rank that writes the hang file finds these stacks too
-            self.store.set(f"mpiddp/stacks/{self.rank}", f"{self.label}\n{stacks}")
+            self.put_stacks(f"{self.label}\n{stacks}")
             if not counted:
-                self.store.add(STACKS_COUNT_KEY, 1)
-            first = self.store.add("mpiddp/hang-reports", 1) == 1
+                self.count_stacks()
+            first = self.claim_hang_report()
             if first:  # the first rank to fire describes the job, and asks every rank for its stacks and dump
-                self.store.set(REQUEST_KEY, self.label)
-                progress = self._progress_of_all()
+                self.request_hang_report(self.label)
+                progress = self.progress_of_all()
                 # a rank that has not published since this watchdog's publish STALE_INTERVALS intervals ago
                 quiet_since = self.own_ticks[0] if len(self.own_ticks) == self.own_ticks.maxlen else None
                 behind = ranks_behind(progress, self.world_size, quiet_since)
@@ -202,12 +183,12 @@ class Watchdog:
         stacks: dict[int, str] = {}
         try:
             # one counter polled with a deadline (a stopped or dead rank never answers), every rank's key read once
-            while self.store.add(STACKS_COUNT_KEY, 0) < self.world_size and time.monotonic() < deadline:
+            while self.stacks_given() < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.2)
             for rank in range(self.world_size):
-                key = f"mpiddp/stacks/{rank}"
-                if self.store.check([key]):
-                    stacks[rank] = self.store.get(key).decode(errors="replace")
+                given = self.stacks_of(rank)
+                if given is not None:
+                    stacks[rank] = given
         except Exception as exc:  # the store went away: write what arrived
             lines = [*lines, f"(gathering stacks stopped: {exc})"]
         text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines,
@@ -222,9 +203,7 @@ class Watchdog:
             else:
                 text += [f"==== {where}: no stacks (stopped, dead, or its watchdog did not fire in time)", ""]
         try:
-            temporary = path.with_name(f".{path.name}.tmp")
-            temporary.write_text("\n".join(text))
-            os.replace(temporary, path)
+            write_text_atomic(path, "\n".join(text))
             sys.stderr.write(f"mpiddp: hang report with every rank's stacks: {path}\n")
         except OSError as exc:
             sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
@@ -239,9 +218,8 @@ class Watchdog:
             if time.monotonic() > give_up:  # a big job's dumps: the report must still be written, the job ended
                 dumps[rank] = f"not read (the hang report's {READ_DUMPS_S:g} s for reading dumps ran out)"
                 continue
-            key = f"mpiddp/trace/{rank}"
             try:
-                failed = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+                failed = self.trace_answer(rank)
             except Exception as exc:  # the store went away: no word from this rank
                 failed = f"its answer could not be read ({exc})"
             if failed is None:
@@ -266,20 +244,6 @@ class Watchdog:
             "hang", blamed, hosts, f"no progress for {self.timeout_s:g} s (--hang-timeout) on rank(s) "
             f"{', '.join(map(str, behind))}{f'; stacks in {hang_file}' if hang_file else ''}",
             step=min(steps) if steps else self.step, rank=self.rank, status=EXIT_HANG, progressed=self.progressed))
-
-    def _progress_of_all(self) -> dict[int, dict[str, Any]]:
-        keys = [f"mpiddp/progress/{rank}" for rank in range(self.world_size)]
-        present = [k for k in keys if self.store.check([k])]
-        values = self.store.multi_get(present) if present else []
-        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in zip(present, values)}
-
-
-def own_stacks() -> str:
-    """Every thread's Python stack in this process, as faulthandler writes it (it needs a real file)."""
-    with tempfile.TemporaryFile("w+") as out:
-        faulthandler.dump_traceback(file=out, all_threads=True)
-        out.seek(0)
-        return out.read()
 
 
 def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int, quiet_since: int | None = None) -> list[int]:

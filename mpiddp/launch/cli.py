@@ -120,9 +120,20 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
         used, spares = place(free, num_ranks)  # fails now, not after the first failure
         say(f"hosts from {source}: {len(used)} in use, {len(spares)} spare"
             f"{', excluded ' + ','.join(excluded) if excluded else ''}")
+    run_dir = writable_run_dir(args.run_dir)
+    launcher, program, flavour, extra, version = pick_launcher(args, env, bool(hosts))
+    recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra)
+    return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
+                max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
+                extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
+                made_run_dir=not args.run_dir, in_job_recovery=recovery)
+
+
+def writable_run_dir(given: str | None) -> Path:
+    """--run-dir, or a new one under runs/, created and written in once."""
     # Never parsed from the job's flags: the job takes this directory from the environment unless its own flags
     # name another, and then says so in its record (mpiddp.contract), which the supervisor follows.
-    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(Path(DEFAULT_RUNS_ROOT))
+    run_dir = Path(given) if given else new_run_dir(Path(DEFAULT_RUNS_ROOT))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -133,6 +144,13 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     except OSError as exc:
         raise LaunchError(f"cannot write in the run directory {run_dir} ({exc.strerror or exc}): "
                           f"give a writable --run-dir") from None
+    return run_dir
+
+
+def pick_launcher(args: argparse.Namespace, env: Mapping[str, str],
+                  has_hosts: bool) -> tuple[str, str, str, list[str], str]:
+    """(launcher, the program to run, MPI flavour, extra launcher arguments, the --version it was judged by)
+    from launch's flags."""
     mpirun = find_program("mpirun") or "mpirun"
     given = args.launcher_path
     if given and not Path(given).is_file():
@@ -148,15 +166,11 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     version = version_text(judged)
     flavour = mpi_flavour(version)
     launcher = choose_launcher(args.launcher, env, flavour)
-    if launcher == "srun" and not hosts:  # inside an allocation the hosts come from it: this is outside one
+    if launcher == "srun" and not has_hosts:  # inside an allocation the hosts come from it: this is outside one
         raise LaunchError("--launcher srun runs inside a Slurm allocation (sbatch, salloc): none here, and no "
                           "--hostfile or -H; use --launcher mpirun, or launch from within the allocation")
     program = given or (mpirun if launcher == "mpirun" else find_program(launcher) or launcher)
-    recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra)
-    return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
-                max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
-                extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
-                made_run_dir=not args.run_dir, in_job_recovery=recovery)
+    return launcher, program, flavour, extra, version
 
 
 def in_job_recovery(wanted: bool, launcher: str, flavour: str, program: str, version: str,

@@ -108,27 +108,39 @@ def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_us
         if slots < min_np:
             return stop(f"cannot relaunch without {', '.join(now_excluded)}: {slots} slots left, fewer than "
                         f"--min-np {min_np}", now_excluded)
-        ranks, kept_batch = slots, ""
-        if global_batch is not None:
-            total, largest = global_batch
-            # the most ranks, from every slot left down to --min-np, over which the global batch splits exactly
-            for ranks in range(slots, min_np - 1, -1):
-                try:
-                    per_rank, accumulation = split(total, ranks, largest)
-                    break
-                except GlobalBatchError as error:
-                    refusal = error
-            else:
-                return stop(f"cannot continue on {slots} ranks: {refusal}", now_excluded)
-            kept_batch = f" at the same global batch {total} ({per_rank} per rank x {accumulation} accumulation)"
+        try:
+            ranks, kept_batch = _fewer_ranks(slots, min_np, global_batch)
+        except GlobalBatchError as refusal:
+            return stop(f"cannot continue on {slots} ranks: {refusal}", now_excluded)
         shrunk = (f"relaunching on {ranks} of {num_ranks} ranks {without}({failure.kind}; no spare host, "
                   f"--min-np {min_np}){kept_batch}")
         return Decision(True, place(remaining, ranks)[0], now_excluded, shrunk, ranks, strikes)
-    if newly:
-        reason = f"relaunching {without}({failure.kind})"
-    elif kept:
-        counts = ", ".join(f"{name}: failure {strikes[name]} of --host-strikes {host_strikes}" for name in kept)
-        reason = f"relaunching on the same hosts ({failure.kind}; {counts})"
-    else:
-        reason = f"relaunching on the same hosts ({failure.kind}; no host to blame)"
+    reason = f"relaunching {without}({failure.kind})" if newly else _same_hosts(failure, kept, strikes, host_strikes)
     return Decision(True, used, now_excluded, reason, num_ranks, strikes)
+
+
+def _fewer_ranks(slots: int, min_np: int, global_batch: tuple[int, int] | None) -> tuple[int, str]:
+    """The ranks of a shrunk relaunch: every slot left, or with `global_batch` (samples per step, largest per-rank
+    batch) the most ranks, from every slot left down to --min-np, over which it splits exactly; and how it is
+    split, for the reason. Raises the last GlobalBatchError when it splits over none."""
+    if global_batch is None:
+        return slots, ""
+    total, largest = global_batch
+    refusal: GlobalBatchError | None = None
+    for ranks in range(slots, min_np - 1, -1):
+        try:
+            per_rank, accumulation = split(total, ranks, largest)
+        except GlobalBatchError as error:
+            refusal = error
+            continue
+        return ranks, f" at the same global batch {total} ({per_rank} per rank x {accumulation} accumulation)"
+    assert refusal is not None, "slots >= min_np: at least one count was tried"
+    raise refusal
+
+
+def _same_hosts(failure: Failure, kept: list[str], strikes: dict[str, int], host_strikes: int) -> str:
+    """Why a relaunch keeps its hosts: some were blamed but have strikes left, or none was blamed."""
+    if kept:
+        counts = ", ".join(f"{name}: failure {strikes[name]} of --host-strikes {host_strikes}" for name in kept)
+        return f"relaunching on the same hosts ({failure.kind}; {counts})"
+    return f"relaunching on the same hosts ({failure.kind}; no host to blame)"

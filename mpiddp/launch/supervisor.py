@@ -22,8 +22,9 @@ from types import FrameType
 from typing import Any, TextIO
 
 from mpiddp import failure, recoveries, supervision
+from mpiddp.atomicfile import write_text_atomic
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
-                             RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record, write_text_atomic)
+                             RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record)
 from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command

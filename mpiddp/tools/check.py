@@ -19,7 +19,7 @@ from mpiddp.job import preflight
 from mpiddp.job.membership import ulfm_refusal
 from mpiddp.job.collective import Dist
 from mpiddp.job.topology import Topology
-from mpiddp.trainer.config import Config, wandb_mode
+from mpiddp.trainer.config import Config, OutputSettings, wandb_mode
 
 ALLREDUCE_SIZES = tuple(4 ** k * 1024 for k in range(0, 7))  # bytes per rank: 1 KiB .. 4 MiB
 MPI_BANDWIDTH_BYTES = 4 * 1024 * 1024
@@ -72,9 +72,9 @@ def write_test(directory: Path, topo: Topology) -> str | None:
     return None
 
 
-def wandb_status(cfg: Config) -> tuple[str, str | None]:
+def wandb_status(outputs: OutputSettings) -> tuple[str, str | None]:
     """(what wandb would do, a problem or None); rank 0 only, and without starting a run."""
-    mode = wandb_mode(cfg.wandb, dict(os.environ), Path.home() / ".netrc")
+    mode = wandb_mode(outputs.wandb, dict(os.environ), Path.home() / ".netrc")
     if mode == "disabled":
         return "disabled", None
     try:
@@ -165,7 +165,7 @@ def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
     lines.append("")
     lines.append(f"run directory {run_root}: " + ("writable on every host" if not failures else "NOT writable"))
 
-    wandb_line, wandb_problem = dist.from_main(lambda: wandb_status(cfg))
+    wandb_line, wandb_problem = dist.from_main(lambda: wandb_status(cfg.outputs))
     lines.append(f"wandb: {wandb_line}")
     if wandb_problem:
         problems.append(wandb_problem)

@@ -1,13 +1,16 @@
-"""The job's configuration: one dataclass whose fields declare their own flags; validated on construction.
+"""The job's configuration: Config, in sections (data, training, checkpoint, outputs, dist, drills: torchtitan's
+nested dataclasses), whose fields declare their own flags; validated on construction.
 
 Each setting is written once: its field holds the default, the flag names, the help text and the simple
-rules (choices, lower bound). The parser and the generic checks are derived from the fields; rules that
-involve several settings live in `__post_init__`.
+rules (choices, lower bound). The parser and the generic checks are derived from the fields; rules within a
+section live in its `__post_init__`, rules across sections (and DistSettings', which its holder checks) in
+Config's. `cfg.to_dict()` stays flat, one key per flag, as logs, summaries and snapshots have it.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import re
@@ -19,10 +22,12 @@ from mpiddp.contract import GLOBAL_BATCH_ENV
 from mpiddp.errors import HelpRequested
 from mpiddp.globalbatch import GlobalBatchError, split
 from mpiddp.runname import DEFAULT_RUNS_ROOT
-from mpiddp.job.flags import BACKENDS, DEVICES, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported, see mpiddp.job.flags
-from mpiddp.job.flags import ConfigError, check_declared, check_field, option, parse_into, parser_for  # noqa: F401
+from mpiddp.job.flags import BACKENDS, DEVICES, DISTRIBUTED, LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS  # noqa: F401 - re-exported
+from mpiddp.job.flags import (ConfigError, DistSettings, check_address, check_declared, check_field,  # noqa: F401
+                              flat_values, from_flat, option, parse_into, parser_for, section)
 
-__all__ = ["Config", "ConfigError", "FaultInjection", "HelpRequested", "build_parser", "option", "parse_args",
+__all__ = ["CheckpointSettings", "Config", "ConfigError", "DataSettings", "DistSettings", "DrillSettings",
+           "FaultInjection", "OutputSettings", "TrainingSettings", "HelpRequested", "build_parser", "option", "parse_args",
            "parse_duration", "parse_into", "parser_for"]
 
 DATASETS = ("digits", "synthetic", "cifar10", "mnist", "imagefolder")
@@ -88,12 +93,12 @@ def _tags(text: str) -> tuple[str, ...]:
     return tuple(tag.strip() for tag in text.split(",") if tag.strip())
 
 
-DATA, TRAINING, CHECKPOINTS, OUTPUTS, DISTRIBUTED = "data and model", "training", "checkpoints", "outputs", "distributed"
+DATA, TRAINING, CHECKPOINTS, OUTPUTS = "data and model", "training", "checkpoints", "outputs"
 
 
 @dataclass(frozen=True)
-class Config:
-    """Everything one training job needs; every rank builds the same one from the same flags."""
+class DataSettings:
+    """The data and the model (--help's "data and model")."""
 
     dataset: str = option("digits", "--dataset", group=DATA, choices=DATASETS, help=f"one of {', '.join(DATASETS)}")
     data_dir: str | None = option(None, "--data-dir", group=DATA,
@@ -111,6 +116,37 @@ class Config:
                               help="DataLoader workers per rank (on-disk data)")
     worker_start_method: str = option("forkserver", "--worker-start-method", group=DATA, choices=START_METHODS,
                                       help=f"how loader workers start: {', '.join(START_METHODS)} (fork is unsafe after MPI_Init)")
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+        if self.dataset in ON_DISK_DATASETS and not self.data_dir:
+            raise ValueError(f"--dataset {self.dataset} reads files: give --data-dir DIR")
+        if self.download and self.dataset not in DOWNLOADABLE:
+            raise ValueError(f"--download works for {' and '.join(DOWNLOADABLE)}, not --dataset {self.dataset}")
+        if self.image_size is not None and not 8 <= self.image_size <= 1024:
+            raise ValueError(f"--image-size must be in [8, 1024], got {self.image_size}")
+
+    @property
+    def model_name(self) -> str:
+        if self.arch is not None:
+            return self.arch
+        return "digits_cnn" if self.dataset == "digits" else "resnet18"
+
+    @property
+    def input_size(self) -> int:
+        """The side of the images the model sees."""
+        defaults = {"digits": 8, "synthetic": 32, "cifar10": 32, "mnist": 28, "imagefolder": 224}
+        return self.image_size or defaults[self.dataset]
+
+    @property
+    def has_eval(self) -> bool:
+        return self.dataset != "synthetic"
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """Steps, batches, optimizer and schedule, precision and DDP's gradient all-reduce."""
+
     epochs: int = option(15, "--epochs", "--num_epochs", group=TRAINING, parse=int, at_least=1,
                          help="passes over the training set")
     batch_size: int = option(32, "--batch-size", "--batch_size", group=TRAINING, parse=int, at_least=1,
@@ -161,6 +197,39 @@ class Config:
     deterministic: bool = option(False, "--deterministic", group=TRAINING, help="deterministic algorithms (slower)")
     seed: int = option(0, "--seed", "--random_seed", group=TRAINING, parse=int,
                        help="initial weights (same on every rank), data split and order")
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+        if not 0 < self.lr_gamma <= 1:
+            raise ValueError(f"--lr-gamma must be in (0, 1], got {self.lr_gamma}")
+        if self.compile and self.deterministic:
+            raise ValueError("--compile and --deterministic contradict each other: choose one")
+        if not 0 < self.lr <= 10:
+            raise ValueError(f"--lr must be in (0, 10], got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.grad_transport == "mpi" and self.grad_compression == "powersgd":
+            raise ValueError("--grad-transport mpi cannot carry PowerSGD (it issues its own all-reduces through "
+                             "torch's process group): drop one of them (auto keeps PowerSGD on the process group)")
+        if not 0 < self.bucket_cap_mb <= 4096:
+            raise ValueError(f"--bucket-cap-mb must be in (0, 4096], got {self.bucket_cap_mb:g}")
+
+    def for_world(self, world_size: int) -> TrainingSettings:
+        """With --global-batch: the per-rank batch and accumulation that give exactly that many samples per step
+        on `world_size` ranks (--batch-size is then the largest per-rank batch); unchanged without."""
+        if self.global_batch is None:
+            return self
+        try:
+            per_rank, accumulation = split(self.global_batch, world_size, self.batch_size)
+        except GlobalBatchError as exc:
+            raise ConfigError(f"--global-batch: {exc}: run on a number of ranks that divides it, or change it") from None
+        return dataclasses.replace(self, batch_size=per_rank, grad_accum=accumulation)
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where snapshots go, how often, how many are kept, and what a run resumes from."""
+
     checkpoint_dir: str | None = option(None, "--checkpoint-dir", "--model_dir", group=CHECKPOINTS,
                                         help="snapshots (default: RUN_DIR/checkpoints)")
     save_every: int = option(1, "--save-every", group=CHECKPOINTS, parse=int, at_least=1, help="epochs between snapshots")
@@ -173,6 +242,20 @@ class Config:
                                 help="continue from a snapshot: bare --resume (or 'auto') takes the newest in the checkpoint dir")
     model_filename: str | None = option(None, "--model-filename", "--model_filename", group=CHECKPOINTS,
                                         help="also write the final weights (a state_dict) to CHECKPOINT_DIR/NAME")
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+        if self.resume is not None and not self.resume.strip():
+            raise ValueError("--resume is empty: give 'auto' or a snapshot path")
+        if not math.isfinite(self.save_interval_s) or self.save_interval_s < 0:
+            raise ValueError(f"--save-interval must be a duration >= 0 such as 15m (0 turns it off), "
+                             f"got {self.save_interval_s}")
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """The run directory, metric lines, wandb, progress bar and log level."""
+
     wandb: str = option("auto", "--wandb", group=OUTPUTS, choices=WANDB_MODES,
                         help="auto: online with credentials, else offline; online; offline; disabled")
     wandb_project: str = option("mpiddp", "--wandb-project", group=OUTPUTS, help="wandb project")
@@ -191,111 +274,84 @@ class Config:
                            help="rank 0's progress bar: auto (on a terminal, not in CI), on, off")
     log_level: str = option("info", "--log-level", group=OUTPUTS, choices=LOG_LEVELS,
                             help="rank 0's level; others log warnings")
-    device: str = option("auto", "--device", group=DISTRIBUTED, choices=DEVICES, help=f"one of {', '.join(DEVICES)}")
-    backend: str = option("auto", "--backend", group=DISTRIBUTED, choices=BACKENDS,
-                          help=f"one of {', '.join(BACKENDS)} (mpi: only if torch was built with it)")
-    master_addr: str | None = option(None, "--master-addr", group=DISTRIBUTED, env=MASTER_ADDR_ENV,
-                                     help=f"address rank 0 advertises for the rendezvous (env {MASTER_ADDR_ENV}; "
-                                     "default: chosen automatically)")
-    iface: str | None = option(None, "--iface", group=DISTRIBUTED,
-                               help="network interface for the rendezvous and gloo/NCCL on every host (default: chosen automatically)")
-    rendezvous_timeout_s: float = option(120.0, "--rendezvous-timeout", group=DISTRIBUTED, parse=float,
-                                         help="seconds a rank waits to reach rank 0's store")
-    collective_timeout_s: float = option(600.0, "--collective-timeout", group=DISTRIBUTED, parse=float,
-                                         help="seconds before a stuck gloo/NCCL collective fails")
-    hang_timeout_s: float = option(600.0, "--hang-timeout", group=DISTRIBUTED, parse=float,
-                                   help="seconds without progress on a rank before the watchdog dumps stacks and aborts (0: off)")
-    num_threads: int | None = option(None, "--num-threads", group=DISTRIBUTED, parse=int, at_least=1,
-                                     help="torch CPU threads per rank (default: OMP_NUM_THREADS if set, else a fair share)")
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+
+
+@dataclass(frozen=True)
+class DrillSettings:
+    """Deliberate failures for tests (drills.py runs them as a callback of the loop)."""
+
     # For tests of the abort path; documented in the README, kept out of --help.
     inject_fault: FaultInjection | None = option(None, "--inject-fault", group=DISTRIBUTED, parse=FaultInjection.parse,
                                                  help=argparse.SUPPRESS)
 
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one training job needs; every rank builds the same one from the same flags. The sections
+    declare the flags (in this order in --help); rules that span sections are checked here."""
+
+    data: DataSettings = section(DataSettings)
+    training: TrainingSettings = section(TrainingSettings)
+    checkpoint: CheckpointSettings = section(CheckpointSettings)
+    outputs: OutputSettings = section(OutputSettings)
+    dist: DistSettings = section(DistSettings)
+    drills: DrillSettings = section(DrillSettings)
+
     def __post_init__(self) -> None:
-        check_declared(self)
-        if self.dataset in ON_DISK_DATASETS and not self.data_dir:
-            raise ValueError(f"--dataset {self.dataset} reads files: give --data-dir DIR")
-        if self.download and self.dataset not in DOWNLOADABLE:
-            raise ValueError(f"--download works for {' and '.join(DOWNLOADABLE)}, not --dataset {self.dataset}")
-        if self.image_size is not None and not 8 <= self.image_size <= 1024:
-            raise ValueError(f"--image-size must be in [8, 1024], got {self.image_size}")
-        if not 0 < self.lr_gamma <= 1:
-            raise ValueError(f"--lr-gamma must be in (0, 1], got {self.lr_gamma}")
-        if self.compile and self.deterministic:
-            raise ValueError("--compile and --deterministic contradict each other: choose one")
-        if self.resume is not None and not self.resume.strip():
-            raise ValueError("--resume is empty: give 'auto' or a snapshot path")
-        if not 0 < self.lr <= 10:
-            raise ValueError(f"--lr must be in (0, 10], got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.device == "cpu" and self.backend == "nccl":
+        dist = self.dist
+        check_declared(dist)  # DistSettings is checked by its holder
+        if dist.device == "cpu" and dist.backend == "nccl":
             raise ValueError("--backend nccl needs GPUs: use --device cuda (or auto on a GPU host), or --backend gloo")
-        if self.device == "cpu" and self.sync_bn:
+        if dist.device == "cpu" and self.training.sync_bn:
             raise ValueError("--sync-bn needs GPUs (torch's SyncBatchNorm is GPU-only): drop it with --device cpu")
-        if self.hang_timeout_s < 0:
-            raise ValueError(f"--hang-timeout must be >= 0 seconds (0 turns it off), got {self.hang_timeout_s}")
-        if not math.isfinite(self.save_interval_s) or self.save_interval_s < 0:
-            raise ValueError(f"--save-interval must be a duration >= 0 such as 15m (0 turns it off), "
-                             f"got {self.save_interval_s}")
-        if self.rendezvous_timeout_s <= 0 or self.collective_timeout_s <= 0:
+        if dist.hang_timeout_s < 0:
+            raise ValueError(f"--hang-timeout must be >= 0 seconds (0 turns it off), got {dist.hang_timeout_s}")
+        if dist.rendezvous_timeout_s <= 0 or dist.collective_timeout_s <= 0:
             raise ValueError("--rendezvous-timeout and --collective-timeout must be positive seconds")
-        if self.master_addr is not None and not self.master_addr.strip():
-            raise ValueError("--master-addr is empty: give a host name or IP address, or leave it out")
-        if self.grad_transport == "mpi" and self.grad_compression == "powersgd":
-            raise ValueError("--grad-transport mpi cannot carry PowerSGD (it issues its own all-reduces through "
-                             "torch's process group): drop one of them (auto keeps PowerSGD on the process group)")
-        if self.device == "cpu" and self.grad_transport == "nccl":
+        check_address(dist)
+        if dist.device == "cpu" and self.training.grad_transport == "nccl":
             raise ValueError("--grad-transport nccl needs GPUs: use --grad-transport gloo, mpi or auto with --device cpu")
-        if not 0 < self.bucket_cap_mb <= 4096:
-            raise ValueError(f"--bucket-cap-mb must be in (0, 4096], got {self.bucket_cap_mb:g}")
+
+    @classmethod
+    def of(cls, **settings: Any) -> Config:
+        """A Config from flat settings (`Config.of(device="cpu", lr=0.1)`), each put into its section."""
+        return from_flat(cls, settings)
+
+    def replace(self, **settings: Any) -> Config:
+        """This config with some flat settings changed (`cfg.replace(resume="auto")`), each in its section."""
+        return from_flat(Config, {**flat_values(self), **settings})
 
     def ordered_timeouts(self) -> tuple[Config, str]:
         """This config with --collective-timeout comfortably above --hang-timeout, and what was changed ('' for
         nothing). A rank waiting for a stalled peer must not time out first: its timeout would blame itself (a
         witness), where the hang watchdog, firing first, names the rank that stopped."""
-        if self.hang_timeout_s <= 0:
+        dist = self.dist
+        if dist.hang_timeout_s <= 0:
             return self, ""
-        needed = self.hang_timeout_s + max(HANG_REPORT_MARGIN_S, self.hang_timeout_s / 4)
-        if self.collective_timeout_s >= needed:
+        needed = dist.hang_timeout_s + max(HANG_REPORT_MARGIN_S, dist.hang_timeout_s / 4)
+        if dist.collective_timeout_s >= needed:
             return self, ""
-        return dataclasses.replace(self, collective_timeout_s=needed), (
-            f"--collective-timeout {self.collective_timeout_s:g} s raised to {needed:g} s, so the hang watchdog "
-            f"(--hang-timeout {self.hang_timeout_s:g} s) names a stalled rank before a collective times out on "
+        return dataclasses.replace(self, dist=dataclasses.replace(dist, collective_timeout_s=needed)), (
+            f"--collective-timeout {dist.collective_timeout_s:g} s raised to {needed:g} s, so the hang watchdog "
+            f"(--hang-timeout {dist.hang_timeout_s:g} s) names a stalled rank before a collective times out on "
             f"the ranks that wait for it")
 
     def for_world(self, world_size: int) -> Config:
-        """With --global-batch: this config with the per-rank batch and accumulation that give exactly that many
-        samples per step on `world_size` ranks (--batch-size is then the largest per-rank batch); unchanged without."""
-        if self.global_batch is None:
-            return self
-        try:
-            per_rank, accumulation = split(self.global_batch, world_size, self.batch_size)
-        except GlobalBatchError as exc:
-            raise ConfigError(f"--global-batch: {exc}: run on a number of ranks that divides it, or change it") from None
-        return dataclasses.replace(self, batch_size=per_rank, grad_accum=accumulation)
-
-    @property
-    def model_name(self) -> str:
-        if self.arch is not None:
-            return self.arch
-        return "digits_cnn" if self.dataset == "digits" else "resnet18"
-
-    @property
-    def input_size(self) -> int:
-        """The side of the images the model sees."""
-        defaults = {"digits": 8, "synthetic": 32, "cifar10": 32, "mnist": 28, "imagefolder": 224}
-        return self.image_size or defaults[self.dataset]
-
-    @property
-    def has_eval(self) -> bool:
-        return self.dataset != "synthetic"
+        """With --global-batch: this config with the training section for `world_size` ranks (see
+        TrainingSettings.for_world); unchanged without."""
+        training = self.training.for_world(world_size)
+        return self if training is self.training else dataclasses.replace(self, training=training)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready view for logs, summaries and wandb."""
-        out = dataclasses.asdict(self)
-        out["wandb_tags"] = list(self.wandb_tags)
-        out["inject_fault"] = None if self.inject_fault is None else dataclasses.asdict(self.inject_fault)
+        """A JSON-ready flat view (one key per flag, as before the sections) for logs, summaries, snapshots and wandb."""
+        out = copy.deepcopy(flat_values(self))
+        out["wandb_tags"] = list(self.outputs.wandb_tags)
+        fault = self.drills.inject_fault
+        out["inject_fault"] = None if fault is None else dataclasses.asdict(fault)
         return out
 
 

@@ -24,7 +24,7 @@ from mpiddp.errors import UserError
 from mpiddp.job.collective import Dist
 from mpiddp.job.helper_signals import (die_with_parent, ignore_stop_signals, mark_helper_parent, prepare_forkserver,
                                        stop_signals_blocked)
-from mpiddp.trainer.config import ON_DISK_DATASETS, Config
+from mpiddp.trainer.config import ON_DISK_DATASETS, Config, DataSettings
 
 log = logging.getLogger(__name__)
 
@@ -302,65 +302,65 @@ class Cifar10(Dataset):
         return self.transform(Image.fromarray(self.images[index])), self.labels[index]
 
 
-def _transforms(cfg: Config, channels: int) -> tuple[Any, Any]:
+def _transforms(data: DataSettings, channels: int) -> tuple[Any, Any]:
     from torchvision import transforms as T
 
-    if cfg.dataset == "cifar10":
-        size = cfg.image_size or 32
+    if data.dataset == "cifar10":
+        size = data.image_size or 32
         resize = [T.Resize(size)] if size != 32 else []
         normalize = T.Normalize(CIFAR10_MEAN, CIFAR10_STD)
         train = T.Compose([*resize, T.RandomCrop(size, padding=size // 8), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
         return train, T.Compose([*resize, T.ToTensor(), normalize])
-    if cfg.dataset == "mnist":
-        size = cfg.image_size or 28
+    if data.dataset == "mnist":
+        size = data.image_size or 28
         steps = [T.Resize(size)] if size != 28 else []
         if channels == 3:
             steps.append(T.Grayscale(num_output_channels=3))
         pipeline = T.Compose([*steps, T.ToTensor(), T.Normalize((MNIST_MEAN,) * channels, (MNIST_STD,) * channels)])
         return pipeline, pipeline
-    size = cfg.image_size or 224
+    size = data.image_size or 224
     normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     train = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
     evaluation = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), normalize])
     return train, evaluation
 
 
-def download_dataset(cfg: Config) -> None:
+def download_dataset(data: DataSettings) -> None:
     """torchvision's download of CIFAR-10 or MNIST into --data-dir (both splits)."""
     import torchvision
 
-    dataset_class = torchvision.datasets.CIFAR10 if cfg.dataset == "cifar10" else torchvision.datasets.MNIST
+    dataset_class = torchvision.datasets.CIFAR10 if data.dataset == "cifar10" else torchvision.datasets.MNIST
     for train in (True, False):
-        dataset_class(root=cfg.data_dir, train=train, download=True)
+        dataset_class(root=data.data_dir, train=train, download=True)
 
 
-def _download_or_explain(download: Callable[[Config], None], cfg: Config) -> None:
+def _download_or_explain(download: Callable[[DataSettings], None], data: DataSettings) -> None:
     try:
-        download(cfg)
+        download(data)
     except Exception as exc:  # urllib, torchvision and the filesystem raise many kinds
-        raise UserError(f"--download of {cfg.dataset} into {cfg.data_dir} failed ({type(exc).__name__}: {exc}); "
+        raise UserError(f"--download of {data.dataset} into {data.data_dir} failed ({type(exc).__name__}: {exc}); "
                         f"check the network, or put the files there yourself and drop --download") from None
 
 
-def fetch(cfg: Config, dist: Dist, download: Callable[[Config], None] = download_dataset) -> None:
+def fetch(data: DataSettings, dist: Dist, download: Callable[[DataSettings], None] = download_dataset) -> None:
     """Collective: with --download, fetch the dataset once per filesystem: never two writers on one archive.
 
     Global rank 0 downloads and leaves a marker in --data-dir. A host whose local rank 0 then sees the marker
     shares that filesystem and reads rank 0's copy; a host that does not, downloads its own copy.
     """
-    if not cfg.download:
+    if not data.download:
         return
-    data_dir = Path(cfg.data_dir or ".")
+    data_dir = Path(data.data_dir or ".")
     marker = data_dir / f".mpiddp-download-{dist.from_main(lambda: secrets.token_hex(8))}"
     if dist.is_main:
         data_dir.mkdir(parents=True, exist_ok=True)
-        _download_or_explain(download, cfg)
+        _download_or_explain(download, data)
         marker.touch()
     dist.barrier()  # the others look for the marker only once rank 0 is done
     shared = marker.exists()
     if dist.topology.local_rank == 0 and not shared:
         data_dir.mkdir(parents=True, exist_ok=True)
-        _download_or_explain(download, cfg)
+        _download_or_explain(download, data)
     hosts_sharing = dist.allgather(shared if dist.topology.local_rank == 0 else None)
     if dist.is_main:
         marker.unlink(missing_ok=True)
@@ -374,24 +374,24 @@ def load_datasets(cfg: Config, model_channels_for: Any) -> Datasets:
 
     `model_channels_for(data_channels)` says how many channels the model wants.
     """
-    if cfg.dataset == "digits":
+    if cfg.data.dataset == "digits":
         channels = model_channels_for(1)
-        train, test = digits_split(cfg.seed, channels)
+        train, test = digits_split(cfg.training.seed, channels)
         return Datasets(train, test, 10, channels)
-    if cfg.dataset == "synthetic":
-        return Datasets(None, None, cfg.num_classes, model_channels_for(3))
-    data_dir = Path(cfg.data_dir or "")
+    if cfg.data.dataset == "synthetic":
+        return Datasets(None, None, cfg.data.num_classes, model_channels_for(3))
+    data_dir = Path(cfg.data.data_dir or "")
     if not data_dir.is_dir():
         raise UserError(f"--data-dir {str(data_dir)!r} is not a directory")
-    if cfg.dataset == "cifar10":
+    if cfg.data.dataset == "cifar10":
         channels = model_channels_for(3)
-        train_tf, eval_tf = _transforms(cfg, channels)
+        train_tf, eval_tf = _transforms(cfg.data, channels)
         return Datasets(Cifar10(str(data_dir), True, train_tf), Cifar10(str(data_dir), False, eval_tf), 10, channels)
-    if cfg.dataset == "mnist":
+    if cfg.data.dataset == "mnist":
         import torchvision
 
         channels = model_channels_for(1)
-        train_tf, eval_tf = _transforms(cfg, channels)
+        train_tf, eval_tf = _transforms(cfg.data, channels)
         try:
             train = torchvision.datasets.MNIST(str(data_dir), train=True, transform=train_tf)
             test = torchvision.datasets.MNIST(str(data_dir), train=False, transform=eval_tf)
@@ -404,7 +404,7 @@ def load_datasets(cfg: Config, model_channels_for: Any) -> Datasets:
     import torchvision
 
     channels = model_channels_for(3)
-    train_tf, eval_tf = _transforms(cfg, channels)
+    train_tf, eval_tf = _transforms(cfg.data, channels)
     folders = {}
     for split in ("train", "val"):
         if not (data_dir / split).is_dir():
@@ -422,44 +422,44 @@ def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
     """This rank's loaders: its shard of the training set (reshuffled per epoch) and of the eval set."""
     topo, device = dist.topology, dist.device
     if datasets.train is None:
-        size = cfg.image_size or 32
-        generator = torch.Generator(device=device).manual_seed(cfg.seed + topo.rank)
-        inputs = torch.rand((cfg.batch_size, datasets.channels, size, size), generator=generator, device=device)
-        labels = torch.randint(0, datasets.num_classes, (cfg.batch_size,), generator=generator, device=device)
-        batches = SyntheticBatches(inputs, labels, cfg.steps_per_epoch)
-        return Loaders(batches, None, None, cfg.steps_per_epoch * cfg.batch_size, 0, datasets.num_classes, cfg.batch_size)
+        size = cfg.data.image_size or 32
+        generator = torch.Generator(device=device).manual_seed(cfg.training.seed + topo.rank)
+        inputs = torch.rand((cfg.training.batch_size, datasets.channels, size, size), generator=generator, device=device)
+        labels = torch.randint(0, datasets.num_classes, (cfg.training.batch_size,), generator=generator, device=device)
+        batches = SyntheticBatches(inputs, labels, cfg.data.steps_per_epoch)
+        return Loaders(batches, None, None, cfg.data.steps_per_epoch * cfg.training.batch_size, 0, datasets.num_classes, cfg.training.batch_size)
     assert datasets.eval is not None
-    on_disk = cfg.dataset in ON_DISK_DATASETS
-    workers = cfg.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time
+    on_disk = cfg.data.dataset in ON_DISK_DATASETS
+    workers = cfg.data.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time
     loader_options: dict[str, Any] = {
         "num_workers": workers, "pin_memory": device.type == "cuda",
         # iter() draws the workers' base seed from this generator, not from the global one that drives dropout.
-        "generator": torch.Generator().manual_seed(cfg.seed + topo.rank),
+        "generator": torch.Generator().manual_seed(cfg.training.seed + topo.rank),
     }
     if workers > 0:
         mark_helper_parent()
-        if cfg.worker_start_method == "forkserver":
+        if cfg.data.worker_start_method == "forkserver":
             prepare_forkserver()
         loader_options.update(
             persistent_workers=True,
             prefetch_factor=4,
             # Workers must never inherit an initialised MPI: fork is unsafe with InfiniBand and friends.
-            multiprocessing_context=cfg.worker_start_method,
+            multiprocessing_context=cfg.data.worker_start_method,
             worker_init_fn=_worker_init,
         )
     train_sampler = SkippingSampler(DistributedSampler(
-        datasets.train, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=cfg.seed  # type: ignore[arg-type]
+        datasets.train, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=cfg.training.seed  # type: ignore[arg-type]
     ))
     # A trailing batch of one would break BatchNorm; drop it when the shard holds at least one full batch.
     # On-disk datasets augment at random: each sample from its own seed (in-memory ones do not augment).
     train = HelperSafeLoader(
-        PositionSeeded(datasets.train, reseed=on_disk), batch_size=cfg.batch_size, sampler=train_sampler,
-        drop_last=len(train_sampler) >= cfg.batch_size, **loader_options,
+        PositionSeeded(datasets.train, reseed=on_disk), batch_size=cfg.training.batch_size, sampler=train_sampler,
+        drop_last=len(train_sampler) >= cfg.training.batch_size, **loader_options,
     )
     evaluation = HelperSafeLoader(
-        datasets.eval, batch_size=cfg.eval_batch_size,
+        datasets.eval, batch_size=cfg.training.eval_batch_size,
         sampler=EvalShardSampler(len(datasets.eval), topo.rank, topo.world_size), **loader_options,  # type: ignore[arg-type]
     )
     return Loaders(
-        train, evaluation, train_sampler, len(datasets.train), len(datasets.eval), datasets.num_classes, cfg.batch_size  # type: ignore[arg-type]
+        train, evaluation, train_sampler, len(datasets.train), len(datasets.eval), datasets.num_classes, cfg.training.batch_size  # type: ignore[arg-type]
     )

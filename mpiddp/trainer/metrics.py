@@ -121,7 +121,7 @@ class FanOut:
 def start_wandb(cfg: Config, run_dir: Path, resume_id: str | None) -> WandbLogger | None:
     """Rank 0 only. Never prompts; bounded start-up, in the background; offline or nothing when online cannot
     start. The run id is chosen here, so snapshots can carry it before wandb is up."""
-    mode = wandb_mode(cfg.wandb, dict(os.environ), Path.home() / ".netrc")
+    mode = wandb_mode(cfg.outputs.wandb, dict(os.environ), Path.home() / ".netrc")
     if mode == "disabled":
         return None
     run_id = resume_id or secrets.token_hex(4)  # wandb ids: lower-case letters and digits
@@ -135,10 +135,10 @@ def start_wandb(cfg: Config, run_dir: Path, resume_id: str | None) -> WandbLogge
         for attempt in [mode] if mode == "offline" else [mode, "offline"]:
             try:
                 run = wandb.init(
-                    project=cfg.wandb_project,
-                    name=cfg.wandb_name or run_dir.name,
-                    group=cfg.wandb_group,
-                    tags=list(cfg.wandb_tags) or None,
+                    project=cfg.outputs.wandb_project,
+                    name=cfg.outputs.wandb_name or run_dir.name,
+                    group=cfg.outputs.wandb_group,
+                    tags=list(cfg.outputs.wandb_tags) or None,
                     config=cfg.to_dict(),
                     dir=str(run_dir),
                     mode=attempt,

@@ -20,7 +20,8 @@ from mpiddp.job.failfast import EXIT_OK, EXIT_STOPPED, FailFast
 from mpiddp.job.log import setup_logging
 from mpiddp.job.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
-from mpiddp.trainer.config import DEFAULT_RUNS_ROOT, Config, parse_args
+from mpiddp.trainer.config import (DEFAULT_RUNS_ROOT, CheckpointSettings, Config, OutputSettings, TrainingSettings,
+                                    parse_args)
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
@@ -50,9 +51,9 @@ def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
     from mpiddp.trainer.data import build_loaders, fetch, load_datasets
     from mpiddp.trainer.models import check_arch, input_channels
 
-    dist.agree(lambda: check_arch(cfg.model_name))
-    fetch(cfg, dist)
-    datasets = dist.agree(lambda: load_datasets(cfg, lambda data_channels: input_channels(cfg.model_name, data_channels)))
+    dist.agree(lambda: check_arch(cfg.data.model_name))
+    fetch(cfg.data, dist)
+    datasets = dist.agree(lambda: load_datasets(cfg, lambda data_channels: input_channels(cfg.data.model_name, data_channels)))
     return build_loaders(cfg, datasets, dist), datasets.channels
 
 
@@ -63,12 +64,12 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path,
     resume_mode answered (`run` asks it once), else the flags' and the restart count's answer."""
     from mpiddp.trainer import checkpoint
 
-    mode = mode or resume_mode(cfg, dist)
+    mode = mode or resume_mode(cfg.checkpoint, dist)
     if mode is None:
         return None
     # A relaunch of a rollback (`--resume PATH`): the newest snapshot this launch saved since, else PATH again.
     relaunched = dist.topology.launch_id if dist.topology.restarts > 0 else ""
-    restored = checkpoint.restore(mode, checkpoint_dir, cfg.model_name, dist, relaunched)
+    restored = checkpoint.restore(mode, checkpoint_dir, cfg.data.model_name, dist, relaunched)
     if restored is None:
         if dist.is_main:  # one line for the job
             log.warning("--resume: no snapshot in %s, starting from scratch", checkpoint_dir)
@@ -78,15 +79,15 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path,
 
     path, snapshot = restored
     changes = dist.agree(lambda: snapshot.check_settings(cfg.to_dict()))
-    snapshot.restore_into(state, dist, cfg.seed, cfg.batch_size, cfg.grad_accum)
+    snapshot.restore_into(state, dist, cfg.training.seed, cfg.training.batch_size, cfg.training.grad_accum)
     if state.batches_per_epoch and state.batches_done >= state.batches_per_epoch:
         # Stopped after an epoch's last batch (a snapshot of an older mpiddp, or fewer batches per epoch now): its
         # training is complete, as after a stop during its evaluation; an epoch of 0 steps would record nothing.
         state.epoch, state.batches_done = state.epoch + 1, 0
     # Loading brought back the snapshot's lr, momentum, weight decay and schedule base: this job's flags win.
     before = state.optimizer.param_groups[0]["lr"]
-    after = apply_on_resume(cfg, state.optimizer, state.scheduler, schedule_position(
-        state.epoch, state.batches_done, state.batches_per_epoch, cfg.grad_accum))
+    after = apply_on_resume(cfg.training, state.optimizer, state.scheduler, schedule_position(
+        state.epoch, state.batches_done, state.batches_per_epoch, cfg.training.grad_accum))
     if dist.is_main:  # a local log line, no collective
         for change in changes:
             log.warning("resuming with %s", change)
@@ -97,12 +98,12 @@ def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path,
     return restored
 
 
-def resume_mode(cfg: Config, dist: Dist, run_dir: Path | None = None) -> str | None:
+def resume_mode(checkpoints: CheckpointSettings, dist: Dist, run_dir: Path | None = None) -> str | None:
     """'auto', a snapshot path, or None (a fresh run). A requeued or relaunched job resumes by itself: with the
     user's snapshot path, `checkpoint.restore` prefers what this launch has saved since. Collective when
     `run_dir` is given under `launch`: so does the first attempt of a launch rerun after its supervisor died."""
-    if cfg.resume:
-        return cfg.resume
+    if checkpoints.resume:
+        return checkpoints.resume
     if dist.topology.restarts > 0:
         log.info("the scheduler requeued this job (restart %d): resuming from the newest snapshot", dist.topology.restarts)
         return "auto"
@@ -140,7 +141,7 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
         job_started_at=job_started_at, finished_at=finished_at, torch_version=torch.__version__,
     )
     summary["startup_s"] = slowest_per_phase([g[4] for g in gathered])
-    summary.update(arch=cfg.model_name, dataset=cfg.dataset, num_train=loaders.num_train, num_eval=loaders.num_eval)
+    summary.update(arch=cfg.data.model_name, dataset=cfg.data.dataset, num_train=loaders.num_train, num_eval=loaders.num_eval)
     return summary
 
 
@@ -151,70 +152,32 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     `guard` learns the step a failure happens after."""
     from mpiddp.job.watchdog import Watchdog
     from mpiddp.trainer import checkpoint
-    from mpiddp.trainer.saveclock import SaveClock, SaveCost
-    from mpiddp.trainer.snapshot import Snapshot
-    from mpiddp.trainer.state import TrainState, build_state, configure_torch
+    from mpiddp.trainer.saveclock import SaveClock
     from mpiddp.trainer.train import Hooks, train
 
     startup.mark("process_group")
     (job_started_at,) = dist.reduce([startup.started_at], "min")
-    checkpoint_dir = checkpoint_dir_of(cfg, run_dir)
-    mode = resume_mode(cfg, dist, run_dir)
-    if mode is None:  # before anything is loaded or written
-        dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
-    configure_torch(cfg)
-    loaders, channels = load_data(cfg, dist)
-    startup.mark("data")
-    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
-    restored = resume(cfg, dist, state, checkpoint_dir, mode)
-    resumed_at_step = state.step
-    startup.mark("model")
-    if state.epoch >= cfg.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
-        log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
-                 checkpoint_dir, state.epoch)
+    checkpoint_dir = checkpoint_dir_of(cfg.checkpoint, run_dir)
+    built = build(cfg, dist, run_dir, checkpoint_dir, startup)
+    if built is None:
         return None
-    log.info(
-        "training %s on %s: %d train / %d eval samples, global batch %d (%d per rank x %d ranks x %d accumulation)",
-        cfg.model_name, cfg.dataset, loaders.num_train, loaders.num_eval,
-        cfg.batch_size * dist.world_size * cfg.grad_accum, cfg.batch_size, dist.world_size, cfg.grad_accum,
-    )
-    run_logger, wandb_run_id = make_run_logger(
-        cfg, run_dir, dist.topology, restored[1].wandb_run_id if restored else None
-    )
-    # the start-up times only this job knows, for the downtime of a relaunch (mpiddp.failure.downtime)
-    run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
-                    "resumed_from": str(restored[0]) if restored else None, "time": time.time(),
-                    "process_started_at": job_started_at, "rendezvous_at": startup.ends["process_group"],
-                    "restored_at": startup.ends["model"]})
-    startup.mark("logger")
-    watchdog = Watchdog.for_job(cfg.hang_timeout_s, dist, run_dir).start()
+    state, loaders, restored = built
+    resumed_at_step = state.step
+    run_logger, wandb_run_id = start_logger(cfg, dist, run_dir, state, restored, job_started_at, startup)
+    watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, run_dir).start()
     if guard is not None:  # a failure record carries the last completed step, and whether this job made progress
         guard.progress = lambda: (state.step, watchdog.progressed)
-
     # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).
-    parent = restored[0] if restored is not None else None
-    save_cost = SaveCost()
-
-    def save(train_state: TrainState) -> None:
-        nonlocal parent
-        watchdog.beat("save", train_state.step)
-        started = time.perf_counter()
-        snapshot = Snapshot.capture(train_state, dist, cfg.model_name, cfg.to_dict(), wandb_run_id)
-        parent = checkpoint.save(checkpoint_dir, snapshot, dist, cfg.keep_last, parent)
-        # The save ends when every rank has heard `latest` moved: the slowest rank's time is the job's cost.
-        seconds, nbytes = dist.reduce([time.perf_counter() - started, file_size(parent) if dist.is_main else 0], "max")
-        save_cost.add(seconds, int(nbytes))
-        log.info("saved %s in %.2f s (%.1f MB)", parent, seconds, nbytes / 1e6)
-        watchdog.beat("train", train_state.step)
-
+    saver = Saver(cfg, dist, checkpoint_dir, watchdog, wandb_run_id, restored[0] if restored is not None else None)
     try:
-        hooks = Hooks(run_logger, save, stop, watchdog.beat, SaveClock(cfg.save_interval_s), watchdog.enter)
+        hooks = Hooks(run_logger, saver.save, stop, watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
+                      watchdog.enter)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
         watchdog.stop()
         run_logger.close()
-    if cfg.model_filename:
-        checkpoint.save_weights(checkpoint_dir / cfg.model_filename, state.unwrapped.state_dict(), dist)
+    if cfg.checkpoint.model_filename:
+        checkpoint.save_weights(checkpoint_dir / cfg.checkpoint.model_filename, state.unwrapped.state_dict(), dist)
     summary = summarise(cfg, dist, outcome, loaders, job_started_at, startup)
     assert dist.rendezvous is not None
     summary.update(
@@ -223,7 +186,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         rendezvous={"master_addr": dist.rendezvous.master_addr, "master_port": dist.rendezvous.master_port,
                     "interfaces": dist.rendezvous.interface_per_host},
         wandb_run_id=wandb_run_id,
-        snapshots=save_cost.record(),
+        snapshots=saver.cost.record(),
         grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
     )
     # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
@@ -234,8 +197,81 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     return summary
 
 
-def checkpoint_dir_of(cfg: Config, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else default_checkpoint_dir(run_dir)
+def build(cfg: Config, dist: Dist, run_dir: Path, checkpoint_dir: Path,
+          startup: StartupClock) -> tuple[Any, Any, tuple[Path, Any] | None] | None:
+    """Collective: (state, loaders, (snapshot path, snapshot) resumed from or None) with the data loaded and the
+    model built and restored; None when a resumed run has nothing left to train."""
+    from mpiddp.trainer import checkpoint
+    from mpiddp.trainer.state import build_state, configure_torch
+
+    mode = resume_mode(cfg.checkpoint, dist, run_dir)
+    if mode is None:  # before anything is loaded or written
+        dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
+    configure_torch(cfg.training)
+    loaders, channels = load_data(cfg, dist)
+    startup.mark("data")
+    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
+    restored = resume(cfg, dist, state, checkpoint_dir, mode)
+    startup.mark("model")
+    if state.epoch >= cfg.training.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
+        log.info("nothing to do: %s already holds all %d epochs (raise --epochs to train further); nothing changed",
+                 checkpoint_dir, state.epoch)
+        return None
+    training = cfg.training
+    log.info(
+        "training %s on %s: %d train / %d eval samples, global batch %d (%d per rank x %d ranks x %d accumulation)",
+        cfg.data.model_name, cfg.data.dataset, loaders.num_train, loaders.num_eval,
+        training.batch_size * dist.world_size * training.grad_accum, training.batch_size, dist.world_size,
+        training.grad_accum,
+    )
+    return state, loaders, restored
+
+
+def start_logger(cfg: Config, dist: Dist, run_dir: Path, state: Any, restored: tuple[Path, Any] | None,
+                 job_started_at: float, startup: StartupClock) -> tuple[Any, str | None]:
+    """Collective: (the run's logger, its wandb run id), with the job's start record written."""
+    run_logger, wandb_run_id = make_run_logger(
+        cfg, run_dir, dist.topology, restored[1].wandb_run_id if restored else None
+    )
+    # the start-up times only this job knows, for the downtime of a relaunch (mpiddp.failure.downtime)
+    run_logger.log({"kind": "start", "epoch": state.epoch, "step": state.step, "world_size": dist.world_size,
+                    "resumed_from": str(restored[0]) if restored else None, "time": time.time(),
+                    "process_started_at": job_started_at, "rendezvous_at": startup.ends["process_group"],
+                    "restored_at": startup.ends["model"]})
+    startup.mark("logger")
+    return run_logger, wandb_run_id
+
+
+class Saver:
+    """The loop's collective `save`: a snapshot whose parent is the one resumed from, then the last one this job
+    saved (its lineage); the watchdog hears of it, and the cost is summed for the summary."""
+
+    def __init__(self, cfg: Config, dist: Dist, checkpoint_dir: Path, watchdog: Any, wandb_run_id: str | None,
+                 parent: Path | None) -> None:
+        from mpiddp.trainer.saveclock import SaveCost
+
+        self.cfg, self.dist, self.checkpoint_dir, self.watchdog = cfg, dist, checkpoint_dir, watchdog
+        self.wandb_run_id, self.parent, self.cost = wandb_run_id, parent, SaveCost()
+
+    def save(self, train_state: Any) -> None:
+        from mpiddp.trainer import checkpoint
+        from mpiddp.trainer.snapshot import Snapshot
+
+        dist = self.dist
+        self.watchdog.beat("save", train_state.step)
+        started = time.perf_counter()
+        snapshot = Snapshot.capture(train_state, dist, self.cfg.data.model_name, self.cfg.to_dict(), self.wandb_run_id)
+        self.parent = checkpoint.save(self.checkpoint_dir, snapshot, dist, self.cfg.checkpoint.keep_last, self.parent)
+        # The save ends when every rank has heard `latest` moved: the slowest rank's time is the job's cost.
+        seconds, nbytes = dist.reduce([time.perf_counter() - started, file_size(self.parent) if dist.is_main else 0],
+                                      "max")
+        self.cost.add(seconds, int(nbytes))
+        log.info("saved %s in %.2f s (%.1f MB)", self.parent, seconds, nbytes / 1e6)
+        self.watchdog.beat("train", train_state.step)
+
+
+def checkpoint_dir_of(checkpoints: CheckpointSettings, run_dir: Path) -> Path:
+    return Path(checkpoints.checkpoint_dir) if checkpoints.checkpoint_dir else default_checkpoint_dir(run_dir)
 
 
 def file_size(path: Path) -> int:
@@ -259,7 +295,7 @@ def _main(args: list[str], startup: StartupClock, stop: StopRequest, check: Chec
         dist = connect(guard)
         given, cfg = dist.agree(lambda: parse_for_world(args, dist.world_size))
         cfg, timeouts_raised = cfg.ordered_timeouts()
-        setup_logging(dist.topology, cfg.log_level)
+        setup_logging(dist.topology, cfg.outputs.log_level)
         if timeouts_raised and dist.is_main:  # a local log line, no collective
             log.info("%s", timeouts_raised)
         topo = dist.topology
@@ -269,16 +305,18 @@ def _main(args: list[str], startup: StartupClock, stop: StopRequest, check: Chec
             return _check(cfg, dist, guard, check)
         log.info("config: %s", cfg.to_dict())
         log.info("every rank runs %s", preflight.check(cfg.to_dict(), dist))
-        run_dir = prepare_run_dir(cfg.run_dir or launch_run_dir(cfg, topo), cfg.runs_root, dist)
+        run_dir = prepare_run_dir(cfg.outputs.run_dir or launch_run_dir(cfg.outputs, topo), cfg.outputs.runs_root, dist)
         if topo.job_record:  # under `launch`: where this job writes, and its global batch
-            dist.from_main(lambda: tell_launch(Path(topo.job_record), run_dir, checkpoint_dir_of(cfg, run_dir), cfg,
-                                               given.batch_size, topo.world_size))
+            dist.from_main(lambda: tell_launch(Path(topo.job_record), run_dir, checkpoint_dir_of(cfg.checkpoint, run_dir), cfg.training,
+                                               given.training.batch_size, topo.world_size))
         if not topo.failure_file:  # the supervisor manages the file it named; here the record is ours to reset
             dist.from_main(lambda: failure.clear_stale(run_dir))
         guard.set_run_dir(run_dir)
         startup.mark("preflight")
+        from mpiddp.trainer.state import device_check
+
         try:
-            with distributed(cfg, dist, guard, trace_dir=run_dir) as placed:
+            with distributed(cfg.dist, dist, guard, trace_dir=run_dir, fits=device_check(cfg.training, topo.label)) as placed:
                 summary = run(cfg, placed, run_dir, stop, startup, guard)
         except Stopped as stopped:
             # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.
@@ -307,31 +345,33 @@ def parse_for_world(args: list[str], world_size: int) -> tuple[Config, Config]:
     return given, given.for_world(world_size)
 
 
-def launch_run_dir(cfg: Config, topo: Any) -> str | None:
+def launch_run_dir(outputs: OutputSettings, topo: Any) -> str | None:
     """Under `launch`, training writes into launch's run dir unless its own --run-dir (checked by the caller) or a
     --runs-root other than the default names another place: launch then learns it from the job record, and a
     relaunch is told that directory (one under --runs-root), which it then keeps."""
     given = topo.launch_run_dir
     if not given:
         return None
-    if cfg.runs_root == DEFAULT_RUNS_ROOT or Path(given).resolve().parent == Path(cfg.runs_root).resolve():
+    if outputs.runs_root == DEFAULT_RUNS_ROOT or Path(given).resolve().parent == Path(outputs.runs_root).resolve():
         return given
     return None
 
 
-def tell_launch(path: Path, run_dir: Path, checkpoint_dir: Path, cfg: Config, max_per_rank: int,
+def tell_launch(path: Path, run_dir: Path, checkpoint_dir: Path, training: TrainingSettings, max_per_rank: int,
                 world_size: int) -> None:
     """Rank 0: the job record (mpiddp.contract) that `launch` reads instead of parsing this job's flags."""
     record = JobRecord(str(run_dir), str(checkpoint_dir.resolve()), world_size,
-                       cfg.batch_size * world_size * cfg.grad_accum, max_per_rank)
+                       training.batch_size * world_size * training.grad_accum, max_per_rank)
     if not write_job_record(path, record):
         log.warning("cannot write %s: launch will not know this job's run dir or global batch", path)
 
 
 def _check(cfg: Config, dist: Dist, guard: FailFast, run_check: CheckFn) -> int:
     """Collective: the `check` command; every rank returns the same status."""
-    with distributed(cfg, dist, guard) as placed:
-        status, text = run_check(cfg, placed, Path(cfg.run_dir or cfg.runs_root))
+    from mpiddp.trainer.state import device_check
+
+    with distributed(cfg.dist, dist, guard, fits=device_check(cfg.training, dist.topology.label)) as placed:
+        status, text = run_check(cfg, placed, Path(cfg.outputs.run_dir or cfg.outputs.runs_root))
     if dist.is_main:
         print(text, flush=True)
     return status

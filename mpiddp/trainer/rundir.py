@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, BinaryIO
 
+from mpiddp import atomicfile
+from mpiddp.atomicfile import UMASK  # noqa: F401 - the mode of what the run dir's files get, for tests
 from mpiddp.errors import UserError
 from mpiddp.job.collective import Dist
 from mpiddp.runname import new_timestamped_dir
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-UMASK = _current_umask()  # read once, at import, before any thread exists (os.umask sets while it reads)
 
 
 def _create(run_dir: str | None, runs_root: str) -> str:
@@ -49,22 +41,7 @@ def prepare_run_dir(run_dir: str | None, runs_root: str, dist: Dist) -> Path:
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """`write(file)` into a temporary file beside `path`, fsync, rename, fsync the folder: readers (and a crash)
     see the old file or the new one, never half of one."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(handle, 0o666 & ~UMASK)  # mkstemp makes 0600; teammates on a shared filesystem read these files
-        with os.fdopen(handle, "wb") as out:
-            write(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    atomicfile.write_atomic(path, write, durable=True)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,9 +12,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mpiddp.errors import UserError
 from mpiddp.job import compression
 from mpiddp.job.collective import Dist
-from mpiddp.trainer.config import Config
+from mpiddp.trainer.config import Config, TrainingSettings
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +40,25 @@ class TrainState:
     pending_epoch: dict[str, Any] | None = None
 
 
-def configure_torch(cfg: Config) -> None:
-    if cfg.deterministic:
+def configure_torch(training: TrainingSettings) -> None:
+    if training.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     else:
         torch.backends.cudnn.benchmark = True
+
+
+def device_check(training: TrainingSettings, label: str) -> Callable[[str], None]:
+    """What training asks of the device the bootstrap chose (its `fits`): --amp bf16 needs a GPU with bfloat16,
+    --sync-bn a GPU; a UserError otherwise. `label`: this rank, as its errors name it."""
+    def fits(device: str) -> None:
+        if device == "cuda" and training.amp == "bf16" and not torch.cuda.is_bf16_supported():
+            raise UserError(f"--amp bf16, but the GPU of {label} has no bfloat16 support: use --amp fp16")
+        if training.sync_bn and device != "cuda":
+            raise UserError("--sync-bn needs CUDA devices (torch's SyncBatchNorm is GPU-only): drop it on CPU")
+
+    return fits
 
 
 def optimizer_steps_per_epoch(num_batches: int, grad_accum: int) -> int:
@@ -64,32 +78,32 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
     from mpiddp.trainer.models import build_model
     from mpiddp.trainer.optim import build_optimizer, build_scheduler
 
-    torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
-    model = build_model(cfg.model_name, num_classes, channels, cfg.input_size)
-    if cfg.sync_bn:
+    torch.manual_seed(cfg.training.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
+    model = build_model(cfg.data.model_name, num_classes, channels, cfg.data.input_size)
+    if cfg.training.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
     device = dist.device
     model = model.to(device, memory_format=memory_format)
     ddp = DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb,
-        static_graph=cfg.static_graph,
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.training.bucket_cap_mb,
+        static_graph=cfg.training.static_graph,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less per step
     )
-    transport = compression.choose_transport(cfg.grad_transport, cfg.grad_compression, dist,
-                                             compression.gradient_bytes(model, cfg.bucket_cap_mb))
+    transport = compression.choose_transport(cfg.training.grad_transport, cfg.training.grad_compression, dist,
+                                             compression.gradient_bytes(model, cfg.training.bucket_cap_mb))
     log.info("%s", transport.describe())
-    hook = compression.register(ddp, cfg.grad_compression, cfg.powersgd_rank, cfg.powersgd_warmup_steps,
+    hook = compression.register(ddp, cfg.training.grad_compression, cfg.training.powersgd_rank, cfg.training.powersgd_warmup_steps,
                                 dist.backend, mpi=dist if transport.chosen == "mpi" else None)
     hook.transport = transport
-    if cfg.grad_compression != "none":
-        log.info("gradient all-reduce: %s%s; buckets of %g MB", cfg.grad_compression,
-                 f" (rank {cfg.powersgd_rank}, after {cfg.powersgd_warmup_steps} plain steps)"
-                 if cfg.grad_compression == "powersgd" else "", cfg.bucket_cap_mb)
-    wrapped = torch.compile(ddp) if cfg.compile else ddp
-    optimizer = build_optimizer(cfg, ddp.parameters())
-    scheduler = build_scheduler(cfg, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.grad_accum))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    if cfg.training.grad_compression != "none":
+        log.info("gradient all-reduce: %s%s; buckets of %g MB", cfg.training.grad_compression,
+                 f" (rank {cfg.training.powersgd_rank}, after {cfg.training.powersgd_warmup_steps} plain steps)"
+                 if cfg.training.grad_compression == "powersgd" else "", cfg.training.bucket_cap_mb)
+    wrapped = torch.compile(ddp) if cfg.training.compile else ddp
+    optimizer = build_optimizer(cfg.training, ddp.parameters())
+    scheduler = build_scheduler(cfg.training, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.training.grad_accum))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.training.amp == "fp16")
     # Same weights everywhere, but each rank its own stream for augmentation and dropout.
-    torch.manual_seed(cfg.seed + 1 + dist.rank)
+    torch.manual_seed(cfg.training.seed + 1 + dist.rank)
     return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook, batches_per_epoch=batches_per_epoch)

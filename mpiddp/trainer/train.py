@@ -3,16 +3,14 @@ It never decides *who* logs or saves: the hooks main.py hands it do."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any, ContextManager, NoReturn
 
 import torch
 from torch import nn
@@ -21,8 +19,10 @@ from mpiddp.errors import UserError
 from mpiddp.job.collective import Dist
 from mpiddp.job.log import make_progress, progress_wanted
 from mpiddp.job.stopping import Stopped, StopRequest
-from mpiddp.trainer.config import ALL_RANKS, Config, FaultInjection
+from mpiddp.trainer.callbacks import Callback, Callbacks
+from mpiddp.trainer.config import Config, TrainingSettings
 from mpiddp.trainer.data import Loaders
+from mpiddp.trainer.drills import drills_for
 from mpiddp.trainer.metrics import RunLogger
 from mpiddp.trainer.saveclock import SaveClock
 from mpiddp.trainer.state import TrainState, optimizer_steps_per_epoch
@@ -30,7 +30,6 @@ from mpiddp.trainer.steptime import StepClock, StepDurations, StepTime
 
 log = logging.getLogger(__name__)
 
-STRAGGLE_S = 0.05
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -92,6 +91,8 @@ class Hooks:
     save_clock: SaveClock = field(default_factory=SaveClock)
     # where in a step this rank is (data, compute, communication), for the hang watchdog: not progress
     phase: Callable[[str], None] = lambda phase: None
+    # called at fixed points of each step (the --inject-fault drills are one, added by `train`)
+    callbacks: Callback = field(default_factory=Callbacks)
 
     def save_now(self, state: TrainState) -> None:
         """Collective: save a snapshot, whatever the reason; the time-based interval counts from here."""
@@ -182,41 +183,6 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], device: torch.device, am
     return float(correct.item()), float(loss_sum.item()), float(count)
 
 
-def inject_fault(fault: FaultInjection | None, rank: int, step: int, resumed: bool = False) -> None:
-    """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or fault.kind.startswith(("slow-", "signal", "stall-")) or not fault.hits(rank, step) or \
-            (fault.kind == "kill" and resumed):
-        return
-    log.warning("injecting fault %r at step %d", fault.kind, step)
-    if fault.kind == "kill":
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would: no record, no report
-    if fault.kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if fault.kind == "stall":
-        threading.Event().wait()  # block forever, as a rank stuck in I/O or a deadlock would
-    sys.exit(0 if fault.kind == "exit0" else 1)
-
-
-def stop_drill(fault: FaultInjection | None, rank: int, step: int, phase: str) -> None:
-    """A stop drill (--inject-fault signal / signal-eval): this rank sends SIGUSR1 to its whole process group,
-    its loader's helper processes included, as mpirun and srun deliver a stop."""
-    if fault is not None and fault.kind == ("signal-eval" if phase == "eval" else "signal") and fault.hits(rank, step):
-        log.warning("stop drill: SIGUSR1 to this rank's process group at step %d (%s)", step, phase)
-        os.killpg(os.getpgrp(), signal.SIGUSR1)
-
-
-def straggle(fault: FaultInjection | None, rank: int, step: int, phase: str) -> None:
-    """A straggler drill (--inject-fault slow-data / slow-compute): from its step on, this rank's loader or
-    compute takes STRAGGLE_S longer, as a slow disk or a throttled GPU would."""
-    if fault is not None and fault.kind == f"slow-{phase}" and fault.rank in (rank, ALL_RANKS) and step >= fault.step:
-        time.sleep(STRAGGLE_S)
-    if fault is not None and fault.kind == f"stall-{phase}" and fault.hits(rank, step):
-        log.warning("injecting fault %r after step %d", fault.kind, step)
-        threading.Event().wait()  # block forever in this phase, as a loader stuck on a dead file server would
-
-
 def reached_collective(clock: StepClock, hooks: Hooks) -> Callable[[], None]:
     """What the gradient hook calls as a bucket's all-reduce starts: the clock's end of compute, and the phase
     the hang watchdog reads (a rank that never gets here holds up the others)."""
@@ -241,103 +207,127 @@ def step_record(window: Meter, dist: Dist, state: TrainState, epoch: int) -> dic
     }
 
 
+@dataclass
+class EpochMeters:
+    """An epoch's readings on this rank: its totals, the window since the last metric line, its step times."""
+
+    clock: StepClock
+    timing: RankTiming
+    totals: Meter
+    window: Meter
+    durations: StepDurations = field(default_factory=StepDurations)
+
+    @classmethod
+    def on(cls, device: torch.device, timing: RankTiming) -> EpochMeters:
+        return cls(StepClock(device), timing, Meter.on(device), Meter.on(device))
+
+    def add(self, loss_sum: torch.Tensor, images: int) -> None:
+        self.totals.add(loss_sum, images)
+        self.window.add(loss_sum, images)
+
+    def account(self) -> None:
+        """Read the clock (on a GPU this waits for the device: only where the loop syncs anyway)."""
+        for step in self.clock.flush():
+            self.totals.seconds += step.step
+            self.window.seconds += step.step
+            self.durations.add(step)
+            self.timing.record(step)
+
+
 def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
                 timing: RankTiming) -> tuple[Meter, StepDurations]:
     """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
     times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step."""
     device = dist.device
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
     skipped = state.batches_done
     loaders.set_epoch(epoch, skip_batches=skipped)
     epoch_batches = skipped + len(loaders.train)
-    progress = make_progress(progress_wanted(cfg.progress) and dist.is_main,
-                             optimizer_steps_per_epoch(len(loaders.train), cfg.grad_accum), f"epoch {epoch}/{cfg.epochs}")
+    progress = make_progress(progress_wanted(cfg.outputs.progress) and dist.is_main,
+                             optimizer_steps_per_epoch(len(loaders.train), cfg.training.grad_accum), f"epoch {epoch}/{cfg.training.epochs}")
     state.model.train()
-    totals, window = Meter.on(device), Meter.on(device)
-    epoch_durations = StepDurations()
-    clock = StepClock(device)
+    meters = EpochMeters.on(device, timing)
+    clock = meters.clock
     if state.gradient_hook is not None:
         state.gradient_hook.on_ready = reached_collective(clock, hooks)
-
-    def account() -> None:
-        """Read the clock (on a GPU this waits for the device: only where the loop syncs anyway)."""
-        for step in clock.flush():
-            totals.seconds += step.step
-            window.seconds += step.step
-            epoch_durations.add(step)
-            timing.record(step)
-
     batches_seen = skipped
-    groups = micro_batch_groups(loaders.train, cfg.grad_accum)
+    groups = micro_batch_groups(loaders.train, cfg.training.grad_accum)
     while True:
         clock.waiting_for_data()
         hooks.phase("data")
-        straggle(cfg.inject_fault, dist.rank, state.step, "data")
+        hooks.callbacks.on_data_wait(state.step)
         group = next(groups, None)
         if group is None:
             break
-        if state.step == 0:  # start-up: the first batch is loaded, the loader's helpers are running
-            stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
         clock.computing()
         hooks.phase("compute")
-        straggle(cfg.inject_fault, dist.rank, state.step, "compute")
-        loss_sum, images = train_step(state, group, device, cfg.amp, memory_format)
+        hooks.callbacks.on_batch_loaded(state.step)
+        loss_sum, images = train_step(state, group, device, cfg.training.amp, memory_format)
         clock.step_done(images)
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
             hooks.log.log({"kind": "first_step", "step": state.step, "time": timing.first_step_done_at})  # downtime
-        inject_fault(cfg.inject_fault, dist.rank, state.step, resumed=cfg.resume is not None or dist.topology.restarts > 0)
-        stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
+        hooks.callbacks.on_step_end(state.step)
         batches_seen += len(group)
-        totals.add(loss_sum, images)
-        window.add(loss_sum, images)
+        meters.add(loss_sum, images)
         progress.update(1)
         hooks.heartbeat("train", state.step)
         # One reduction per step carries both the stop signal and rank 0's clock's call for a snapshot.
         signum, save_due = hooks.stop.agreed_with_save(dist, hooks.save_clock.due())
         if signum:
             progress.close()
-            state.batches_done = batches_seen
-            if batches_seen >= epoch_batches:  # the epoch's training is complete: saved as the epoch, as a stop
-                account()  # during its evaluation is (never a 0-step epoch later), its evaluation left to the resume
-                state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
-                state.epoch, state.batches_done = epoch, 0
-                if dist.is_main:  # a local log line, no collective
-                    log.warning("stopping after the last step of epoch %d: its training is saved, its evaluation is "
-                                "left to --resume", epoch)
-            hooks.save_now(state)
-            raise Stopped(signal.Signals(signum).name, state.step)
+            stop_in_epoch(signum, state, dist, hooks, epoch, meters, batches_seen, epoch_batches)
         if save_due and batches_seen < epoch_batches:  # a snapshot by time, mid-epoch: resumed as a stop's is
             state.batches_done = batches_seen
             hooks.save_now(state)
         elif save_due:  # the epoch's last step: its own snapshot after the evaluation is the one, not a copy before
             hooks.save_clock.pending = True
-        if state.step % cfg.log_every == 0:
-            account()
-            record = step_record(window, dist, state, epoch)  # the only per-window sync
-            hooks.log.log(record)
-            progress.update(0, postfix=f"loss {record['loss']:.4f}")
-            window = Meter.on(device)
-    account()
+        if state.step % cfg.outputs.log_every == 0:
+            log_window(meters, dist, state, hooks, epoch, progress)
+    meters.account()
     progress.close()
-    return totals, epoch_durations
+    return meters.totals, meters.durations
 
 
-def evaluate_or_stop(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks,
+def log_window(meters: EpochMeters, dist: Dist, state: TrainState, hooks: Hooks, epoch: int, progress: Any) -> None:
+    """Collective: the metric line for the steps since the last one (the only per-window sync); a new window."""
+    meters.account()
+    record = step_record(meters.window, dist, state, epoch)
+    hooks.log.log(record)
+    progress.update(0, postfix=f"loss {record['loss']:.4f}")
+    meters.window = Meter.on(dist.device)
+
+
+def stop_in_epoch(signum: int, state: TrainState, dist: Dist, hooks: Hooks, epoch: int, meters: EpochMeters,
+                  batches_seen: int, epoch_batches: int) -> NoReturn:
+    """Collective: every rank agreed to stop after this step: save where the epoch stands, raise Stopped."""
+    state.batches_done = batches_seen
+    if batches_seen >= epoch_batches:  # the epoch's training is complete: saved as the epoch, as a stop
+        meters.account()  # during its evaluation is (never a 0-step epoch later), its evaluation left to the resume
+        state.pending_epoch = training_record(state, dist, epoch, meters.totals, meters.durations)
+        state.epoch, state.batches_done = epoch, 0
+        if dist.is_main:  # a local log line, no collective
+            log.warning("stopping after the last step of epoch %d: its training is saved, its evaluation is "
+                        "left to --resume", epoch)
+    hooks.save_now(state)
+    raise Stopped(signal.Signals(signum).name, state.step)
+
+
+def evaluate_or_stop(training: TrainingSettings, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks,
                      epoch: int) -> tuple[float, float, float]:
     """Collective: evaluate this rank's shard, stopping early on a signal. When any rank got one, every rank
     saves the epoch (its training is complete) and raises Stopped; otherwise this rank's eval sums."""
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if training.channels_last else torch.contiguous_format
     sums = (0.0, 0.0, 0.0)
-    drilled: list[None] = []
+    started: list[None] = []
 
     def heartbeat(phase: str, step: int) -> None:
-        if not drilled:  # the drill signals once, at the first batch
-            drilled.append(stop_drill(cfg.inject_fault, dist.rank, step, "eval"))
+        if not started:  # once, at the first batch
+            started.append(hooks.callbacks.on_eval_start(step))
         hooks.heartbeat(phase, step)
 
     if loaders.eval is not None:
-        sums = evaluate(state.unwrapped, loaders.eval, dist.device, cfg.amp, memory_format, heartbeat,
+        sums = evaluate(state.unwrapped, loaders.eval, dist.device, training.amp, memory_format, heartbeat,
                         state.step, should_stop=lambda: bool(hooks.stop.signum))
     signum = hooks.stop.agreed(dist)
     if signum:  # the snapshot keeps state.pending_epoch: a resume evaluates the epoch and writes its record
@@ -389,16 +379,16 @@ def finish_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, h
     epoch with its evaluation still pending and raises Stopped."""
     epoch = state.epoch
     assert state.pending_epoch is not None and state.batches_done == 0
-    evaluation = evaluate_or_stop(cfg, state, loaders, dist, hooks, epoch)
+    evaluation = evaluate_or_stop(cfg.training, state, loaders, dist, hooks, epoch)
     record = epoch_record(loaders, dist, state.pending_epoch, evaluation)
     state.pending_epoch = None
     hooks.log.log(record)
     accuracy = "n/a" if record["eval_accuracy"] is None else f"{100 * record['eval_accuracy']:.2f}%"
     log.info(
         "epoch %d/%d | train loss %.4f | eval acc %s | %.0f images/s | %.2f s",
-        epoch, cfg.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
+        epoch, cfg.training.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
     )
-    if epoch % cfg.save_every == 0 or epoch == cfg.epochs or hooks.save_clock.pending:
+    if epoch % cfg.checkpoint.save_every == 0 or epoch == cfg.training.epochs or hooks.save_clock.pending:
         hooks.save_now(state)
     return record
 
@@ -423,24 +413,28 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
     --save-interval has passed (mid-epoch), and at the step where the ranks agree to stop on a signal, after
     which Stopped is raised on every rank.
     """
+    resumed = cfg.checkpoint.resume is not None or dist.topology.restarts > 0
+    drills = drills_for(cfg.drills.inject_fault, dist.rank, resumed)
+    if drills:
+        hooks = dataclasses.replace(hooks, callbacks=Callbacks([hooks.callbacks, *drills]))
     try:
         return _train(cfg, state, loaders, dist, hooks)
     except RuntimeError as exc:
-        explained = nondeterministic_op(exc, cfg.model_name, dist.device) if cfg.deterministic else None
+        explained = nondeterministic_op(exc, cfg.data.model_name, dist.device) if cfg.training.deterministic else None
         if explained is None:
             raise
         raise explained from None
 
 
 def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
-    timing = RankTiming(cfg.throughput_warmup_steps)
+    timing = RankTiming(cfg.outputs.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
     signum = hooks.stop.agreed(dist)
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)
     if state.pending_epoch is not None:  # resumed after a stop that left an epoch's evaluation undone: it comes first
         history.append(finish_epoch(cfg, state, loaders, dist, hooks))
-    for epoch in range(state.epoch + 1, cfg.epochs + 1):
+    for epoch in range(state.epoch + 1, cfg.training.epochs + 1):
         totals, epoch_durations = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
         state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
         state.epoch, state.batches_done = epoch, 0

@@ -16,7 +16,7 @@ from torch.nn.utils import parameters_to_vector
 from mpiddp.job import compression
 from mpiddp.job.bootstrap import connect, distributed
 from mpiddp.job.failfast import FailFast
-from mpiddp.trainer.config import Config
+from mpiddp.job.flags import DistSettings
 from mpiddp.trainer.models import build_model
 from mpiddp.trainer.state import TrainState
 from mpiddp.trainer.train import train_step
@@ -34,7 +34,7 @@ def state_for(model, ddp=None, backend="gloo"):
 
 def main(out_path: str, accum: int, device: str) -> None:
     with FailFast() as guard:
-        with distributed(Config(device=device), connect(guard), guard) as dist:
+        with distributed(DistSettings(device=device), connect(guard), guard) as dist:
             torch.manual_seed(1234)
             # float64: differences come from the algorithm, not rounding
             model = build_model("digits_cnn").double().to(dist.device)

@@ -15,7 +15,7 @@ from torch.nn.utils import parameters_to_vector
 from mpiddp.job import compression
 from mpiddp.job.bootstrap import connect, distributed
 from mpiddp.job.failfast import FailFast
-from mpiddp.trainer.config import Config
+from mpiddp.job.flags import DistSettings
 from mpiddp.trainer.models import build_model
 
 STEPS = 4
@@ -31,7 +31,7 @@ def replica(kind, dist, through_mpi):
 
 def main(out_path):
     with FailFast() as guard:
-        with distributed(Config(device="cpu"), connect(guard), guard) as dist:
+        with distributed(DistSettings(device="cpu"), connect(guard), guard) as dist:
             results = {}
             for kind in ("none", "fp16", "bf16"):
                 sides = [replica(kind, dist, through_mpi) for through_mpi in (False, True)]

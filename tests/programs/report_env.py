@@ -7,12 +7,12 @@ import torch
 
 from mpiddp.job.bootstrap import connect, distributed
 from mpiddp.job.failfast import FailFast
-from mpiddp.trainer.config import Config
+from mpiddp.job.flags import DistSettings
 
 with FailFast() as guard:
     dist = connect(guard)
     topo = dist.topology
-    with distributed(Config(device="cpu"), dist, guard):
+    with distributed(DistSettings(device="cpu"), dist, guard):
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
         line = " ".join(f"{name}={os.environ[name]}" for name in names) + f" threads={torch.get_num_threads()}"
         with open(f"{sys.argv[1]}.{topo.rank}", "w") as out:

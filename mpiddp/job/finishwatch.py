@@ -1,0 +1,83 @@
+"""The finish watch: ends the job when a rank is still running `timeout_s` after another rank's script finished.
+
+A rank whose script ends (even with status 0) while the others wait for it in a collective would leave them
+blocked until torch's collective timeout; the watch, a watcher thread talking through the rendezvous store,
+shows where the late rank is and aborts instead. `mpiddp run` and `mpiddp.init()` under plain mpirun use it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from mpiddp.job.collective import Dist, Rendezvous
+from mpiddp.job.watch import Ending, Watcher, own_stacks
+
+
+def _shown(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (" ..." if len(ranks) > 8 else "")
+
+
+class FinishWatch(Watcher):
+    """finished() when this rank's script is done; the thread tells the other ranks, and watches for them."""
+
+    THREAD_NAME = "mpiddp-finish-watch"
+    INTERVAL_S = (0.2, 2.0)
+    REQUESTS_PER_INTERVAL = 1  # one request per interval from every rank
+
+    def __init__(self, timeout_s: float, dist: Dist, store: Any | None, setting: str = "--finish-timeout {}") -> None:
+        super().__init__(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread)
+        self.setting = setting.format(f"{timeout_s:g}")  # how the user changes the timeout, for the messages
+        self.done = threading.Event()
+        self.first_seen: float | None = None  # when this rank first saw another rank finished
+        self.reported: float | None = None  # when this rank told the others it finished
+
+    @classmethod
+    def for_job(cls, timeout_s: float, dist: Dist, rendezvous: Rendezvous,
+                setting: str = "--finish-timeout {}") -> FinishWatch:
+        """A watch on this rank's one connection to the rendezvous store (none when it is turned off)."""
+        store = rendezvous.client() if timeout_s > 0 and dist.world_size > 1 else None
+        return cls(timeout_s, dist, store, setting)
+
+    def finished(self) -> None:
+        """This rank's script is done: tell the other ranks' watches (from the watch's own thread)."""
+        self.done.set()
+
+    def stop(self) -> None:
+        super().stop()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+        if not self.thread.is_alive():  # let go of the rank's one connection (rank 0: the store), so teardown closes it
+            self.store = None
+
+    def poll(self) -> Ending | None:
+        now = time.monotonic()
+        if self.done.is_set():
+            if self.reported is None:
+                self.report_finished()
+                self.reported = now
+            elif now - self.reported > 2 * self.timeout_s + 10:
+                # The late ranks' own watches fire after timeout_s; this one only when they cannot (a rank stuck
+                # holding the GIL), so a finished rank never waits forever. Under the store's guard: a store gone
+                # meanwhile (every rank finished, rank 0 closed it) ends the watch quietly.
+                finished = set(self.finished_ranks())
+                late = [rank for rank in range(self.world_size) if rank not in finished]
+                return lambda: self.end_job(
+                    f"mpiddp: {self.label} finished {now - self.reported:.0f} s ago, and rank(s) {_shown(late)} "
+                    f"have neither finished nor ended the job ({self.setting}); ending the job\n")
+            return None
+        if self.finished_count() == 0:
+            return None
+        self.first_seen = self.first_seen or now
+        if now - self.first_seen > self.timeout_s:
+            waited = now - self.first_seen
+            return lambda: self._fire(waited)
+        return None
+
+    def _fire(self, waited: float) -> None:
+        self.end_job(
+            f"mpiddp: {self.label} is still running {waited:.0f} s after the script finished on rank(s) "
+            f"{_shown(self.finished_ranks())} ({self.setting}). If it waits in a collective for them, it would never "
+            f"return: every rank must make the same collective calls. Ending the job; Python stacks of "
+            f"{self.label}:\n{own_stacks()}")

@@ -1,0 +1,69 @@
+"""The one watcher base (mpiddp/job/watch.py) and its two uses: the finish watch here, in memory; the hang
+watchdog in test_launch_record, test_evidence, test_flightrec and test_scale."""
+
+import time
+from types import SimpleNamespace
+
+from mpiddp.errors import EXIT_HANG
+from mpiddp.job import storekeys
+from mpiddp.job.finishwatch import FinishWatch
+from mpiddp.job.watch import Watcher
+from mpiddp.job.watchdog import Watchdog
+from test_launch_record import DictStore
+
+
+def rank(number, aborted, world_size=2):
+    return SimpleNamespace(rank=number, world_size=world_size, label=f"rank {number}/{world_size}",
+                           abort_from_thread=aborted.append)
+
+
+def wait_for(condition, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_both_watchers_are_one_watcher_with_their_own_pace():
+    assert issubclass(Watchdog, Watcher) and issubclass(FinishWatch, Watcher)
+    store = DictStore()
+    # a tenth of the timeout, within each one's bounds, as before the two shared a base
+    assert FinishWatch(600, rank(0, []), store).interval == 2.0 and FinishWatch(1, rank(0, []), store).interval == 0.2
+    assert Watchdog(600, 0, 2, "r", store, print).interval == 5.0
+    assert Watchdog(1, 0, 2, "r", store, print).interval == 0.5
+    assert not FinishWatch(0, rank(0, []), store).active and not FinishWatch(60, rank(0, []), None).active
+
+
+def test_a_rank_still_running_after_another_finished_ends_the_job_with_its_stacks(capsys):
+    store, aborted = DictStore(), []
+    done = FinishWatch(0.5, rank(0, aborted), store)
+    late = FinishWatch(0.5, rank(1, aborted), store, setting="mpiddp.init(finish_timeout_s={})")
+    done.interval = late.interval = 0.02
+    done.start().finished()
+    late.start()
+    try:
+        assert wait_for(lambda: aborted == [EXIT_HANG])
+        late.thread.join(30)
+    finally:
+        done.stop()
+    assert store.check([storekeys.finished(0)]) and not store.check([storekeys.finished(1)])
+    err = capsys.readouterr().err
+    assert "mpiddp: rank 1/2 is still running" in err and "after the script finished on rank(s) 0 " \
+        "(mpiddp.init(finish_timeout_s=0.5))" in err
+    assert "Python stacks of rank 1/2:\n" in err and "in _fire" in err
+    assert done.store is None  # stopped: it let go of the rank's connection
+
+
+def test_a_store_gone_at_the_end_of_the_job_ends_the_watch_quietly():
+    class ClosedStore:
+        def __getattr__(self, name):
+            def request(*args, **kwargs):
+                raise RuntimeError("Connection reset by peer")
+            return request
+
+    aborted = []
+    watch = FinishWatch(60, rank(1, aborted), ClosedStore())
+    watch.interval = 0.01
+    watch.start().finished()
+    watch.thread.join(30)
+    assert not watch.thread.is_alive() and aborted == []
