@@ -69,7 +69,9 @@ class Watchdog:
         self.last_beat = time.monotonic()
         self.own_ticks: collections.deque[int] = collections.deque(maxlen=STALE_INTERVALS + 1)
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="mpiddp-watchdog", daemon=True)
+        self.generation = 0  # in-job recovery starts a new watch on the survivors' store; the old thread ends
+        self.recovering = False  # a store that stops answering meanwhile is the failed rank's, not a hang
+        self.thread = threading.Thread(target=self._watch, args=(0,), name="mpiddp-watchdog", daemon=True)
 
     @classmethod
     def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
@@ -107,6 +109,26 @@ class Watchdog:
     def stop(self) -> None:
         self.stopped.set()
 
+    def suspend(self) -> None:
+        """In-job recovery begins: the store may be gone with its rank; the watch waits for `follow`."""
+        self.recovering = True
+
+    def follow(self, dist: Dist, run_dir: Path | None = None) -> None:
+        """In-job recovery ended: watch again, on the survivors' new store, under this rank's new number."""
+        fresh = Watchdog.for_job(self.timeout_s, dist, run_dir or self.run_dir)
+        self.stopped.set()  # the old thread ends at its next wake-up
+        self.generation += 1
+        self.interval, self.host_of_rank, self.failure_dir = fresh.interval, fresh.host_of_rank, fresh.failure_dir
+        self.rank, self.world_size, self.label, self.store = fresh.rank, fresh.world_size, fresh.label, fresh.store
+        self.answered, self.last_beat = False, time.monotonic()
+        self.own_ticks.clear()
+        self.stopped = threading.Event()
+        self.recovering = False
+        if self.timeout_s > 0:
+            self.thread = threading.Thread(target=self._watch, args=(self.generation,), name="mpiddp-watchdog",
+                                           daemon=True)
+            self.thread.start()
+
     def _publish(self) -> None:
         # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
         # counter in the store that every publish advances, never off wall clocks, which differ across hosts.
@@ -116,13 +138,19 @@ class Watchdog:
         self.store.set(f"mpiddp/progress/{self.rank}", json.dumps(record))
         self.own_ticks.append(tick)
 
-    def _watch(self) -> None:
-        while not self.stopped.wait(self.interval):
+    def _watch(self, generation: int = 0) -> None:
+        stopped = self.stopped
+        while not stopped.wait(self.interval):
+            if generation != self.generation or self.recovering:
+                if generation != self.generation:
+                    return  # a recovery started a new watch
+                continue
             try:
                 self._publish()
                 asked = not self.answered and self.store.check([REQUEST_KEY])
             except Exception as exc:
-                if not self.stopped.is_set() and STORE_UNANSWERED.search(str(exc)):
+                if not stopped.is_set() and not self.recovering and generation == self.generation and \
+                        STORE_UNANSWERED.search(str(exc)):
                     self._store_unanswered(exc)
                 return  # else the store is gone (closed at the end): the job is ending anyway
             if time.monotonic() - self.last_beat > self.timeout_s:

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from mpiddp import failure, supervision
@@ -21,6 +22,7 @@ from mpiddp.job.log import setup_logging
 from mpiddp.job.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import DEFAULT_RUNS_ROOT, Config, parse_args
+from mpiddp.trainer.recovery import InJobRecovery, end_without_finalize, recovered_in_this_process
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
@@ -40,20 +42,24 @@ def main(args: list[str], stop: StopRequest | None = None, check: CheckFn | None
     if stop is None:
         stop = StopRequest().install() if check is None else StopRequest()
     try:
-        return _main(args, startup, stop, check)
+        status = _main(args, startup, stop, check)
     finally:
         stop.release()
+    if recovered_in_this_process():  # every survivor passed the teardown's barrier; the records are written
+        end_without_finalize(status)
+    return status
 
 
-def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
-    """Collective: (this rank's loaders, input channels the model takes); a bad model or dataset stops every rank."""
+def load_data(cfg: Config, dist: Dist) -> tuple[Any, int, Any]:
+    """Collective: (this rank's loaders, input channels the model takes, the datasets: in-job recovery splits them
+    again over the survivors); a bad model or dataset stops every rank."""
     from mpiddp.trainer.data import build_loaders, fetch, load_datasets
     from mpiddp.trainer.models import check_arch, input_channels
 
     dist.agree(lambda: check_arch(cfg.model_name))
     fetch(cfg, dist)
     datasets = dist.agree(lambda: load_datasets(cfg, lambda data_channels: input_channels(cfg.model_name, data_channels)))
-    return build_loaders(cfg, datasets, dist), datasets.channels
+    return build_loaders(cfg, datasets, dist), datasets.channels, datasets
 
 
 def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path,
@@ -157,15 +163,18 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     from mpiddp.trainer.train import Hooks, train
 
     startup.mark("process_group")
+    others = [guard.dist] if guard is not None and guard.dist is not None and guard.dist is not dist else []
+    recovery = InJobRecovery.enable(dist, others, cfg.collective_timeout_s)  # None: a failure ends the job
     (job_started_at,) = dist.reduce([startup.started_at], "min")
     checkpoint_dir = checkpoint_dir_of(cfg, run_dir)
     mode = resume_mode(cfg, dist, run_dir)
     if mode is None:  # before anything is loaded or written
         dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
     configure_torch(cfg)
-    loaders, channels = load_data(cfg, dist)
+    loaders, channels, datasets = load_data(cfg, dist)
     startup.mark("data")
-    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
+    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train),
+                        recovery.members if recovery is not None else None)
     restored = resume(cfg, dist, state, checkpoint_dir, mode)
     resumed_at_step = state.step
     startup.mark("model")
@@ -209,6 +218,10 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
 
     try:
         hooks = Hooks(run_logger, save, stop, watchdog.beat, SaveClock(cfg.save_interval_s), watchdog.enter)
+        if recovery is not None:
+            recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=loaders, datasets=datasets,
+                                             watchdog=watchdog, guard=guard)
+            hooks = recovery.hooks(hooks)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
         watchdog.stop()
@@ -216,6 +229,9 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     if cfg.model_filename:
         checkpoint.save_weights(checkpoint_dir / cfg.model_filename, state.unwrapped.state_dict(), dist)
     summary = summarise(cfg, dist, outcome, loaders, job_started_at, startup)
+    recoveries = recovery.gathered(dist) if recovery is not None else []
+    if recoveries:
+        summary["recoveries"] = recoveries
     assert dist.rendezvous is not None
     summary.update(
         resumed_from=str(restored[0]) if restored is not None else None,

@@ -92,6 +92,9 @@ class Hooks:
     save_clock: SaveClock = field(default_factory=SaveClock)
     # where in a step this rank is (data, compute, communication), for the hang watchdog: not progress
     phase: Callable[[str], None] = lambda phase: None
+    # in-job recovery (mpiddp.trainer.recovery): runs body(config) and, after the survivors recovered from a failed
+    # rank, again with their config; `where` is train or eval. Without it: body(config), once.
+    in_job: Callable[[Callable[[Config], Any], Config, str], Any] = lambda body, cfg, where: body(cfg)
 
     def save_now(self, state: TrainState) -> None:
         """Collective: save a snapshot, whatever the reason; the time-based interval counts from here."""
@@ -289,6 +292,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         inject_fault(cfg.inject_fault, dist.rank, state.step, resumed=cfg.resume is not None or dist.topology.restarts > 0)
         stop_drill(cfg.inject_fault, dist.rank, state.step, "train")
         batches_seen += len(group)
+        state.batches_done = batches_seen  # where in-job recovery continues the epoch
         totals.add(loss_sum, images)
         window.add(loss_sum, images)
         progress.update(1)
@@ -438,11 +442,17 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
     signum = hooks.stop.agreed(dist)
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)
+    def evaluated(current: Config) -> dict[str, Any]:
+        return finish_epoch(current, state, loaders, dist, hooks)
+
     if state.pending_epoch is not None:  # resumed after a stop that left an epoch's evaluation undone: it comes first
-        history.append(finish_epoch(cfg, state, loaders, dist, hooks))
+        history.append(hooks.in_job(evaluated, cfg, "eval"))
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
-        totals, epoch_durations = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
-        state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
-        state.epoch, state.batches_done = epoch, 0
-        history.append(finish_epoch(cfg, state, loaders, dist, hooks))
+        def trained(current: Config) -> None:
+            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing)
+            state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
+            state.epoch, state.batches_done = epoch, 0
+
+        hooks.in_job(trained, cfg, "train")
+        history.append(hooks.in_job(evaluated, cfg, "eval"))
     return TrainOutcome(history, timing)
