@@ -73,6 +73,7 @@ class InJobRecovery:
         self.records: list[dict[str, Any]] = []  # this rank's view of each recovery (phases in its own seconds)
         self._recovered_at: float | None = None  # monotonic end of the last recovery, until the next step
         self._stepped_at = 0.0  # time.time() when this rank's last training step ended
+        self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
 
     @classmethod
@@ -106,8 +107,9 @@ class InJobRecovery:
             enter(phase)
             self.in_step = phase in ("compute", "communication")
 
-        return dataclasses.replace(hooks, save=self.around_save(hooks.save), heartbeat=heartbeat, phase=entered,
-                                   in_job=self.attempt)
+        self._hooks = dataclasses.replace(hooks, save=self.around_save(hooks.save), heartbeat=heartbeat,
+                                          phase=entered, in_job=self.attempt)
+        return self._hooks
 
     # -- what the loop and run() call ---------------------------------------------------------------------------
 
@@ -187,6 +189,7 @@ class InJobRecovery:
                 raise
             self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], failed)
         parts.watchdog.follow(dist)
+        self._take_over_logging(dist)
         phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
                   "ddp": time.monotonic() - started, "first_step": None}
         hosts = list(dict.fromkeys(topology_before.host_of(rank) for rank in failed))
@@ -221,6 +224,13 @@ class InJobRecovery:
                           WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank),
                           LOCAL_WORLD_SIZE=str(topology.local_world_size))
 
+    def _take_over_logging(self, dist: Dist) -> None:
+        """Rank 0 died: the new rank 0 appends the run's records to metrics.jsonl (wandb stays with the dead)."""
+        from mpiddp.trainer.metrics import JsonlLogger, NullLogger
+
+        if dist.is_main and self._hooks is not None and isinstance(self._hooks.log, NullLogger):
+            self._hooks.log = JsonlLogger(self.parts.run_dir / "metrics.jsonl")
+
     def _same_position(self, state: Any, dist: Dist) -> bool:
         """Collective: a survivor that finished the interrupted step while another did not (a collective can
         complete on some ranks only) gives its state to the others, so every survivor continues from the same
@@ -250,7 +260,9 @@ class InJobRecovery:
 
         parts = self.parts
         state, loaders = parts.state, parts.loaders
-        new_cfg = dataclasses.replace(cfg, batch_size=split.batch_size, grad_accum=split.grad_accum)
+        # A test drill names a rank number, which now belongs to another process: it has fired (stragglers stay).
+        fault = cfg.inject_fault if cfg.inject_fault is not None and cfg.inject_fault.kind.startswith("slow-") else None
+        new_cfg = dataclasses.replace(cfg, batch_size=split.batch_size, grad_accum=split.grad_accum, inject_fault=fault)
         state.optimizer.zero_grad(set_to_none=True)  # the interrupted step's partial gradients
         old_hook = state.gradient_hook
         state.ddp, state.gradient_hook, state.model = wrap(

@@ -220,7 +220,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         hooks = Hooks(run_logger, save, stop, watchdog.beat, SaveClock(cfg.save_interval_s), watchdog.enter)
         if recovery is not None:
             recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=loaders, datasets=datasets,
-                                             watchdog=watchdog, guard=guard)
+                                             watchdog=watchdog, guard=guard, run_dir=run_dir)
             hooks = recovery.hooks(hooks)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
