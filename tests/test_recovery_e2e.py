@@ -157,3 +157,39 @@ def test_a_kill_before_the_first_step_fails_fast_saying_why(hosts, tmp_path):
     assert "in-job recovery not possible: a rank failed before the first training step" in output, output[-5000:]
     assert "goes on as rank" not in output
     assert not (job.run_dir / "summary.json").exists()
+
+
+def test_two_failures_one_after_another_leave_one_rank_that_finishes(hosts, tmp_path):
+    """Rank 1 killed mid-epoch, then, once the survivors have trained on, the rank on nodec: the last survivor
+    (the same process as rank 0 at the start) finishes alone at the same global batch. The ranks are slowed
+    down (a straggler drill on every rank) so the test's kills land in training, never in the final save."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--save-every", "100",
+              "--inject-fault", "slow-compute:all:0")
+
+    def step_at_least(step: int) -> bool:
+        return (job.run_dir / "metrics.jsonl").exists() and \
+            any(r["kind"] == "step" and r["step"] >= step for r in metrics(job.run_dir))
+
+    job.wait_for("step 3", lambda: step_at_least(3))
+    pids = rank_pids(job.run_dir)
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    job.wait_for("the first recovery", lambda: "running at reduced size 2 of 3" in job.output())
+    resumed = max(r["step"] for r in metrics(job.run_dir) if r["kind"] == "step")
+    job.wait_for("steps on 2 ranks", lambda: step_at_least(resumed + 3))
+    subprocess.run(["kill", "-KILL", str(pids[2])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-5000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    first, second = summary["recoveries"]
+    assert (first["ranks_lost"], first["hosts_lost"], first["world_before"], first["world_after"]) == \
+        ([1], ["nodeb"], 3, 2), first
+    assert (second["ranks_lost"], second["hosts_lost"], second["world_before"], second["world_after"]) == \
+        ([1], ["nodec"], 2, 1), second
+    assert "1 ranks go on at the same global batch (12 per rank x 4 accumulation)" in output
+    assert survivors_pids(output)[0] == pids[0]
+    records = metrics(job.run_dir)
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == sorted(set(steps)) and steps[-1] == 90, steps  # none repeated; 30 an epoch throughout
+    assert [r["step"] for r in records if r["kind"] == "epoch"] == [30, 60, 90]
+    assert summary["world_size"] == 1
