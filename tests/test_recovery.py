@@ -101,3 +101,71 @@ def test_every_survivor_derives_the_same_world():
     worlds = {shrunk_topology(old[o], alive, new).hosts for new, o in enumerate(alive)}
     assert worlds == {(("a", (0,)), ("c", (1,)))}
     assert list(itertools.chain.from_iterable(r for _, r in worlds.pop())) == [0, 1]
+
+
+class DictStore:
+    """The few TCPStore calls the watchdog makes, in a dict; `timing_out` makes each one time out as a store
+    whose process died or stopped would."""
+
+    def __init__(self, timing_out: bool = False) -> None:
+        self.data: dict[str, bytes] = {}
+        self.timing_out = timing_out
+        self.calls = 0
+
+    def _call(self) -> None:
+        self.calls += 1
+        if self.timing_out:
+            raise RuntimeError("Socket Timeout")
+
+    def add(self, key: str, amount: int) -> int:
+        self._call()
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def set(self, key: str, value: str) -> None:
+        self._call()
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys: list[str]) -> bool:
+        self._call()
+        return all(key in self.data for key in keys)
+
+    def get(self, key: str) -> bytes:
+        self._call()
+        return self.data[key]
+
+
+def _poll(condition, seconds: float = 20.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling a condition with a deadline, not synchronising
+    return condition()
+
+
+def test_the_watchdog_keeps_quiet_while_recovering_and_then_watches_the_survivors_new_store():
+    """Rank 0's store died with rank 0: while the survivors recover, its timeouts name no hang (before: the
+    watchdog ended the job, EXIT_HANG); afterwards the same watchdog reports under the new rank to the new store."""
+    from types import SimpleNamespace
+
+    from mpiddp.job.collective import Rendezvous, solo_dist
+    from mpiddp.job.watchdog import Watchdog
+
+    aborted: list[int] = []
+    dead = DictStore(timing_out=True)
+    dog = Watchdog(60.0, 2, 3, "rank 2", dead, aborted.append)
+    dog.interval = 0.01
+    dog.suspend()  # (in a job: when the survivors learn of the failure, the thread already running)
+    dog.start()
+    new = DictStore()
+    dist = solo_dist()
+    dist.rebind(dist.topology, dist.transport, Rendezvous("127.0.0.1", 1, {}, SimpleNamespace(store=new)))
+    old_thread = dog.thread
+    dog.follow(dist)
+    dog.interval = 0.01
+    assert _poll(lambda: "mpiddp/progress/0" in new.data)
+    assert _poll(lambda: not old_thread.is_alive())
+    assert aborted == [] and (dog.rank, dog.world_size) == (0, 1)
+    dog.stop()
