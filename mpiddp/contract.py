@@ -24,6 +24,7 @@ JOB_RECORD_ENV = "MPIDDP_JOB_RECORD"  # where the job writes its JobRecord at st
 GLOBAL_BATCH_ENV = "MPIDDP_GLOBAL_BATCH"  # --global-batch's default: a shrunk attempt (--min-np) keeps the batch
 SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of `launch`: the job records it when the supervisor died
 HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"  # set by a rank for its loader helpers: the pid they must die with
+MIN_NP_ENV = "MPIDDP_MIN_NP"  # launch --min-np: in-job recovery goes on with no fewer ranks (1 when unset)
 MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"  # --master-addr's default (set by the user, not by launch)
 JOB_RECORD_FILE = "job.json"
 CHECKPOINTS_FOLDER = "checkpoints"  # RUN_DIR/checkpoints: the default checkpoint dir

@@ -367,6 +367,15 @@ class Dist:
         return replace(self, device_type=device_type, device_index=device_index, backend=backend,
                        rendezvous=rendezvous, num_threads=num_threads)
 
+    def rebind(self, topology: Topology, transport: Transport, rendezvous: Rendezvous | None) -> None:
+        """In-job recovery only (mpiddp.trainer.recovery): this Dist now means the survivors' job, its new rank,
+        communicator and store. The one mutation of a Dist: everything that holds it (the loop, the save hook, the
+        failure guard) follows the new world without being handed a new object."""
+        object.__setattr__(self, "topology", topology)
+        object.__setattr__(self, "transport", transport)
+        if rendezvous is not None:
+            object.__setattr__(self, "rendezvous", rendezvous)
+
     # --- collectives: every rank calls them, in the same order ---------------------------------------------
     def reduce(self, values: Sequence[float], op: ReduceOp) -> list[float]:
         """Element-wise sum, min, max or mean of a short vector of numbers, in one call."""

@@ -178,7 +178,8 @@ class GradientHook:
     """DDP's hook state: `run(bucket)` is called once per ready bucket, in bucket order."""
 
     def __init__(self, compression: str, parameters: list[tuple[str, torch.nn.Parameter]], on_ready: Callable[[], None],
-                 powersgd: Any = None, one_bucket_at_a_time: bool = False, mpi: Dist | None = None) -> None:
+                 powersgd: Any = None, one_bucket_at_a_time: bool = False, mpi: Dist | None = None,
+                 members: Any = None) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         assert compression in COMPRESSIONS
@@ -202,6 +203,9 @@ class GradientHook:
         self._pending_q: ParamState = {}
         assert mpi is None or powersgd is None, "PowerSGD stays on the process group"
         self.mpi = mpi  # set: MPI carries the all-reduce
+        # set (mpiddp.job.membership.Membership, in-job recovery): the process group's all-reduce is waited for
+        # here, polling MPI's failure notice, so a peer's death ends the wait (DDP's own wait would not end)
+        self.members = members
         self.transport: TransportChoice | None = None  # what the trainer chose, for the log and summary.json
         self._mpi_thread: int | None = None  # the thread MPI was last checked from
 
@@ -209,6 +213,8 @@ class GradientHook:
         self.on_ready()
         if self.mpi is not None:
             return self._through_mpi(bucket.buffer())
+        if self.members is not None and self.powersgd is None:
+            return self._watched(bucket.buffer())
         if self.powersgd is not None:
             self._follow_layout(bucket)
         future = self._inner(self._inner_state, bucket)
@@ -234,6 +240,21 @@ class GradientHook:
         if payload.is_cuda:
             torch.cuda.current_stream(payload.device).synchronize()  # MPI reads the memory outside torch's streams
         self.mpi.allreduce_inplace(mpi_buffer(payload), SUM_AS.get(self.compression))
+        if payload is not buffer:
+            buffer.copy_(payload)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    def _watched(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """The all-reduce of default_hooks' hooks on the process group, issued async and waited for under
+        Membership.wait: MembersLost (through DDP, a RuntimeError from backward) when MPI reports a failed peer.
+        It runs on the thread that runs backward, the main thread on CPU, which alone may call MPI."""
+        import torch.distributed as tdist
+
+        world_size = tdist.get_world_size()
+        payload = buffer.div_(world_size) if self.compression == "none" else buffer.to(HALF[self.compression]).div_(world_size)
+        self.members.wait(tdist.all_reduce(payload, async_op=True))
         if payload is not buffer:
             buffer.copy_(payload)
         done: torch.futures.Future = torch.futures.Future()
@@ -344,7 +365,8 @@ def _run(hook: GradientHook, bucket):  # type: ignore[no-untyped-def]  # DDP che
 
 
 def register(ddp: DistributedDataParallel, compression: str, rank: int = 1, warmup_steps: int = 10,
-             backend: str = "nccl", on_ready: Callable[[], None] = lambda: None, mpi: Dist | None = None) -> GradientHook:
+             backend: str = "nccl", on_ready: Callable[[], None] = lambda: None, mpi: Dist | None = None,
+             members: Any = None) -> GradientHook:
     """Install mpiddp's communication hook for `compression` on `ddp` and return it; with `mpi`, MPI carries
     the all-reduce (the caller checked that it can: `transport_refusal`)."""
     powersgd = None
@@ -358,6 +380,6 @@ def register(ddp: DistributedDataParallel, compression: str, rank: int = 1, warm
             use_error_feedback=True, warm_start=True, random_seed=0,
         )
     hook = GradientHook(compression, list(ddp.module.named_parameters()), on_ready, powersgd,
-                        one_bucket_at_a_time=powersgd is not None and backend != "nccl", mpi=mpi)
+                        one_bucket_at_a_time=powersgd is not None and backend != "nccl", mpi=mpi, members=members)
     ddp.register_comm_hook(hook, _run)
     return hook

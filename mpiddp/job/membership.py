@@ -102,6 +102,24 @@ def recovery_refusal(old_size: int, failed: tuple[int, ...] | list[int], min_siz
     return None
 
 
+def shrunk_topology(old: Any, alive: tuple[int, ...], new_rank: int) -> Any:
+    """The Topology of survivor `new_rank` in a job shrunk to the old ranks `alive` (in new-rank order): hosts and
+    local ranks renumbered among the survivors, the launcher's settings kept."""
+    import dataclasses
+
+    from mpiddp.job.topology import RankRecord, build_topology
+
+    hosts = [old.host_of(rank) for rank in alive]
+    records = []
+    for new, host in enumerate(hosts):
+        peers = [r for r, h in enumerate(hosts) if h == host]
+        records.append(RankRecord(new, host, peers[0], peers.index(new), len(peers)))
+    topology = build_topology(new_rank, records, old.mpi_library)
+    return dataclasses.replace(topology, mpi_settings=old.mpi_settings, restarts=old.restarts,
+                               failure_file=old.failure_file, launch_id=old.launch_id,
+                               launch_run_dir=old.launch_run_dir, job_record=old.job_record)
+
+
 def store_address(env: Mapping[str, str], interfaces: list[tuple[str, str]]) -> str:
     """The address this host's new rendezvous store listens on: the interface gloo uses (GLOO_SOCKET_IFNAME,
     set by mpiddp's rendezvous), else the first non-loopback one, else loopback. `interfaces`: (name, address)."""
@@ -141,6 +159,8 @@ class Membership:
         self._lost: float | None = None  # time.time() when the watch reported a failure (until recovered)
         self._store: Any = None  # this rank's rendezvous store after a recovery (the server on the new rank 0)
         self._graveyard: list[Any] = []  # old process groups: never destroyed (see _retire_default_group)
+        self.endpoint: tuple[str, int] | None = None  # the store's (address, port) after a recovery
+        self.waiting_since: float | None = None  # time.time() when this rank last began waiting on a collective
         self._arm()
 
     def _dup(self, comm: Any) -> Any:
@@ -189,6 +209,7 @@ class Membership:
         """Wait for a torch work (from `async_op=True`) to complete; raise MembersLost when MPI reports a failed
         member first. The torch error of a collective whose peer died becomes MembersLost once MPI confirms it."""
         pause = 0.00002
+        self.waiting_since = time.time()
         while not work.is_completed():
             lost = self.failed()
             if lost is not None:
@@ -202,6 +223,10 @@ class Membership:
             if lost is not None:
                 raise MembersLost(lost, self._lost or time.time()) from None
             raise
+
+    def confirm(self, grace_s: float) -> tuple[int, ...] | None:
+        """After an error that may be a peer's death: the failed ranks once MPI reports them, else None."""
+        return self._confirm(grace_s)
 
     def _confirm(self, grace_s: float) -> tuple[int, ...] | None:
         """After a torch error: the failed ranks once MPI reports them, or None when it does not within grace_s."""
@@ -288,7 +313,7 @@ class Membership:
             address = self._address()
             self._store = tdist.TCPStore(address, 0, size, True, timeout=timeout, wait_for_workers=False)
             endpoint = (address, self._store.port)
-        address, port = self.comm.bcast(endpoint, root=0)
+        address, port = self.endpoint = self.comm.bcast(endpoint, root=0)
         if rank != 0:
             self._store = tdist.TCPStore(address, port, size, False, timeout=timeout)
         tdist.init_process_group("gloo", store=self._store, rank=rank, world_size=size, timeout=timeout)

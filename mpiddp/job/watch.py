@@ -142,12 +142,15 @@ class Watcher(StoreMixin):
         it at the end of the job): the job is ending anyway, and the watcher ends quietly."""
 
     def _watch(self) -> None:
-        while not self.stopped.wait(self.interval):
+        stopped = self.stopped  # this thread's own: a watcher that follows a new store starts a new thread
+        while not stopped.wait(self.interval):
             try:
                 ending = self.poll()
             except Exception as exc:
-                if not self.stopped.is_set():
+                if not stopped.is_set():
                     self.store_failed(exc)
+                return
+            if stopped.is_set():
                 return
             if ending is not None:
                 ending()

@@ -12,6 +12,7 @@ import collections
 import logging
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,7 @@ class Watchdog(Watcher):
         self.beats = 0  # progress in this job (a step, a save, an evaluation)
         self.last_beat = time.monotonic()
         self.own_ticks: collections.deque[int] = collections.deque(maxlen=STALE_INTERVALS + 1)
+        self.recovering = False  # in-job recovery: a store that stops answering meanwhile is the failed rank's
 
     @classmethod
     def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
@@ -93,6 +95,24 @@ class Watchdog(Watcher):
         """Whether this job has done anything since it started (a step, a save, an evaluation)."""
         return self.beats > 0
 
+    def suspend(self) -> None:
+        """In-job recovery begins: the store may be gone with its rank; the watch waits for `follow`."""
+        self.recovering = True
+
+    def follow(self, dist: Dist, run_dir: Path | None = None) -> None:
+        """In-job recovery ended: watch again, on the survivors' new store, under this rank's new number."""
+        fresh = Watchdog.for_job(self.timeout_s, dist, run_dir or self.run_dir)
+        self.stopped.set()  # the old thread ends at its next wake-up (it holds the old event)
+        self.interval, self.host_of_rank, self.failure_dir = fresh.interval, fresh.host_of_rank, fresh.failure_dir
+        self.rank, self.world_size, self.label, self.store = fresh.rank, fresh.world_size, fresh.label, fresh.store
+        self.answered, self.last_beat = False, time.monotonic()
+        self.own_ticks.clear()
+        self.stopped = threading.Event()
+        self.recovering = False
+        self.thread = threading.Thread(target=self._watch, name=self.THREAD_NAME, daemon=True)
+        if self.active:
+            self.thread.start()
+
     def _publish(self) -> None:
         # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
         # counter in the store that every publish advances, never off wall clocks, which differ across hosts.
@@ -102,6 +122,8 @@ class Watchdog(Watcher):
         self.own_ticks.append(tick)
 
     def poll(self) -> Ending | None:
+        if self.recovering:
+            return None
         self._publish()
         asked = not self.answered and self.hang_requested()
         if time.monotonic() - self.last_beat > self.timeout_s:
@@ -111,7 +133,7 @@ class Watchdog(Watcher):
         return None
 
     def store_failed(self, exc: Exception) -> None:
-        if STORE_UNANSWERED.search(str(exc)):
+        if not self.recovering and STORE_UNANSWERED.search(str(exc)):
             self._store_unanswered(exc)
 
     def _store_unanswered(self, exc: BaseException) -> None:

@@ -21,12 +21,19 @@ class Callback:
     def on_eval_start(self, step: int) -> None:
         """The evaluation at `step` has loaded its first batch."""
 
+    def on_recovered(self, rank: int) -> None:
+        """In-job recovery: this process goes on as `rank` of the survivors (mpiddp.trainer.recovery)."""
+
 
 class Callbacks(Callback):
     """Several callbacks as one, called in the order given."""
 
     def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
         self.callbacks = tuple(callbacks)
+
+    def add(self, *callbacks: Callback) -> None:
+        """More callbacks, called after those already here (in place: copies of the loop's hooks share them)."""
+        self.callbacks = (*self.callbacks, *callbacks)
 
     def on_data_wait(self, step: int) -> None:
         for callback in self.callbacks:
@@ -43,3 +50,7 @@ class Callbacks(Callback):
     def on_eval_start(self, step: int) -> None:
         for callback in self.callbacks:
             callback.on_eval_start(step)
+
+    def on_recovered(self, rank: int) -> None:
+        for callback in self.callbacks:
+            callback.on_recovered(rank)

@@ -57,7 +57,8 @@ class Drills(Callback):
     which a `kill` lets through (so a relaunch gets past it)."""
 
     def __init__(self, fault: FaultInjection, rank: int, resumed: bool) -> None:
-        self.fault, self.rank, self.resumed = fault, rank, resumed
+        self.fault: FaultInjection | None = fault
+        self.rank, self.resumed = rank, resumed
 
     def on_data_wait(self, step: int) -> None:
         straggle(self.fault, self.rank, step, "data")
@@ -73,6 +74,12 @@ class Drills(Callback):
 
     def on_eval_start(self, step: int) -> None:
         stop_drill(self.fault, self.rank, step, "eval")
+
+    def on_recovered(self, rank: int) -> None:
+        # The drill named a rank number, which now belongs to another process: it has fired; a straggler stays.
+        self.rank = rank
+        if self.fault is not None and not self.fault.kind.startswith("slow-"):
+            self.fault = None
 
 
 def drills_for(fault: FaultInjection | None, rank: int, resumed: bool) -> list[Callback]:

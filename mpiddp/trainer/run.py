@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from mpiddp import failure, supervision
@@ -22,6 +23,7 @@ from mpiddp.job.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import (DEFAULT_RUNS_ROOT, CheckpointSettings, Config, OutputSettings, TrainingSettings,
                                     parse_args)
+from mpiddp.trainer.recovery import InJobRecovery, end_without_finalize, recovered_in_this_process
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
@@ -41,20 +43,24 @@ def main(args: list[str], stop: StopRequest | None = None, check: CheckFn | None
     if stop is None:
         stop = StopRequest().install() if check is None else StopRequest()
     try:
-        return _main(args, startup, stop, check)
+        status = _main(args, startup, stop, check)
     finally:
         stop.release()
+    if recovered_in_this_process():  # every survivor passed the teardown's barrier; the records are written
+        end_without_finalize(status)
+    return status
 
 
-def load_data(cfg: Config, dist: Dist) -> tuple[Any, int]:
-    """Collective: (this rank's loaders, input channels the model takes); a bad model or dataset stops every rank."""
+def load_data(cfg: Config, dist: Dist) -> tuple[Any, int, Any]:
+    """Collective: (this rank's loaders, input channels the model takes, the datasets: in-job recovery splits them
+    again over the survivors); a bad model or dataset stops every rank."""
     from mpiddp.trainer.data import build_loaders, fetch, load_datasets
     from mpiddp.trainer.models import check_arch, input_channels
 
     dist.agree(lambda: check_arch(cfg.data.model_name))
     fetch(cfg.data, dist)
     datasets = dist.agree(lambda: load_datasets(cfg, lambda data_channels: input_channels(cfg.data.model_name, data_channels)))
-    return build_loaders(cfg, datasets, dist), datasets.channels
+    return build_loaders(cfg, datasets, dist), datasets.channels, datasets
 
 
 def resume(cfg: Config, dist: Dist, state: Any, checkpoint_dir: Path,
@@ -156,12 +162,14 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     from mpiddp.trainer.train import Hooks, train
 
     startup.mark("process_group")
+    others = [guard.dist] if guard is not None and guard.dist is not None and guard.dist is not dist else []
+    recovery = InJobRecovery.enable(dist, others, cfg.dist.collective_timeout_s)  # None: a failure ends the job
     (job_started_at,) = dist.reduce([startup.started_at], "min")
     checkpoint_dir = checkpoint_dir_of(cfg.checkpoint, run_dir)
-    built = build(cfg, dist, run_dir, checkpoint_dir, startup)
+    built = build(cfg, dist, run_dir, checkpoint_dir, startup, recovery.members if recovery is not None else None)
     if built is None:
         return None
-    state, loaders, restored = built
+    state, loaders, restored, datasets = built
     resumed_at_step = state.step
     run_logger, wandb_run_id = start_logger(cfg, dist, run_dir, state, restored, job_started_at, startup)
     watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, run_dir).start()
@@ -172,6 +180,10 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     try:
         hooks = Hooks(run_logger, saver.save, stop, watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
                       watchdog.enter)
+        if recovery is not None:
+            recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=loaders, datasets=datasets,
+                                             watchdog=watchdog, guard=guard, run_dir=run_dir)
+            hooks = recovery.hooks(hooks)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
         watchdog.stop()
@@ -179,6 +191,9 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     if cfg.checkpoint.model_filename:
         checkpoint.save_weights(checkpoint_dir / cfg.checkpoint.model_filename, state.unwrapped.state_dict(), dist)
     summary = summarise(cfg, dist, outcome, loaders, job_started_at, startup)
+    recoveries = recovery.gathered(dist) if recovery is not None else []
+    if recoveries:
+        summary["recoveries"] = recoveries
     assert dist.rendezvous is not None
     summary.update(
         resumed_from=str(restored[0]) if restored is not None else None,
@@ -197,10 +212,11 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     return summary
 
 
-def build(cfg: Config, dist: Dist, run_dir: Path, checkpoint_dir: Path,
-          startup: StartupClock) -> tuple[Any, Any, tuple[Path, Any] | None] | None:
-    """Collective: (state, loaders, (snapshot path, snapshot) resumed from or None) with the data loaded and the
-    model built and restored; None when a resumed run has nothing left to train."""
+def build(cfg: Config, dist: Dist, run_dir: Path, checkpoint_dir: Path, startup: StartupClock,
+          members: Any = None) -> tuple[Any, Any, tuple[Path, Any] | None, Any] | None:
+    """Collective: (state, loaders, (snapshot path, snapshot) resumed from or None, the datasets: in-job recovery
+    splits them again over the survivors) with the data loaded and the model built and restored; None when a
+    resumed run has nothing left to train. `members`: in-job recovery's Membership, which the gradient hook polls."""
     from mpiddp.trainer import checkpoint
     from mpiddp.trainer.state import build_state, configure_torch
 
@@ -208,9 +224,9 @@ def build(cfg: Config, dist: Dist, run_dir: Path, checkpoint_dir: Path,
     if mode is None:  # before anything is loaded or written
         dist.from_main(lambda: checkpoint.refuse_reuse(checkpoint_dir))
     configure_torch(cfg.training)
-    loaders, channels = load_data(cfg, dist)
+    loaders, channels, datasets = load_data(cfg, dist)
     startup.mark("data")
-    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train))
+    state = build_state(cfg, dist, loaders.num_classes, channels, len(loaders.train), members)
     restored = resume(cfg, dist, state, checkpoint_dir, mode)
     startup.mark("model")
     if state.epoch >= cfg.training.epochs and state.pending_epoch is None:  # a pending evaluation is still to do
@@ -224,7 +240,7 @@ def build(cfg: Config, dist: Dist, run_dir: Path, checkpoint_dir: Path,
         training.batch_size * dist.world_size * training.grad_accum, training.batch_size, dist.world_size,
         training.grad_accum,
     )
-    return state, loaders, restored
+    return state, loaders, restored, datasets
 
 
 def start_logger(cfg: Config, dist: Dist, run_dir: Path, state: Any, restored: tuple[Path, Any] | None,

@@ -73,8 +73,10 @@ def schedule_position(epoch: int, batches_done: int, batches_per_epoch: int, gra
     return epoch * steps + min(steps, optimizer_steps_per_epoch(batches_done, grad_accum))
 
 
-def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batches_per_epoch: int) -> TrainState:
-    """Collective (DDP broadcasts rank 0's weights): model, DDP wrapper, optimizer, schedule and scaler."""
+def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batches_per_epoch: int,
+                members: Any = None) -> TrainState:
+    """Collective (DDP broadcasts rank 0's weights): model, DDP wrapper, optimizer, schedule and scaler. `members`:
+    in-job recovery's Membership, which the gradient hook polls."""
     from mpiddp.trainer.models import build_model
     from mpiddp.trainer.optim import build_optimizer, build_scheduler
 
@@ -83,27 +85,38 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
     if cfg.training.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
+    model = model.to(dist.device, memory_format=memory_format)
+    ddp, hook, wrapped = wrap(cfg, dist, model, members)
+    optimizer = build_optimizer(cfg.training, ddp.parameters())
+    scheduler = build_scheduler(cfg.training, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.training.grad_accum))
+    scaler = torch.amp.GradScaler(dist.device.type, enabled=cfg.training.amp == "fp16")
+    # Same weights everywhere, but each rank its own stream for augmentation and dropout.
+    torch.manual_seed(cfg.training.seed + 1 + dist.rank)
+    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook, batches_per_epoch=batches_per_epoch)
+
+
+def wrap(cfg: Config, dist: Dist, model: nn.Module, members: Any = None,
+         transport: compression.TransportChoice | None = None,
+         ) -> tuple[DistributedDataParallel, compression.GradientHook, nn.Module]:
+    """Collective (DDP broadcasts rank 0's weights): `model` in DDP on the current process group, with mpiddp's
+    gradient hook, maybe compiled. `members` (in-job recovery) lets the hook notice a failed peer through MPI.
+    A recovery wraps the same module again over the survivors, keeping the job's `transport` (no new probe)."""
     device = dist.device
-    model = model.to(device, memory_format=memory_format)
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.training.bucket_cap_mb,
         static_graph=cfg.training.static_graph,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less per step
     )
-    transport = compression.choose_transport(cfg.training.grad_transport, cfg.training.grad_compression, dist,
-                                             compression.gradient_bytes(model, cfg.training.bucket_cap_mb))
-    log.info("%s", transport.describe())
+    quiet = transport is not None
+    if transport is None:
+        transport = compression.choose_transport(cfg.training.grad_transport, cfg.training.grad_compression, dist,
+                                                 compression.gradient_bytes(model, cfg.training.bucket_cap_mb))
+        log.info("%s", transport.describe())
     hook = compression.register(ddp, cfg.training.grad_compression, cfg.training.powersgd_rank, cfg.training.powersgd_warmup_steps,
-                                dist.backend, mpi=dist if transport.chosen == "mpi" else None)
+                                dist.backend, mpi=dist if transport.chosen == "mpi" else None, members=members)
     hook.transport = transport
-    if cfg.training.grad_compression != "none":
+    if cfg.training.grad_compression != "none" and not quiet:
         log.info("gradient all-reduce: %s%s; buckets of %g MB", cfg.training.grad_compression,
                  f" (rank {cfg.training.powersgd_rank}, after {cfg.training.powersgd_warmup_steps} plain steps)"
                  if cfg.training.grad_compression == "powersgd" else "", cfg.training.bucket_cap_mb)
-    wrapped = torch.compile(ddp) if cfg.training.compile else ddp
-    optimizer = build_optimizer(cfg.training, ddp.parameters())
-    scheduler = build_scheduler(cfg.training, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.training.grad_accum))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.training.amp == "fp16")
-    # Same weights everywhere, but each rank its own stream for augmentation and dropout.
-    torch.manual_seed(cfg.training.seed + 1 + dist.rank)
-    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook, batches_per_epoch=batches_per_epoch)
+    return ddp, hook, torch.compile(ddp) if cfg.training.compile else ddp

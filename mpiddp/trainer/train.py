@@ -3,7 +3,6 @@ It never decides *who* logs or saves: the hooks main.py hands it do."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import time
@@ -93,6 +92,9 @@ class Hooks:
     phase: Callable[[str], None] = lambda phase: None
     # called at fixed points of each step (the --inject-fault drills are one, added by `train`)
     callbacks: Callback = field(default_factory=Callbacks)
+    # in-job recovery (mpiddp.trainer.recovery): runs body(config) and, after the survivors recovered from a failed
+    # rank, again with their config; `where` is train or eval. Without it: body(config), once.
+    in_job: Callable[[Callable[[Config], Any], Config, str], Any] = lambda body, cfg, where: body(cfg)
 
     def save_now(self, state: TrainState) -> None:
         """Collective: save a snapshot, whatever the reason; the time-based interval counts from here."""
@@ -269,6 +271,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             hooks.log.log({"kind": "first_step", "step": state.step, "time": timing.first_step_done_at})  # downtime
         hooks.callbacks.on_step_end(state.step)
         batches_seen += len(group)
+        state.batches_done = batches_seen  # where in-job recovery continues the epoch
         meters.add(loss_sum, images)
         progress.update(1)
         hooks.heartbeat("train", state.step)
@@ -416,7 +419,9 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
     resumed = cfg.checkpoint.resume is not None or dist.topology.restarts > 0
     drills = drills_for(cfg.drills.inject_fault, dist.rank, resumed)
     if drills:
-        hooks = dataclasses.replace(hooks, callbacks=Callbacks([hooks.callbacks, *drills]))
+        if not isinstance(hooks.callbacks, Callbacks):
+            hooks.callbacks = Callbacks([hooks.callbacks])
+        hooks.callbacks.add(*drills)  # in place: in-job recovery's copy of the hooks tells them it recovered
     try:
         return _train(cfg, state, loaders, dist, hooks)
     except RuntimeError as exc:
@@ -432,11 +437,17 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
     signum = hooks.stop.agreed(dist)
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)
+    def evaluated(current: Config) -> dict[str, Any]:
+        return finish_epoch(current, state, loaders, dist, hooks)
+
     if state.pending_epoch is not None:  # resumed after a stop that left an epoch's evaluation undone: it comes first
-        history.append(finish_epoch(cfg, state, loaders, dist, hooks))
+        history.append(hooks.in_job(evaluated, cfg, "eval"))
     for epoch in range(state.epoch + 1, cfg.training.epochs + 1):
-        totals, epoch_durations = train_epoch(cfg, state, loaders, dist, hooks, epoch, timing)
-        state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
-        state.epoch, state.batches_done = epoch, 0
-        history.append(finish_epoch(cfg, state, loaders, dist, hooks))
+        def trained(current: Config) -> None:
+            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing)
+            state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
+            state.epoch, state.batches_done = epoch, 0
+
+        hooks.in_job(trained, cfg, "train")
+        history.append(hooks.in_job(evaluated, cfg, "eval"))
     return TrainOutcome(history, timing)

@@ -3,7 +3,13 @@ all-reduce, timed from the kill to the first all-reduce completed on the shrunk 
 what the failure watch costs when nothing fails (async all-reduce + polling against plain blocking ones,
 interleaved). Writes run/bench/results/only-recovery.json.
 
+With --trainer: the built-in trainer (python -m mpiddp, digits) on three fake hosts, one rank each, a rank held
+with --inject-fault stall-data:RANK:5 and SIGKILLed while its peers wait in the gradient all-reduce; downtime is
+from the kill to the survivors' next completed step (its record in metrics.jsonl), with the phases the job
+recorded, for the MPI and the gloo gradient transports. Writes run/bench/results/only-recovery-trainer.json.
+
 usage: python run/bench/recovery.py [--repeats 5] [--sizes 3,4] [--steps 400]
+       python run/bench/recovery.py --trainer [--repeats 5]   (root: fake hosts are network namespaces)
 Every run is `mpirun --with-ft ulfm` of tests/programs/membership_loop.py; ranks are oversubscribed when the
 host has fewer cores than ranks (the JSON says how many cores there were).
 """
@@ -122,13 +128,97 @@ def no_failure_cost(work: Path, np: int, steps: int, pairs: int, numel: int) -> 
             "overhead_pct": {name: 100 * (medians[name] / medians["blocking"] - 1) for name in variants}}
 
 
+TRAINER_RESULT = REPO / "run" / "bench" / "results" / "only-recovery-trainer.json"
+FAKE_HOSTS = "nodea:1,nodeb:1,nodec:1"
+
+
+def trainer_env() -> dict[str, str]:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)  # slots come from -H
+    return env
+
+
+def pid_of_rank(run_dir: Path, rank: int) -> int | None:
+    found = subprocess.run(["pgrep", "-f", f"mpiddp --run-dir {run_dir}"], capture_output=True, text=True).stdout
+    for pid in found.split():
+        try:
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def trainer_recovery(hosts, out_dir: Path, transport: str, victim: int) -> dict:
+    """One run: the trainer on 3 fake hosts, `victim` killed while its peers wait in the all-reduce of step 6."""
+    run_dir, log = out_dir / "run", out_dir / "job.log"
+    out_dir.mkdir(parents=True)
+    command = [mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", FAKE_HOSTS, sys.executable,
+               "-m", "mpiddp", "--run-dir", str(run_dir), "--dataset", "digits", "--epochs", "1", "--batch-size",
+               "16", "--log-every", "1", "--no-progress", "--wandb", "disabled", "--grad-transport", transport,
+               "--inject-fault", f"stall-data:{victim}:5"]
+    with log.open("w") as output:
+        job = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=trainer_env(),
+                               stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while "injecting fault 'stall-data'" not in log.read_text(errors="replace"):
+        if job.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            raise RuntimeError(f"no stall:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.05)  # polling a condition with a deadline
+    pid = pid_of_rank(run_dir, victim)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    status = job.wait(timeout=240)
+    if status != 0:
+        raise RuntimeError(f"mpirun exited {status}:\n{log.read_text(errors='replace')[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    next_step = min(r["time"] for r in records if r["kind"] == "step" and r["time"] > killed_at)
+    (recovery,) = json.loads((run_dir / "summary.json").read_text())["recoveries"]
+    return {"downtime_s": next_step - killed_at, **{f"{k}_s": v for k, v in recovery["phases"].items()},
+            "steps_lost": recovery["steps_lost"]}
+
+
+def trainer_main(repeats: int) -> None:
+    sys.path.insert(0, str(REPO / "tests"))
+    from fakehosts import FakeHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"fake hosts unavailable: {reason}")
+    result: dict = {"host": platform.node(), "cores": os.cpu_count(), "ranks": 3, "hosts": 3, "runs": {},
+                    "note": "three fake hosts (network namespaces) on one machine's cores; digits, 16 per rank; "
+                            "the victim stalls before step 6 and is SIGKILLed while its peers wait in the gradient "
+                            "all-reduce; downtime: kill -> the survivors' next step record (same clock)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = FakeHosts(["nodea", "nodeb", "nodec"], Path(tmp), tag="b")
+        hosts.up()
+        try:
+            for index in range(repeats):  # interleaved: transports and victims alternate
+                for transport, victim in (("mpi", 1), ("gloo", 1), ("mpi", 0), ("gloo", 0)):
+                    run = trainer_recovery(hosts, Path(tmp) / f"{transport}-{victim}-{index}", transport, victim)
+                    result["runs"].setdefault(f"{transport}, rank {victim} killed", []).append(run)
+                    print(transport, victim, json.dumps(run), flush=True)
+        finally:
+            hosts.down()
+    result["median"] = {name: {key: statistics.median(run[key] for run in runs if run[key] is not None)
+                               for key in runs[0]} for name, runs in result["runs"].items()}
+    TRAINER_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["median"], indent=1))
+    print(f"wrote {TRAINER_RESULT}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sizes", default="3,4")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--trainer", action="store_true", help="the built-in trainer on three fake hosts")
     args = parser.parse_args(argv)
+    if args.trainer:
+        trainer_main(args.repeats)
+        return
     result: dict = {"host": platform.node(), "cores": os.cpu_count(), "recovery": {}, "no_failure": [],
                     "note": "one host, ranks oversubscribed on the cores given; kill -> first all-reduce on the "
                             "shrunk group measured from the killer's clock (same host)"}

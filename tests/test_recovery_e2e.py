@@ -1,0 +1,195 @@
+"""In-job recovery of the built-in trainer on three fake hosts (nodea, nodeb, nodec; one rank each) under
+`mpirun --with-ft ulfm`: a rank is SIGKILLed by the test while its peers wait for it in the gradient all-reduce,
+and the survivors (the same processes) finish the run on 2 ranks at the same global batch, or, before the first
+step, the job fails fast as without recovery.
+
+The victim is held with `--inject-fault stall-data:RANK:STEP` (it blocks before loading the batch after step STEP,
+so its peers go on into the step's all-reduce and wait there), then killed once it says so."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, find_mpirun, rank_pids
+from fakehosts import FakeHosts, running_fake_hosts
+from test_leftovers import assert_nothing_left, marked_env
+
+pytestmark = pytest.mark.mpi
+HOSTS = "nodea:1,nodeb:1,nodec:1"
+# 1438 digits training samples: at 16 per rank x 3 ranks, 30 steps an epoch (480 per rank, 30 batches of 16)
+JOB = ("--dataset", "digits", "--epochs", "2", "--batch-size", "16", "--log-every", "1", "--no-progress",
+       "--wandb", "disabled")
+
+
+def _ulfm_missing() -> str | None:
+    mpirun = find_mpirun()
+    if mpirun is None or not (Path(mpirun).parent / "ompi_info").exists():
+        return "needs Open MPI (with ULFM) beside this python"
+    info = subprocess.run([str(Path(mpirun).parent / "ompi_info")], capture_output=True, text=True).stdout
+    return None if re.search(r"FT MPI support: yes", info) else "this Open MPI has no ULFM (FT MPI support)"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    reason = _ulfm_missing()
+    if reason:
+        pytest.skip(reason)
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec"], tmp_path_factory.mktemp("recovery-hosts"),
+                                      tag="r")) as cluster:
+        yield cluster
+
+
+class Job:
+    """`mpirun --with-ft ulfm -np 3` of the trainer on the three hosts, started on nodea, output in a file."""
+
+    def __init__(self, hosts: FakeHosts, tmp_path: Path, *flags: str) -> None:
+        self.run_dir, self.log = tmp_path / "run", tmp_path / "job.log"
+        env, self.mark = marked_env()
+        env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+        command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", HOSTS,
+                   sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env,
+                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, what: str, predicate, deadline_s: float = 180):
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            found = predicate()
+            if found:
+                return found
+            time.sleep(0.1)  # polling a condition with a deadline, not synchronising
+        self.process.kill()
+        assert_nothing_left(self.mark)
+        pytest.fail(f"never saw {what}:\n{self.output()[-5000:]}")
+
+    def kill_when_stalled(self, victim: int) -> dict[int, int]:
+        """Every rank's pid once all three run; SIGKILL `victim` once it holds up the others. Returns the pids."""
+        pids = self.wait_for("three ranks", lambda: (found := rank_pids(self.run_dir)) and len(found) == 3 and found)
+        self.wait_for("the stall", lambda: "injecting fault 'stall-data'" in self.output())
+        pids[victim] = rank_pids(self.run_dir)[victim]  # the same process: a rank's pid never changes
+        subprocess.run(["kill", "-KILL", str(pids[victim])], check=False)
+        return pids
+
+    def finish(self, timeout: float = 240) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=30)
+            pytest.fail(f"the job did not end:\n{self.output()[-5000:]}")
+        finally:
+            assert_nothing_left(self.mark)
+
+
+def survivors_pids(output: str) -> dict[int, int]:
+    """New rank -> pid, from the line each survivor logs after a recovery."""
+    found = re.findall(r"this process \(pid (\d+)\) goes on as rank (\d+) of \d+", output)
+    return {int(rank): int(pid) for pid, rank in found}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_recovered(job: Job, pids: dict[int, int], victim: int, host: str) -> dict:
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-5000:]
+    survivors = [rank for rank in range(3) if rank != victim]
+    assert survivors_pids(output) == {new: pids[old] for new, old in enumerate(survivors)}, output[-3000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    (recovery,) = summary["recoveries"]
+    assert (recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_before"], recovery["world_after"]) == \
+        ([victim], [host], 3, 2), recovery
+    assert recovery["cause"] == "process_failed" and recovery["step"] == 5 and recovery["steps_lost"] == 1, recovery
+    assert set(recovery["phases"]) == {"detect", "agree_and_shrink", "process_group", "ddp", "first_step"}
+    assert all(isinstance(value, float) and value >= 0 for value in recovery["phases"].values()), recovery
+    # the same global batch: 16 x 3 ranks x 1 = 12 x 2 ranks x 2 accumulation
+    assert "2 ranks go on at the same global batch (12 per rank x 2 accumulation)" in output
+    assert "running at reduced size 2 of 3 ranks" in output
+    records = metrics(job.run_dir)
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, 61)), steps  # every step once, none repeated or skipped: 30 an epoch as on 3
+    first, second = [r for r in records if r["kind"] == "epoch"]
+    assert (first["step"], second["step"]) == (30, 60)
+    # the survivors went on at sample 240 of epoch 1 (5 steps x 48): 49 batches of 12 on each of 2 ranks, to
+    # sample 1416 (the tail of 22 is left out as a trailing short batch is); had they started the epoch again,
+    # they would have trained 1416 samples after the recovery
+    assert round(first["images_per_second"] * first["epoch_time_s"]) == 1176, first
+    assert summary["world_size"] == 2 and summary["eval_accuracy"] > 0.8, summary
+    return summary
+
+
+def test_a_rank_killed_in_the_mpi_gradient_all_reduce_is_left_behind_and_the_survivors_finish(hosts, tmp_path):
+    """The rank on the second host SIGKILLed mid-epoch while its peers wait in the MPI all-reduce (MPI carries
+    the gradients): the survivors are told by MPI, and the same processes finish on 2 ranks."""
+    job = Job(hosts, tmp_path, "--grad-transport", "mpi", "--inject-fault", "stall-data:1:5")
+    pids = job.kill_when_stalled(1)
+    assert_recovered(job, pids, 1, "nodeb")
+
+
+def test_rank_0_and_its_store_killed_in_the_gloo_all_reduce_the_survivors_finish(hosts, tmp_path):
+    """Rank 0, which holds the rendezvous store, SIGKILLed while its peers wait in a gloo all-reduce (which no
+    abort interrupts): MPI tells them, the new rank 0 opens a new store, and the job finishes on nodeb and nodec."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:0:5")
+    pids = job.kill_when_stalled(0)
+    assert_recovered(job, pids, 0, "nodea")
+
+
+def test_a_kill_before_the_first_step_fails_fast_saying_why(hosts, tmp_path):
+    """Before the first training step there is nothing to go on from: one line why, then the job ends as it
+    would without recovery (a non-zero status, so `launch` relaunches it), and nothing is left running."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:0")
+    job.kill_when_stalled(1)
+    status = job.finish()
+    output = job.output()
+    assert status != 0, output[-5000:]
+    assert "in-job recovery not possible: a rank failed before the first training step" in output, output[-5000:]
+    assert "goes on as rank" not in output
+    assert not (job.run_dir / "summary.json").exists()
+
+
+def test_two_failures_one_after_another_leave_one_rank_that_finishes(hosts, tmp_path):
+    """Rank 1 killed mid-epoch, then, once the survivors have trained on, the rank on nodec: the last survivor
+    (the same process as rank 0 at the start) finishes alone at the same global batch. The ranks are slowed
+    down (a straggler drill on every rank) so the test's kills land in training, never in the final save."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--save-every", "100",
+              "--inject-fault", "slow-compute:all:0")
+
+    def step_at_least(step: int) -> bool:
+        return (job.run_dir / "metrics.jsonl").exists() and \
+            any(r["kind"] == "step" and r["step"] >= step for r in metrics(job.run_dir))
+
+    job.wait_for("step 3", lambda: step_at_least(3))
+    pids = rank_pids(job.run_dir)
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    job.wait_for("the first recovery", lambda: "running at reduced size 2 of 3" in job.output())
+    resumed = max(r["step"] for r in metrics(job.run_dir) if r["kind"] == "step")
+    job.wait_for("steps on 2 ranks", lambda: step_at_least(resumed + 3))
+    subprocess.run(["kill", "-KILL", str(pids[2])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-5000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    first, second = summary["recoveries"]
+    assert (first["ranks_lost"], first["hosts_lost"], first["world_before"], first["world_after"]) == \
+        ([1], ["nodeb"], 3, 2), first
+    assert (second["ranks_lost"], second["hosts_lost"], second["world_before"], second["world_after"]) == \
+        ([1], ["nodec"], 2, 1), second
+    assert "1 ranks go on at the same global batch (12 per rank x 4 accumulation)" in output
+    assert survivors_pids(output)[0] == pids[0]
+    records = metrics(job.run_dir)
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == sorted(set(steps)) and steps[-1] == 90, steps  # none repeated; 30 an epoch throughout
+    assert [r["step"] for r in records if r["kind"] == "epoch"] == [30, 60, 90]
+    assert summary["world_size"] == 1
