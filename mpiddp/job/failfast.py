@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -47,6 +48,7 @@ class FailFast:
         self.tally: Callable[[int], int] | None = None
         # Set by the loop (or `run`): (the last completed step or None, whether this job made progress yet)
         self.progress: Callable[[], tuple[int | None, bool]] | None = None
+        self.reported_first = True  # False once another rank claimed the one full report before this one
 
     def set_run_dir(self, run_dir: Path) -> None:
         """From now on a failure leaves RUN_DIR/failures/rank-N.json (unless the supervisor named the directory)."""
@@ -67,6 +69,14 @@ class FailFast:
         if not isinstance(exc, (AgreedError, LauncherMismatch)) and self.dist is not None and self.dist.world_size > 1:
             if written:
                 self._await_peer_records(self.dist.world_size)
+            if not self.reported_first and self._failed_peers():
+                # Under MPI fault tolerance a second MPI_Abort racing the first can make Open MPI's mpirun exit
+                # 0 (seen in 2 of 4 runs on fake hosts): a rank that follows the first report leaves alone, the
+                # first one's abort ends the rest (MPI_Finalize could hang after a failure, so no normal exit).
+                flush_logs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
             self.dist.abort(code)
         raise SystemExit(code)
 
@@ -182,13 +192,16 @@ class FailFast:
             pass
 
     def _first_to_report(self) -> bool:
+        """Whether this rank writes the one full report (the first to claim it; remembered in reported_first)."""
         if self.claim_report is None:
+            self.reported_first = True
             return True
         try:
-            return self.claim_report()
+            self.reported_first = bool(self.claim_report())
         except Exception:
             # The store died with rank 0: that failure is the root cause (mpirun names it); this one follows.
-            return False
+            self.reported_first = False
+        return self.reported_first
 
 
 def _report(text: str, to_stdout: bool = False) -> None:
