@@ -84,12 +84,30 @@ def assert_nodeb_replaced_by_the_spare(run_dir, job, cause):
     assert json.loads((run_dir / "summary.json").read_text())["hosts"] == SPARE_USED
 
 
-def test_1_a_rank_killed_with_loader_workers_is_relaunched_on_the_spare(cluster, tmp_path, data_dir):  # noqa: F811
+def test_1_a_rank_killed_with_loader_workers_is_left_behind_and_the_survivor_finishes_in_the_job(
+        cluster, tmp_path, data_dir):  # noqa: F811
     run_dir = tmp_path / "run"
-    # 160 images, 16 per rank: 5 steps per epoch; rank 1 (nodeb) dies by SIGKILL at step 3 with 2 workers alive
+    # 160 images, 16 per rank: 5 steps per epoch; rank 1 (nodeb) dies by SIGKILL at step 3 with 2 workers alive.
+    # launch runs the job with MPI fault tolerance (this Open MPI has ULFM): the survivor goes on in the job, at
+    # the same global batch, its loader workers re-made for one rank, and nothing of nodeb's rank is left.
     job = launch_on(cluster, run_dir, ("--run-dir", str(run_dir), "--dataset", "cifar10", "--data-dir", str(data_dir),
                                        "--arch", "digits_cnn", "--num-classes", "10", "--batch-size", "16",
                                        "--num-workers", "2", "--epochs", "2", *FAST, "--inject-fault", "kill:1:3"))
+    assert job.returncode == 0, job.output[-5000:]
+    (attempt,) = attempts(run_dir)["attempts"]
+    assert attempt["in_job_recovery"] and attempt["status"] == 0, attempt
+    (recovery,) = attempt["recoveries"]
+    assert (recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_after"]) == ([1], ["nodeb"], 1), recovery
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["hosts"] == {"nodea": [0]}, summary  # the survivor, on its own
+
+
+def test_1b_the_same_without_in_job_recovery_is_relaunched_on_the_spare(cluster, tmp_path, data_dir):  # noqa: F811
+    run_dir = tmp_path / "run"
+    job = launch_on(cluster, run_dir, ("--run-dir", str(run_dir), "--dataset", "cifar10", "--data-dir", str(data_dir),
+                                       "--arch", "digits_cnn", "--num-classes", "10", "--batch-size", "16",
+                                       "--num-workers", "2", "--epochs", "2", *FAST, "--inject-fault", "kill:1:3"),
+                    launch=("--no-in-job-recovery",))
     assert_nodeb_replaced_by_the_spare(run_dir, job, "killed")
 
 

@@ -274,6 +274,7 @@ def test_launch_tells_the_job_through_the_environment_and_never_rewrites_its_fla
     assert exports[contract.RUN_DIR_ENV] == str(tmp_path.resolve())
     assert exports[contract.JOB_RECORD_ENV] == str(tmp_path.resolve() / "job.json")
     assert contract.GLOBAL_BATCH_ENV not in exports  # unknown until the job recorded it
+    assert exports[contract.MIN_NP_ENV] == "1"  # in-job recovery shrinks no further than a relaunch would
     record = contract.JobRecord(str(tmp_path / "elsewhere"), str(tmp_path / "ck"), 2, 96, 16)
     followed = follow_job(plan, record)
     assert followed.run_dir == tmp_path / "elsewhere" and followed.global_batch == (96, 16)
@@ -281,6 +282,7 @@ def test_launch_tells_the_job_through_the_environment_and_never_rewrites_its_fla
     assert follow_job(plan, None) == plan
     script = Plan("run", ["run", "s.py", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
     assert contract.RUN_DIR_ENV not in job_exports(script, 2, "L1")
+    assert contract.MIN_NP_ENV not in job_exports(script, 2, "L1")  # no --min-np: in-job recovery's own floor
 
 
 @pytest.mark.parametrize("flags", [["--run-d", "mydir"], ["--run-dir=mydir", "--resu", "x.pt"],

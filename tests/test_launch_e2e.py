@@ -43,9 +43,11 @@ def hosts(tmp_path, mpirun):
 @pytest.mark.parametrize("recovery", ["in-job recovery on", "--no-in-job-recovery"])
 def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_path, recovery):
     """Also with mpirun --with-ft ulfm (launch's default with this Open MPI): a job that cannot recover in the job
-    (this one's trainer does not) still ends, is diagnosed from the survivor's record and relaunched."""
+    (here: its one survivor is fewer than --min-np 2) still ends, is diagnosed from the survivor's record and
+    relaunched."""
     run_dir = tmp_path / "run"
-    off = [recovery] if recovery.startswith("--") else []
+    ft = not recovery.startswith("--")
+    off = ["--min-np", "2"] if ft else [recovery]
     # 22 steps per epoch on 2 ranks: rank 1 (on nodeb) dies by SIGKILL in epoch 2, after the first snapshot
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun", *off,
                              "--launcher-args", " ".join(hosts.transport_args()), "--",
@@ -69,9 +71,9 @@ def test_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, tmp_pa
     # killed after step 30's all-reduce (the last step in metrics.jsonl is 29), resumed from the epoch-1 snapshot at
     # step 22. Under MPI fault tolerance mpirun lets the survivor finish step 30 and record it, and says nothing of
     # the dead rank: the survivor's record names it (MPI told it)
-    failed_at = 29 if off else 30
-    assert first["in_job_recovery"] is not bool(off) and second["in_job_recovery"] is not bool(off)
-    assert ("--with-ft" in first["command"]) is not bool(off)
+    failed_at = 30 if ft else 29
+    assert first["in_job_recovery"] is ft and second["in_job_recovery"] is ft
+    assert ("--with-ft" in first["command"]) is ft
     assert (first["failed_at_step"], first["resumed_at_step"], first["steps_lost"]) == (failed_at, 22, failed_at - 22)
     assert_downtime(first)
     assert second["downtime_s"] is None and second["downtime_phases"] == {}
@@ -212,6 +214,7 @@ def test_with_min_np_a_killed_rank_without_a_spare_finishes_on_one_rank_at_the_s
 
     def launch(run_dir, *fault):
         command = launch_command("-H", "nodea:1,nodeb:1", "-np", "2", "--min-np", "1", "--launcher", "mpirun",
+                                 "--no-in-job-recovery",  # the relaunch path (in-job: tests/test_recovery_e2e.py)
                                  "--launcher-args", " ".join(two_hosts.transport_args()), "--",
                                  "--run-dir", str(run_dir), "--epochs", "3", *FAST, *fault)
         return run_command(two_hosts.command_on("nodea", command), run_dir, timeout=300, env=env)

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from mpiddp import failure, recoveries, supervision
 from mpiddp.atomicfile import write_text_atomic
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
-                             RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record)
+                             MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record)
 from mpiddp.errors import EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command
@@ -104,6 +104,8 @@ def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
         exports[JOB_RECORD_ENV] = str(plan.run_dir.resolve() / JOB_RECORD_FILE)
         if plan.min_np is not None and plan.global_batch is not None:  # the job derives its split on fewer ranks
             exports[GLOBAL_BATCH_ENV] = str(plan.global_batch[0])
+    if plan.min_np is not None:  # in-job recovery goes on with no fewer ranks than a relaunch would
+        exports[MIN_NP_ENV] = str(plan.min_np)
     return exports
 
 
