@@ -33,4 +33,9 @@ def main(argv: list[str] | None = None, stop: Any = None) -> int:
 
 
 def main_cli(stop: Any = None) -> None:
-    sys.exit(main(stop=stop))
+    status = main(stop=stop)
+    if split_command(sys.argv[1:])[0] in ("train", "check"):  # a rank that ran only mpiddp's code
+        from mpiddp.trainer.run import exit_rank
+
+        exit_rank(status)
+    sys.exit(status)

@@ -125,3 +125,39 @@ def _alive(pid):
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_rank_s_forkserver_imports_what_workers_need_once_and_never_mpi(tmp_path):
+    """On-disk datasets: the forkserver imports torch, torchvision and the data module before it forks a worker,
+    so each worker starts with them instead of importing them again (about 2 s of CPU per worker, on the cores
+    the ranks compute on); it never loads MPI, which a helper must not start."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    program = (
+        "import multiprocessing.forkserver, os, sys\n"
+        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+        "from pathlib import Path\n"
+        "from datagen import write_cifar10\n"
+        "from mpiddp.job.collective import solo_dist\n"
+        "from mpiddp.trainer.config import Config\n"
+        "from mpiddp.trainer.data import build_loaders, load_datasets\n"
+        "if __name__ == '__main__':\n"
+        f"    data = write_cifar10(Path({str(tmp_path / 'data')!r}))\n"
+        "    cfg = Config.of(dataset='cifar10', data_dir=str(data), num_workers=1, batch_size=4)\n"
+        "    loaders = build_loaders(cfg, load_datasets(cfg, lambda channels: channels), solo_dist())\n"
+        "    next(iter(loaders.train))\n"
+        "    pid = multiprocessing.forkserver._forkserver._forkserver_pid\n"
+        "    print(open(f'/proc/{pid}/maps').read(), flush=True)\n"
+        "    os._exit(0)  # as a finished rank does; its helpers die with it\n"
+    )
+    (tmp_path / "rank.py").write_text(program)
+    done = subprocess.run([sys.executable, str(tmp_path / "rank.py")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    libraries = {Path(line.split()[-1]).name for line in done.stdout.splitlines() if line.count("/")}
+    assert any(name.startswith("libtorch_cpu") for name in libraries), sorted(libraries)
+    assert any("torchvision" in line and "_C" in line for line in done.stdout.splitlines())
+    assert not any(name.startswith("libmpi") for name in libraries), sorted(libraries)

@@ -50,14 +50,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def prepare_forkserver() -> None:
+def prepare_forkserver(also: tuple[str, ...] = ()) -> None:
     """Make the forkserver itself ignore stop signals (it forks every worker, and a dead one fails every later
     worker start with BrokenPipeError) and die with its rank: it imports mpiddp.job.forkserver_preload before
-    anything else."""
+    anything else. Then it imports the modules `also` names, once, and every worker it forks has them: the
+    modules a worker needs to unpickle its dataset (torch, torchvision: about 2 s of CPU each time) would
+    otherwise be imported again by every worker, on the cores the ranks compute on. Never one that imports
+    mpi4py.MPI: a helper must not start MPI."""
     import multiprocessing
     import multiprocessing.forkserver
 
     context = multiprocessing.get_context("forkserver")
     preload = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", ["__main__"]))  # type: ignore[attr-defined]
-    if "mpiddp.job.forkserver_preload" not in preload:
-        context.set_forkserver_preload([*preload, "mpiddp.job.forkserver_preload"])
+    wanted = [name for name in ("mpiddp.job.forkserver_preload", *also) if name not in preload]
+    if wanted:
+        context.set_forkserver_preload([*preload, *wanted])

@@ -32,6 +32,9 @@ DIGITS_TEST_FRACTION = 0.2
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# What a loader worker imports to unpickle its dataset (this module's classes, torchvision's transforms): the
+# forkserver imports them once for all the rank's workers (mpiddp.job.helper_signals.prepare_forkserver).
+WORKER_MODULES = ("mpiddp.trainer.data", "torchvision")
 
 
 class EvalShardSampler(Sampler[int]):
@@ -439,7 +442,7 @@ def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
     if workers > 0:
         mark_helper_parent()
         if cfg.data.worker_start_method == "forkserver":
-            prepare_forkserver()
+            prepare_forkserver(also=WORKER_MODULES)
         loader_options.update(
             persistent_workers=True,
             prefetch_factor=4,

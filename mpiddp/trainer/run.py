@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 from mpiddp import failure, supervision
 from mpiddp.contract import JobRecord, default_checkpoint_dir, write_job_record
@@ -380,6 +380,15 @@ def tell_launch(path: Path, run_dir: Path, checkpoint_dir: Path, training: Train
                        training.batch_size * world_size * training.grad_accum, max_per_rank)
     if not write_job_record(path, record):
         log.warning("cannot write %s: launch will not know this job's run dir or global batch", path)
+
+
+def exit_rank(status: int) -> NoReturn:
+    """The end of a `python -m mpiddp` (training or check) rank: Python's exit without the interpreter's teardown
+    (mpiddp.job.mpistart.exit_without_teardown). Only mpiddp's code ran in it, and nothing of it waits for the
+    teardown; a script under `run` may (objects that flush in __del__), so `run` exits as Python does."""
+    from mpiddp.job.mpistart import exit_without_teardown
+
+    exit_without_teardown(status)
 
 
 def _check(cfg: Config, dist: Dist, guard: FailFast, run_check: CheckFn) -> int:
