@@ -9,6 +9,7 @@ global batch from the record (RUN_DIR/job.json), as it learns why a job failed f
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -27,6 +28,9 @@ HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"  # set by a rank for its loader helpe
 MIN_NP_ENV = "MPIDDP_MIN_NP"  # launch --min-np: in-job recovery goes on with no fewer ranks (1 when unset)
 MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"  # --master-addr's default (set by the user, not by launch)
 JOB_RECORD_FILE = "job.json"
+# Written by a training job under `launch` when it ended as it should (trained, or nothing left to train): Open MPI's
+# mpirun --with-ft ulfm exits 0 even when every rank was killed, so launch takes a 0 only with this file.
+FINISHED_FILE = "finished"
 CHECKPOINTS_FOLDER = "checkpoints"  # RUN_DIR/checkpoints: the default checkpoint dir
 
 
@@ -61,6 +65,22 @@ def write_job_record(path: Path, record: JobRecord) -> bool:
     except OSError:
         return False
     return True
+
+
+def mark_finished(run_dir: Path) -> None:
+    """Global rank 0: the job ended as it should (FINISHED_FILE); never raises (launch then relaunches to be sure)."""
+    try:
+        write_text_atomic(run_dir / FINISHED_FILE, f"{time.time()}\n")
+    except OSError:
+        pass
+
+
+def finished_since(run_dir: Path, since: float) -> bool:
+    """Whether a job in `run_dir` said it finished at or after `since` (an earlier attempt's mark does not count)."""
+    try:
+        return (run_dir / FINISHED_FILE).stat().st_mtime >= since
+    except OSError:
+        return False
 
 
 def read_job_record(path: Path) -> JobRecord | None:

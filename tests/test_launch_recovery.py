@@ -66,9 +66,10 @@ def test_the_fault_tolerance_arguments_go_on_open_mpis_command_line():
                        "-x", "V", "--mca", "x", "y", "py", "-m", "mpiddp", "--epochs", "1"]
 
 
-def fake_open_mpi(folder, ft_line, calls):
+def fake_open_mpi(folder, ft_line, calls, finishes=True):
     """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
-    launcher it writes a summary.json with one recovery into RUN_DIR and exits 0."""
+    launcher it writes a summary.json with one recovery into RUN_DIR (and, with `finishes`, the job's mark that it
+    finished) and exits 0."""
     folder.mkdir()
     info = folder / "ompi_info"
     info.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'options:ft_mpi_support:{ft_line}'\n")
@@ -77,7 +78,8 @@ def fake_open_mpi(folder, ft_line, calls):
         f"#!{sys.executable}\nimport json, os, sys\n"
         "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
         "run_dir = os.environ['MPIDDP_RUN_DIR']\n"
-        f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{RECOVERY!r}]}}))\n")
+        f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{RECOVERY!r}]}}))\n"
+        + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else ""))
     for program in (info, launcher):
         program.chmod(0o755)
     return launcher
@@ -237,3 +239,25 @@ def test_a_survivor_names_the_ranks_mpi_reports_failed_so_their_host_is_blamed()
     assert (found.kind, found.ranks, found.hosts) == ("killed", (1,), ("nodeb",))
     guard.dist = Dist(build_topology(0, records), KnowsTheDead(()))  # MPI knows of no failure: a witness as before
     assert guard.record(RuntimeError("Connection reset by peer"), 1).ranks == [0]
+
+
+def test_a_zero_from_a_fault_tolerant_mpirun_without_the_jobs_finished_mark_is_a_failure(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """mpirun --with-ft ulfm exits 0 when every rank was killed (no rank left to record anything): launch takes a
+    0 only with the mark a training job leaves when it ended as it should, and relaunches otherwise."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", finishes=False)
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--max-restarts", "1", "--run-dir", str(run_dir),
+                      "--", "--epochs", "1"], {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() != 0
+    attempts = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert len(attempts) == 2 and all(a["status"] != 0 and a["decision"] != "finished" for a in attempts), attempts
+
+
+def test_a_script_under_run_keeps_the_relaunch_path(tmp_path):
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls")
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(tmp_path / "run"), "--", "run",
+                      "train.py"], {})
+    assert not plan.in_job_recovery.on and "mpiddp run" in plan.in_job_recovery.why
+    assert plan.in_job_recovery.add_args == ()

@@ -193,3 +193,20 @@ def test_two_failures_one_after_another_leave_one_rank_that_finishes(hosts, tmp_
     assert steps == sorted(set(steps)) and steps[-1] == 90, steps  # none repeated; 30 an epoch throughout
     assert [r["step"] for r in records if r["kind"] == "epoch"] == [30, 60, 90]
     assert summary["world_size"] == 1
+
+
+def test_a_snapshot_after_a_recovery_records_the_split_it_was_trained_with(hosts, tmp_path):
+    """A stop after a recovery saves mid-epoch: the snapshot says 2 ranks of 12 x 2 accumulation (what its
+    position counts in), not the start's 16 per rank on 3, so a resume lands on the sample it stopped at."""
+    from mpiddp.trainer.checkpoint import load
+
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:5")
+    job.kill_when_stalled(1)
+    job.wait_for("the recovery", lambda: "running at reduced size 2 of 3" in job.output())
+    job.process.send_signal(signal.SIGUSR1)  # mpirun forwards it: the survivors agree to stop and save
+    status = job.finish()
+    assert status == 3, job.output()[-5000:]
+    (path,) = [p for p in (job.run_dir / "checkpoints").glob("snapshot-*batch*.pt")]
+    snapshot = load(path)
+    assert snapshot.world_size == 2, snapshot.world_size
+    assert (snapshot.config["batch_size"], snapshot.config["grad_accum"]) == (12, 2), snapshot.config

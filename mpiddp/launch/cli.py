@@ -122,7 +122,7 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
             f"{', excluded ' + ','.join(excluded) if excluded else ''}")
     run_dir = writable_run_dir(args.run_dir)
     launcher, program, flavour, extra, version = pick_launcher(args, env, bool(hosts))
-    recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra)
+    recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra, mode)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
                 extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
@@ -174,13 +174,13 @@ def pick_launcher(args: argparse.Namespace, env: Mapping[str, str],
 
 
 def in_job_recovery(wanted: bool, launcher: str, flavour: str, program: str, version: str,
-                    extra: list[str]) -> InJobRecovery:
+                    extra: list[str], mode: str = "train") -> InJobRecovery:
     """Decided once per launch from the launcher it will run: its --version (`version`, judged from `program`
     unless that is srun) and its Open MPI's ompi_info; said in one line."""
     if not wanted and users_ft_choice(extra) == "ulfm":
         raise LaunchError(f"{NO_RECOVERY_FLAG} and --launcher-args --with-ft ulfm contradict each other: give one")
     info = ompi_info_text(program) if wanted and launcher != "srun" and flavour == "openmpi" else None
-    recovery = decide_in_job_recovery(wanted, launcher, flavour, version, info, extra)
+    recovery = decide_in_job_recovery(wanted, launcher, flavour, version, info, extra, mode)
     say(recovery.why)
     return recovery
 

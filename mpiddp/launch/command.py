@@ -92,7 +92,7 @@ SRUN_REFUSAL = ("in-job recovery is off: srun direct launch cannot recover in th
 
 
 def decide_in_job_recovery(wanted: bool, launcher: str, flavour: str, version: str, info: str | None,
-                           extra: list[str]) -> InJobRecovery:
+                           extra: list[str], mode: str = "train") -> InJobRecovery:
     """Pure: whether to run the job with ULFM fault tolerance. `version` is the launcher's --version, `info` its
     Open MPI's `ompi_info --parsable` (None: not found). Only Open MPI 5 or newer built with ULFM can: never MPICH,
     never srun. A --with-ft the user put in --launcher-args is theirs: launch adds nothing then."""
@@ -105,6 +105,9 @@ def decide_in_job_recovery(wanted: bool, launcher: str, flavour: str, version: s
     if flavour == "mpich":
         return InJobRecovery(False, "in-job recovery is off: MPICH has no ULFM fault tolerance (it needs Open MPI 5 "
                                     "with --with-ft ulfm); a failure ends the job and launch relaunches it")
+    if mode != "train" and chosen is None:
+        return InJobRecovery(False, "in-job recovery is off: a script under `mpiddp run` cannot take part in it (only "
+                                    "the built-in trainer can); a failure ends the job and launch relaunches it")
     if chosen is not None:
         on = chosen == "ulfm"
         return InJobRecovery(on, f"in-job recovery is {'on' if on else 'off'}: --launcher-args give --with-ft "

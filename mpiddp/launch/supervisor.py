@@ -24,8 +24,9 @@ from typing import Any, TextIO
 from mpiddp import failure, recoveries, supervision
 from mpiddp.atomicfile import write_text_atomic
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
-                             MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, read_job_record)
-from mpiddp.errors import EXIT_USER_ERROR
+                             MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, finished_since,
+                             read_job_record)
+from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
@@ -236,6 +237,8 @@ class Supervisor:
             metrics = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
             self._count_steps_lost(metrics)
             attempt.recoveries = recoveries.read_recoveries(self.plan.run_dir, attempt.started_at)
+            if attempt.status == 0 and not self._finished(attempt):
+                attempt.status = EXIT_CRASH  # mpirun --with-ft ulfm said 0, but the job never said it finished
             within = recoveries.count_line(attempt.recoveries)
             if attempt.status == 0 or self.stop_signal:
                 attempt.decision = "finished" if attempt.status == 0 else (
@@ -318,6 +321,13 @@ class Supervisor:
         if attempt.in_job_recovery:
             attempt.status = status_under_fault_tolerance(attempt.status, failure.read_all(self.failure_file))
         return attempt, output
+
+    def _finished(self, attempt: Attempt) -> bool:
+        """Whether a 0 from the launcher means the job finished: always without MPI fault tolerance; with it (where
+        Open MPI's mpirun exits 0 even when every rank was killed) only when training marked its end."""
+        if not attempt.in_job_recovery or self.plan.mode != "train":
+            return True
+        return finished_since(self.plan.run_dir, attempt.started_at)
 
     def _output_paths(self, number: int) -> tuple[Path, Path]:
         """Where attempt `number`'s launcher writes its stdout and stderr."""

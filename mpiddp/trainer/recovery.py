@@ -15,10 +15,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from mpiddp.contract import MIN_NP_ENV
+from mpiddp.failure import write_placement
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
 from mpiddp.job import storekeys
 from mpiddp.job.log import setup_logging
@@ -78,10 +80,15 @@ class InJobRecovery:
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
 
     @classmethod
-    def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float) -> InJobRecovery | None:
-        """Collective: in-job recovery when this MPI can do it (mpirun --with-ft ulfm), else None and one line
-        on rank 0 saying why (a failure then ends the job, as without it)."""
+    def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
+               ) -> InJobRecovery | None:
+        """Collective: in-job recovery when this MPI can do it (mpirun --with-ft ulfm) and this job could go on
+        after a failure (not on GPUs yet, not with PowerSGD), else None and one line on rank 0 saying why (a
+        failure then ends the job, as without it)."""
         reason = check_ulfm()
+        never = refusal("train", True, dist.device_type, compression)
+        if reason is None and never is not None:  # known now: nothing is paid for it (the hook's per-bucket wait)
+            reason = f"in-job recovery is off: {never}; a failure ends the job"
         if reason is not None:
             if dist.is_main:  # a local log line, no collective
                 log.info("%s", reason)
@@ -214,6 +221,8 @@ class InJobRecovery:
         for each in self.dists:
             each.rebind(topology, transport, rendezvous if each.rendezvous is not None else None)
         setup_logging(topology, self.parts.cfg.outputs.log_level)  # the lines name the new rank; the new rank 0 logs info
+        if topology.failure_file and topology.rank == 0:  # a later failure's records name ranks of this world
+            write_placement(Path(topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
         log.warning("in-job recovery: this process (pid %d) goes on as rank %d of %d", os.getpid(), topology.rank,
                     topology.world_size)
         guard = self.parts.guard
@@ -275,6 +284,8 @@ class InJobRecovery:
             setattr(loaders, name, getattr(rebuilt, name))
         state.batches_done = split.batches_done
         self.cfg = new_cfg
+        if getattr(parts, "saver", None) is not None:  # a snapshot records the split it was trained with
+            parts.saver.cfg = new_cfg
         # A test drill names a rank number, which now belongs to another process: it has fired (stragglers stay).
         self._hooks.callbacks.on_recovered(dist.rank)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any, NoReturn
 
 from mpiddp import failure, supervision
-from mpiddp.contract import JobRecord, default_checkpoint_dir, write_job_record
+from mpiddp.contract import JobRecord, default_checkpoint_dir, mark_finished, write_job_record
 from mpiddp.errors import UserError
 from mpiddp.failure import read_attempts
 from mpiddp.job import preflight
@@ -163,7 +163,8 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
 
     startup.mark("process_group")
     others = [guard.dist] if guard is not None and guard.dist is not None and guard.dist is not dist else []
-    recovery = InJobRecovery.enable(dist, others, cfg.dist.collective_timeout_s)  # None: a failure ends the job
+    recovery = InJobRecovery.enable(dist, others, cfg.dist.collective_timeout_s,  # None: a failure ends the job
+                                    cfg.training.grad_compression)
     (job_started_at,) = dist.reduce([startup.started_at], "min")
     checkpoint_dir = checkpoint_dir_of(cfg.checkpoint, run_dir)
     built = build(cfg, dist, run_dir, checkpoint_dir, startup, recovery.members if recovery is not None else None)
@@ -182,7 +183,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
                       watchdog.enter)
         if recovery is not None:
             recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=loaders, datasets=datasets,
-                                             watchdog=watchdog, guard=guard, run_dir=run_dir)
+                                             watchdog=watchdog, guard=guard, run_dir=run_dir, saver=saver)
             hooks = recovery.hooks(hooks)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
@@ -334,6 +335,8 @@ def _main(args: list[str], startup: StartupClock, stop: StopRequest, check: Chec
         try:
             with distributed(cfg.dist, dist, guard, trace_dir=run_dir, fits=device_check(cfg.training, topo.label)) as placed:
                 summary = run(cfg, placed, run_dir, stop, startup, guard)
+                if topo.job_record:  # under launch: the one sign of success it trusts under MPI fault tolerance
+                    placed.from_main(lambda: mark_finished(run_dir))
         except Stopped as stopped:
             # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.
             if dist.is_main:  # one line for the job, not one per rank
