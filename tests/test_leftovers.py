@@ -91,7 +91,7 @@ def test_a_rank_that_dies_with_loader_workers_ends_the_job_and_leaves_nothing(mp
 def test_under_launch_a_rank_killed_with_loader_workers_ends_the_attempt_and_leaves_nothing(tmp_path, data_dir):
     run_dir = tmp_path / "run"
     env, mark = marked_env()
-    command = [sys.executable, "-m", "mpiddp", "launch", "-np", "2", "--max-restarts", "0", "--", "--run-dir",
+    command = [sys.executable, "-m", "mpiddp", "launch", "-np", "2", "--max-restarts", "0", "--no-in-job-recovery", "--", "--run-dir",
                str(run_dir), *SMALL, "--data-dir", str(data_dir), "--num-workers", "1", "--epochs", "2",
                "--inject-fault", "kill:1:3"]
     try:
