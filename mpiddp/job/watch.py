@@ -14,7 +14,10 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11's; the floor runs 3.10
+    from typing_extensions import Self
 
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job import storekeys
