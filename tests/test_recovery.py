@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from mpiddp.job.membership import shrunk_topology
+from mpiddp.job.membership import old_group_plan, shrunk_topology
 from mpiddp.job.topology import RankRecord, build_topology
-from mpiddp.trainer.recoverable import Resplit, refusal, resplit
+from mpiddp.trainer.recoverable import Resplit, job_refusal, nccl_errors_env, refusal, resplit
 
 
 def test_a_failure_in_training_or_evaluation_after_the_first_step_is_recoverable():
@@ -19,12 +19,46 @@ def test_a_failure_in_training_or_evaluation_after_the_first_step_is_recoverable
 @pytest.mark.parametrize("where, stepped, device, compression, says", [
     ("train", False, "cpu", "none", "before the first training step"),
     ("save", True, "cpu", "none", "during a save"),
-    ("train", True, "cuda", "none", "not built yet"),
+    ("train", True, "xpu", "none", "on xpu is not built"),
     ("train", True, "cpu", "powersgd", "PowerSGD"),
 ])
 def test_what_falls_back_says_why_in_one_line(where, stepped, device, compression, says):
     reason = refusal(where, stepped, device, compression)
     assert reason is not None and says in reason and "\n" not in reason
+
+
+QUIET = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def test_a_gpu_job_on_nccl_can_recover_where_torch_can_abort_the_communicator():
+    assert job_refusal("cuda", "nccl", "none", True, "2.15.0", QUIET) is None
+    assert job_refusal("cuda", "nccl", "fp16", True, "2.15.0", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}) is None
+    assert job_refusal("cuda", "gloo", "none", False, "2.4.1", {}) is None  # gloo over CUDA tensors: nothing to abort
+    assert job_refusal("cpu", "gloo", "none", False, "2.4.1", {}) is None
+
+
+@pytest.mark.parametrize("device, backend, compression, can_abort, env, says", [
+    ("cuda", "nccl", "none", False, QUIET, "_abort_process_group (torch 2.5 or newer)"),
+    ("cuda", "nccl", "none", True, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "TORCH_NCCL_ASYNC_ERROR_HANDLING=1"),
+    ("cuda", "nccl", "none", True, {}, "TORCH_NCCL_ASYNC_ERROR_HANDLING=3"),  # torch's default ends the process
+    ("cuda", "nccl", "powersgd", True, QUIET, "PowerSGD"),
+    ("cpu", "gloo", "powersgd", True, {}, "PowerSGD"),
+])
+def test_a_job_whose_settings_rule_out_recovery_says_why_in_one_line(device, backend, compression, can_abort, env,
+                                                                     says):
+    reason = job_refusal(device, backend, compression, can_abort, "2.4.1", env)
+    assert reason is not None and says in reason and "\n" not in reason
+
+
+def test_nccl_error_handling_is_quieted_unless_the_user_chose():
+    assert nccl_errors_env({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert nccl_errors_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {}
+
+
+def test_the_old_nccl_group_is_aborted_and_a_gloo_group_left_behind():
+    assert old_group_plan("nccl", True) == "abort"
+    assert old_group_plan("gloo", True) == "forget"
+    assert old_group_plan("gloo", False) == "forget"
 
 
 def test_the_global_batch_is_kept_with_more_accumulation_and_the_position_converted():

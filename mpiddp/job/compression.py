@@ -206,6 +206,7 @@ class GradientHook:
         # set (mpiddp.job.membership.Membership, in-job recovery): the process group's all-reduce is waited for
         # here, polling MPI's failure notice, so a peer's death ends the wait (DDP's own wait would not end)
         self.members = members
+        self.pending: list[Any] = []  # GPU: the all-reduces issued this step, waited for by `settle`
         self.transport: TransportChoice | None = None  # what the trainer chose, for the log and summary.json
         self._mpi_thread: int | None = None  # the thread MPI was last checked from
 
@@ -214,7 +215,8 @@ class GradientHook:
         if self.mpi is not None:
             return self._through_mpi(bucket.buffer())
         if self.members is not None and self.powersgd is None:
-            return self._watched(bucket.buffer())
+            buffer = bucket.buffer()
+            return self._deferred(buffer) if buffer.is_cuda else self._watched(buffer)
         if self.powersgd is not None:
             self._follow_layout(bucket)
         future = self._inner(self._inner_state, bucket)
@@ -260,6 +262,32 @@ class GradientHook:
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buffer)
         return done
+
+    def _deferred(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """On GPUs: the same all-reduce, issued async and handed to DDP as NCCL's future (the GPU stream waits
+        for it, the CPU does not), its work kept for `settle`. DDP runs this hook on autograd's device thread,
+        which may not call MPI (MPI_THREAD_FUNNELED): the failure watch is polled on the main thread."""
+        import torch.distributed as tdist
+
+        world_size = tdist.get_world_size()
+        payload = buffer.div_(world_size) if self.compression == "none" else buffer.to(HALF[self.compression]).div_(world_size)
+        work = tdist.all_reduce(payload, async_op=True)
+        self.pending.append(work)
+
+        def finish(_: torch.futures.Future) -> torch.Tensor:
+            if payload is not buffer:
+                buffer.copy_(payload)
+            return buffer
+
+        return work.get_future().then(finish)
+
+    def settle(self) -> None:
+        """On the main thread after backward: wait for the all-reduces `_deferred` left in flight, polling MPI's
+        failure notice (Membership.wait): MembersLost when a peer failed, before the optimizer uses the
+        gradients. A no-op where nothing is in flight (CPU: `_watched` waited in the hook)."""
+        pending, self.pending = self.pending, []
+        for work in pending:
+            self.members.wait(work)
 
     # PowerSGD state, per parameter -------------------------------------------------------------------
 

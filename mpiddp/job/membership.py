@@ -146,10 +146,12 @@ class Membership:
     """
 
     def __init__(self, comm: Any, collective_timeout_s: float = 1800.0, poll_s: float = 0.0005,
-                 address: Callable[[], str] | None = None) -> None:
+                 address: Callable[[], str] | None = None, backend: str = "gloo", device: Any = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
+        self.backend = backend  # of the process groups it builds: gloo, or nccl on `device` (a torch.device)
+        self.device = device
         self.comm = self._dup(comm)
         self.collective_timeout_s = collective_timeout_s
         self.poll_s = poll_s  # the longest sleep between polls (a collective that ends sooner is seen sooner)
@@ -249,7 +251,8 @@ class Membership:
 
     def recover(self, min_size: int = 1) -> Recovered:
         """Collective over the survivors, after MembersLost: revoke, shrink, agree, and rebuild torch's default
-        process group (gloo) over the survivors. RecoveryFailed (one line) when the job cannot go on."""
+        process group (gloo, or NCCL after aborting the old one) over the survivors. RecoveryFailed (one line)
+        when the job cannot go on."""
         detected = self._lost or time.time()
         started = time.monotonic()
         old = self.comm
@@ -296,17 +299,21 @@ class Membership:
                 pass  # a revoked communicator may refuse: it is dropped either way
 
     def start_process_group(self) -> None:
-        """Collective: torch's default gloo group over `comm`, on a store opened by rank 0 (the same path a
+        """Collective: torch's default group (self.backend) over `comm`, on a store opened by rank 0 (the same path a
         recovery takes, so start-up and recovery share one rendezvous)."""
         self._rebuild_process_group()
 
     def _rebuild_process_group(self) -> None:
-        """A fresh store on the new rank 0 (its address broadcast over MPI), then a new default gloo group."""
+        """A fresh store on the new rank 0 (its address broadcast over MPI), then a new default group (gloo, or
+        NCCL on the same device: eagerly connected, so its cost lands in the process_group phase)."""
         import torch.distributed as tdist
 
         timeout = timedelta(seconds=self.collective_timeout_s)
         if tdist.is_initialized():
-            self._retire_default_group()
+            if old_group_plan(self.backend, nccl_abort_available()) == "abort":
+                self._abort_default_group()
+            else:
+                self._retire_default_group()
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         endpoint = None
         if rank == 0:
@@ -316,7 +323,17 @@ class Membership:
         address, port = self.endpoint = self.comm.bcast(endpoint, root=0)
         if rank != 0:
             self._store = tdist.TCPStore(address, port, size, False, timeout=timeout)
-        tdist.init_process_group("gloo", store=self._store, rank=rank, world_size=size, timeout=timeout)
+        tdist.init_process_group(self.backend, store=self._store, rank=rank, world_size=size, timeout=timeout,
+                                 **({"device_id": self.device} if self.backend == "nccl" else {}))
+
+    def _abort_default_group(self) -> None:
+        """NCCL: abort every communicator of the old groups (ncclCommAbort), which ends their kernels still
+        waiting on the dead peer, so the GPU stream and nothing after it blocks on them; torch forgets the
+        groups (the same tables destroy_process_group clears). Needs TORCH_NCCL_ASYNC_ERROR_HANDLING 0 or 2,
+        or torch's own watchdog may end this survivor first (recoverable.job_refusal)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._abort_process_group()
 
     def _retire_default_group(self) -> None:
         """Make room for a new default group without destroying the old one: its gloo worker may still wait on
@@ -343,6 +360,21 @@ class Membership:
         except self._mpi.Exception:
             pass
         self._disarm()
+
+
+def old_group_plan(backend: str, can_abort: bool) -> str:
+    """How the survivors let go of the old default group: "abort" its NCCL communicators (torch's
+    _abort_process_group; a NCCL group cannot be left waiting: its kernel holds the GPU stream), else "forget"
+    it (gloo: kept alive, never destroyed, see _retire_default_group). A NCCL job on a torch that cannot abort
+    is refused up front (recoverable.job_refusal), so "forget" on NCCL is never reached in a recovery."""
+    return "abort" if backend == "nccl" and can_abort else "forget"
+
+
+def nccl_abort_available() -> bool:
+    """Whether this torch can abort a NCCL process group (distributed_c10d._abort_process_group)."""
+    from torch.distributed import distributed_c10d
+
+    return hasattr(distributed_c10d, "_abort_process_group")
 
 
 def check_ulfm() -> str | None:

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from mpiddp.job import preflight
-from mpiddp.job.membership import ulfm_refusal
+from mpiddp.job.membership import nccl_abort_available, ulfm_refusal
 from mpiddp.job.collective import Dist
 from mpiddp.job.topology import Topology
 from mpiddp.trainer.config import Config, OutputSettings, wandb_mode
+from mpiddp.trainer.recoverable import job_refusal
 
 ALLREDUCE_SIZES = tuple(4 ** k * 1024 for k in range(0, 7))  # bytes per rank: 1 KiB .. 4 MiB
 MPI_BANDWIDTH_BYTES = 4 * 1024 * 1024
@@ -111,8 +112,17 @@ def in_job_recovery_refusal(library_version: str, env: Mapping[str, str], has_ap
     return None
 
 
-def in_job_recovery_line(env: Mapping[str, str] | None = None) -> str:
-    """`check`'s one line on in-job recovery, for this process (every rank of a job gives the same answer)."""
+def settings_refusal(cfg: Config, dist: Dist) -> str | None:
+    """Why this job's settings rule out in-job recovery (PowerSGD; on GPUs, torch or its NCCL error handling)."""
+    import torch
+
+    return job_refusal(dist.device.type, dist.backend, cfg.training.grad_compression, nccl_abort_available(),
+                       torch.__version__, os.environ)
+
+
+def in_job_recovery_line(env: Mapping[str, str] | None = None, settings: str | None = None) -> str:
+    """`check`'s one line on in-job recovery, for this process (every rank of a job gives the same answer).
+    `settings`: why this job's own settings rule it out (recoverable.job_refusal), None when they do not."""
     import mpi4py
     import torch
     from mpi4py import MPI
@@ -121,6 +131,8 @@ def in_job_recovery_line(env: Mapping[str, str] | None = None) -> str:
     library = MPI.Get_library_version()
     refusal = in_job_recovery_refusal(library, os.environ if env is None else env, hasattr(MPI.Comm, "Shrink"),
                                       torch.__version__, hasattr(distributed_c10d, "_update_default_pg"))
+    if refusal is None and settings is not None:
+        refusal = f"{settings}: a failure ends the job and `launch` relaunches it"
     if refusal is not None:
         return f"in-job recovery: no: {refusal}"
     return (f"in-job recovery: yes ({library.split(',')[0]} with ULFM, started with --with-ft ulfm; mpi4py "
@@ -147,7 +159,7 @@ def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
               f"{rendezvous.interface_per_host or 'left to gloo/NCCL'}"]
     versions = {k: v for k, v in prints[0].items() if not k.startswith("_")}
     lines.append(f"fingerprint: {'same on every rank' if not problems else 'DIFFERS'}: {versions}")
-    lines.append(in_job_recovery_line())  # not a problem when off: the job then fails fast and launch relaunches
+    lines.append(in_job_recovery_line(settings=settings_refusal(cfg, dist)))  # off is no problem: launch relaunches
 
     if topo.world_size > 1:
         latency = dist.pingpong(topo.world_size - 1, 8, 200)

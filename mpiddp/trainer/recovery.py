@@ -24,9 +24,10 @@ from mpiddp.failure import write_placement
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
 from mpiddp.job import storekeys
 from mpiddp.job.log import setup_logging
-from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm, shrunk_topology
+from mpiddp.job.membership import (MembersLost, Membership, RecoveryFailed, check_ulfm, nccl_abort_available,
+                                   shrunk_topology)
 from mpiddp.job.storeload import add_within
-from mpiddp.trainer.recoverable import Resplit, refusal, resplit
+from mpiddp.trainer.recoverable import Resplit, job_refusal, nccl_errors_env, refusal, resplit
 
 log = logging.getLogger("mpiddp")
 
@@ -56,6 +57,20 @@ def end_without_finalize(status: int) -> None:
     os._exit(status)
 
 
+def settings_refusal(device_type: str, backend: str, compression: str) -> str | None:
+    """recoverable.job_refusal for this process: its torch, its environment."""
+    import torch
+
+    return job_refusal(device_type, backend, compression, nccl_abort_available(), torch.__version__, os.environ)
+
+
+def prepare_nccl(compression: str) -> None:
+    """Before the process group starts, in a job that may recover in the job (MPI fault tolerance on): torch's
+    NCCL watchdog must not end a survivor when a peer dies (recoverable.nccl_errors_env). Only NCCL reads it."""
+    if compression != "powersgd" and check_ulfm() is None:
+        os.environ.update(nccl_errors_env(os.environ))
+
+
 class NotRecovered(RuntimeError):
     """A failure in-job recovery does not cover: FailFast ends the job (the message names the lost peers in MPI's
     words, so `launch` reads this rank's record as a witness, not as the failed rank)."""
@@ -83,17 +98,18 @@ class InJobRecovery:
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
                ) -> InJobRecovery | None:
         """Collective: in-job recovery when this MPI can do it (mpirun --with-ft ulfm) and this job could go on
-        after a failure (not on GPUs yet, not with PowerSGD), else None and one line on rank 0 saying why (a
-        failure then ends the job, as without it)."""
+        after a failure (recoverable.job_refusal: not with PowerSGD; on GPUs, a torch that can abort NCCL), else
+        None and one line on rank 0 saying why (a failure then ends the job, as without it)."""
         reason = check_ulfm()
-        never = refusal("train", True, dist.device_type, compression)
+        never = settings_refusal(dist.device_type, dist.backend, compression)
         if reason is None and never is not None:  # known now: nothing is paid for it (the hook's per-bucket wait)
             reason = f"in-job recovery is off: {never}; a failure ends the job"
         if reason is not None:
             if dist.is_main:  # a local log line, no collective
                 log.info("%s", reason)
             return None
-        members = Membership(dist.transport.comm, collective_timeout_s)  # type: ignore[attr-defined]
+        members = Membership(dist.transport.comm, collective_timeout_s,  # type: ignore[attr-defined]
+                             backend=dist.backend, device=dist.device if dist.backend == "nccl" else None)
         transport = MpiTransport(members.comm)  # a revoke reaches a rank blocked in a metric reduction too
         for each in [dist, *others]:
             each.rebind(each.topology, transport, None)

@@ -23,7 +23,7 @@ from mpiddp.job.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import (DEFAULT_RUNS_ROOT, CheckpointSettings, Config, OutputSettings, TrainingSettings,
                                     parse_args)
-from mpiddp.trainer.recovery import InJobRecovery, end_without_finalize, recovered_in_this_process
+from mpiddp.trainer.recovery import InJobRecovery, end_without_finalize, prepare_nccl, recovered_in_this_process
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
@@ -318,6 +318,7 @@ def _main(args: list[str], startup: StartupClock, stop: StopRequest, check: Chec
         topo = dist.topology
         log.info("%d ranks on %d hosts %s; %s", topo.world_size, topo.num_hosts, topo.hosts_dict, topo.mpi_description)
         startup.mark("mpi_and_topology")
+        prepare_nccl(cfg.training.grad_compression)  # before any process group, `check`'s included
         if check is not None:
             return _check(cfg, dist, guard, check)
         log.info("config: %s", cfg.to_dict())

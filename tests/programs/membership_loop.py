@@ -7,6 +7,9 @@ OUT_DIR/victim (its pid) and then waits, without joining the all-reduce, for the
 peers write OUT_DIR/waiting.<R> once they wait in that all-reduce. VICTIM -1: nobody stops (the no-failure
 benchmark). With --no-async the loop uses plain blocking all-reduces (the benchmark's baseline; no recovery).
 --numel: the tensor's length (1024 floats by default); --poll-s: Membership's longest sleep between polls.
+--backend=nccl: NCCL on GPU `rank % GPUs` (one GPU per rank: NCCL refuses two ranks of one communicator on one
+device), so a recovery aborts the old NCCL communicator. --rebuild-at=K: at step K, before its all-reduce, rebuild
+the process group without a failure (NCCL: abort and connect again; the only rebuild one GPU can show).
 """
 
 import json
@@ -25,6 +28,8 @@ out_dir, steps, victim, at_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.a
 blocking = "--no-async" in sys.argv[5:]
 numel = next((int(arg.split("=")[1]) for arg in sys.argv[5:] if arg.startswith("--numel=")), 1024)
 poll_s = next((float(arg.split("=")[1]) for arg in sys.argv[5:] if arg.startswith("--poll-s=")), None)
+backend = next((arg.split("=")[1] for arg in sys.argv[5:] if arg.startswith("--backend=")), "gloo")
+rebuild_at = next((int(arg.split("=")[1]) for arg in sys.argv[5:] if arg.startswith("--rebuild-at=")), -1)
 world, _ = init_mpi()
 start_rank = world.Get_rank()
 reason = check_ulfm()
@@ -32,7 +37,15 @@ if reason is not None:
     if start_rank == 0:
         print(f"refused: {reason}", flush=True)
     sys.exit(0)
-members = Membership(world, collective_timeout_s=120, **({"poll_s": poll_s} if poll_s is not None else {}))
+device = torch.device("cpu")
+if backend == "nccl":
+    from mpiddp.trainer.recovery import prepare_nccl
+
+    prepare_nccl("none")  # what the trainer does: torch's NCCL watchdog must not end a survivor
+    device = torch.device("cuda", start_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+members = Membership(world, collective_timeout_s=120, backend=backend, device=device if backend == "nccl" else None,
+                     **({"poll_s": poll_s} if poll_s is not None else {}))
 members.start_process_group()
 alive = list(range(world.Get_size()))  # start ranks of the members, in rank order
 record = open(out_dir / f"rank{start_rank}.jsonl", "a", buffering=1)
@@ -44,7 +57,11 @@ while step < steps:
         (out_dir / "victim.tmp").rename(out_dir / "victim")
         while True:  # until the test's SIGKILL; the peers wait in the all-reduce meanwhile
             time.sleep(0.01)
-    value = torch.full((numel,), float(start_rank + 1))
+    if step == rebuild_at:
+        rebuild_at = -1
+        members.start_process_group()  # the path a recovery takes (NCCL: the old communicator aborted first)
+        record.write(json.dumps({"rebuilt": True, "step": step, "backend": tdist.get_backend()}) + "\n")
+    value = torch.full((numel,), float(start_rank + 1), device=device)
     try:
         if blocking:
             tdist.all_reduce(value)
@@ -67,6 +84,7 @@ while step < steps:
         continue  # redo the interrupted step on the survivors
     expected = float(sum(rank + 1 for rank in alive))
     record.write(json.dumps({"step": step, "pid": os.getpid(), "world": tdist.get_world_size(),
+                             "backend": tdist.get_backend(),
                              "sum": value[0].item(), "expected": expected, "exact": bool((value == expected).all()),
                              "at": time.time()}) + "\n")
     step += 1
