@@ -309,3 +309,48 @@ def test_the_drills_are_a_callback_only_with_inject_fault():
     drill.on_step_end(1)  # not its step: nothing happens
     with pytest.raises(RuntimeError, match="injected fault on rank 0 at step 2"):
         drill.on_step_end(2)
+
+
+class FailsOnce(PointRecorder):
+    """A failure (what a peer's death looks like to the loop) as step `at` + 1 starts, once."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.failed = at, False
+
+    def on_batch_loaded(self, step):
+        if step == self.at and not self.failed:
+            self.failed = True
+            raise RuntimeError("a peer failed")
+
+
+def test_an_epoch_run_again_after_an_in_job_recovery_counts_its_steps_before_the_failure():
+    cfg, dist, loaders, state = job(epochs=1, batch_size=64, log_every=1000)
+    straight = train(cfg, copy.deepcopy(state), loaders, dist, hooks([]))
+    cfg, dist, loaders, state = job(epochs=1, batch_size=64, log_every=1000)
+    loop_hooks = hooks([])
+    loop_hooks.callbacks = FailsOnce(3)
+
+    def in_job(body, current, where):  # in-job recovery on the same rank: the epoch runs again from its position
+        try:
+            return body(current)
+        except RuntimeError:
+            return body(current)
+
+    loop_hooks.in_job = in_job
+    outcome = train(cfg, state, loaders, dist, loop_hooks)
+    assert loop_hooks.callbacks.failed
+    assert outcome.timing.steps == straight.timing.steps == loaders.num_train // 64  # summary.json's `steps`
+    (record,), (expected,) = outcome.epochs, straight.epochs
+    images = round(record["images_per_second"] * record["epoch_time_s"])
+    assert images == round(expected["images_per_second"] * expected["epoch_time_s"]) == loaders.num_train // 64 * 64
+    assert record["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-6)  # the same steps, every one
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2, 3])
+def test_synthetic_data_takes_as_many_optimizer_steps_an_epoch_at_any_accumulation(grad_accum):
+    from mpiddp.trainer.state import optimizer_steps_per_epoch
+
+    cfg, dist, loaders, _ = job(dataset="synthetic", arch="digits_cnn", batch_size=4, steps_per_epoch=6,
+                                grad_accum=grad_accum, image_size=8, num_classes=10)
+    assert optimizer_steps_per_epoch(len(loaders.train), grad_accum) == 6

@@ -111,7 +111,7 @@ class DataSettings:
                                     help="input size for synthetic/imagefolder")
     num_classes: int = option(1000, "--num-classes", group=DATA, parse=int, at_least=1, help="classes of synthetic data")
     steps_per_epoch: int = option(20, "--steps-per-epoch", "--steps_syn", group=DATA, parse=int, at_least=1,
-                                  help="steps per epoch of synthetic data")
+                                  help="optimizer steps per epoch of synthetic data (each of --grad-accum micro-batches)")
     num_workers: int = option(4, "--num-workers", group=DATA, parse=int, at_least=0,
                               help="DataLoader workers per rank (on-disk data)")
     worker_start_method: str = option("forkserver", "--worker-start-method", group=DATA, choices=START_METHODS,

@@ -164,7 +164,8 @@ def _worker_init(worker_id: int) -> None:
 
 
 class SyntheticBatches:
-    """The same random batch, made once on the device, `steps` times per epoch: measures compute, not I/O."""
+    """The same random batch, made once on the device, `steps` times (micro-batches) per epoch: measures compute,
+    not I/O."""
 
     def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, steps: int) -> None:
         self.inputs, self.labels, self.steps = inputs, labels, steps
@@ -429,8 +430,11 @@ def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
         generator = torch.Generator(device=device).manual_seed(cfg.training.seed + topo.rank)
         inputs = torch.rand((cfg.training.batch_size, datasets.channels, size, size), generator=generator, device=device)
         labels = torch.randint(0, datasets.num_classes, (cfg.training.batch_size,), generator=generator, device=device)
-        batches = SyntheticBatches(inputs, labels, cfg.data.steps_per_epoch)
-        return Loaders(batches, None, None, cfg.data.steps_per_epoch * cfg.training.batch_size, 0, datasets.num_classes, cfg.training.batch_size)
+        # --steps-per-epoch counts optimizer steps: a split with more accumulation (--min-np, in-job recovery)
+        # takes as many steps an epoch, each of more micro-batches
+        micro_batches = cfg.data.steps_per_epoch * cfg.training.grad_accum
+        batches = SyntheticBatches(inputs, labels, micro_batches)
+        return Loaders(batches, None, None, micro_batches * cfg.training.batch_size, 0, datasets.num_classes, cfg.training.batch_size)
     assert datasets.eval is not None
     on_disk = cfg.data.dataset in ON_DISK_DATASETS
     workers = cfg.data.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time

@@ -61,6 +61,11 @@ class StepClock:
         assert isinstance(end, torch.cuda.Event)
         return start.elapsed_time(end) / 1000.0
 
+    def restart(self) -> None:
+        """The next step starts now (after an in-job recovery): the steps timed so far stay to be flushed."""
+        self._previous_end = self._mark()
+        self._gradients_ready = None
+
     def waiting_for_data(self) -> None:
         self._wait_started = time.perf_counter()
 

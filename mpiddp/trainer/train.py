@@ -148,6 +148,8 @@ def train_step(
             state.scaler.scale(loss / len(micro_batches)).backward()
         loss_sum += loss.detach().float() * len(targets)
         images += len(targets)
+    if state.gradient_hook is not None:
+        state.gradient_hook.settle()  # GPU under in-job recovery: a dead peer is noticed here, on the main thread
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
@@ -236,10 +238,22 @@ class EpochMeters:
             self.timing.record(step)
 
 
+def epoch_meters(kept: list[EpochMeters], device: torch.device, timing: RankTiming) -> EpochMeters:
+    """The epoch's meters: new, or the ones `kept` from this epoch's run before an in-job recovery re-ran it (its
+    steps before the failure stay counted in the epoch's loss, images and time, and in the job's steps); the
+    step clock starts again, so recovery's downtime is in the recovery's record, not in a step's time."""
+    if kept:
+        kept[0].clock.restart()
+        return kept[0]
+    kept.append(EpochMeters.on(device, timing))
+    return kept[0]
+
+
 def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
-                timing: RankTiming) -> tuple[Meter, StepDurations]:
+                timing: RankTiming, kept: list[EpochMeters] | None = None) -> tuple[Meter, StepDurations]:
     """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
-    times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step."""
+    times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step. `kept`: the
+    epoch's meters across in-job recoveries (see epoch_meters)."""
     device = dist.device
     memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
     skipped = state.batches_done
@@ -248,7 +262,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     progress = make_progress(progress_wanted(cfg.outputs.progress) and dist.is_main,
                              optimizer_steps_per_epoch(len(loaders.train), cfg.training.grad_accum), f"epoch {epoch}/{cfg.training.epochs}")
     state.model.train()
-    meters = EpochMeters.on(device, timing)
+    meters = epoch_meters([] if kept is None else kept, device, timing)
     clock = meters.clock
     if state.gradient_hook is not None:
         state.gradient_hook.on_ready = reached_collective(clock, hooks)
@@ -443,8 +457,10 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
     if state.pending_epoch is not None:  # resumed after a stop that left an epoch's evaluation undone: it comes first
         history.append(hooks.in_job(evaluated, cfg, "eval"))
     for epoch in range(state.epoch + 1, cfg.training.epochs + 1):
+        kept: list[EpochMeters] = []  # the epoch's meters, kept when an in-job recovery runs it again
+
         def trained(current: Config) -> None:
-            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing)
+            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing, kept)
             state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
             state.epoch, state.batches_done = epoch, 0
 
