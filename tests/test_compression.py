@@ -109,3 +109,48 @@ def test_compression_flags():
         parse_args(["--grad-compression", "int8"])
     with pytest.raises(ValueError, match="--powersgd-warmup-steps must be at least 2"):
         Config.of(powersgd_warmup_steps=1)
+
+
+class Bucket:
+    """What DDP hands a comm hook: an index, a flat buffer, whether it is the step's last."""
+
+    def __init__(self, index, count):
+        self._index, self._count, self._buffer = index, count, torch.full((4,), float(index + 1))
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def is_last(self):
+        return self._index == self._count - 1
+
+
+class WatchingMembers:
+    """A Membership stand-in that records each wait."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def wait(self, work):
+        work.wait()
+        self.waited += 1
+
+
+@pytest.mark.parametrize("kind", ["none", "bf16"])
+def test_watched_buckets_overlap_the_next_backward_and_all_end_before_ddp_finalizes(kind):
+    members = WatchingMembers()
+    hook = compression.GradientHook(kind, [], on_ready=lambda: None, members=members)
+    buckets = [Bucket(index, 3) for index in range(3)]
+    futures = [hook.run(buckets[0])]
+    assert not futures[0].done()  # still in flight while the next bucket's backward runs
+    futures.append(hook.run(buckets[1]))
+    assert futures[0].done() and not futures[1].done()
+    futures.append(hook.run(buckets[2]))  # the last bucket: DDP's finalize finds every future complete
+    assert all(future.done() for future in futures) and members.waited == 3
+    for index, future in enumerate(futures):  # world of one: the sum is the bucket itself
+        assert torch.equal(future.wait(), torch.full((4,), float(index + 1)))
+    stale = hook.run(Bucket(0, 3))  # a backward that raised left it in flight; the next step starts afresh
+    hook.run(Bucket(0, 3))
+    assert not stale.done() and len(hook._in_flight) == 1

@@ -203,3 +203,27 @@ def test_the_watchdog_keeps_quiet_while_recovering_and_then_watches_the_survivor
     assert _poll(lambda: not old_thread.is_alive())
     assert aborted == [] and (dog.rank, dog.world_size) == (0, 1)
     dog.stop()
+
+
+@pytest.mark.usefixtures("solo_group")
+@pytest.mark.parametrize("replicas_agree", [False, True])
+def test_a_recovery_rewraps_without_broadcasting_the_model_where_torch_allows(monkeypatch, replicas_agree):
+    """The survivors hold the same weights: at 16k GPUs the broadcast of a model of many GB is not needed."""
+    import types
+
+    import torch
+    import torch.nn.parallel.distributed as ddp_module
+
+    from mpiddp.job.compression import TransportChoice
+    from mpiddp.trainer import state
+    from mpiddp.trainer.config import Config
+
+    if replicas_agree and not state.DDP_CAN_SKIP_INIT_SYNC:
+        pytest.skip(f"torch {torch.__version__}'s DDP has no init_sync: it always broadcasts")
+    synced = []
+    real = ddp_module._sync_module_states
+    monkeypatch.setattr(ddp_module, "_sync_module_states", lambda *a, **k: (synced.append(1), real(*a, **k))[1])
+    dist = types.SimpleNamespace(device=torch.device("cpu"), backend="gloo")
+    state.wrap(Config.of(dataset="digits"), dist, torch.nn.Linear(4, 2), transport=TransportChoice("gloo", "gloo", "test"),
+               replicas_agree=replicas_agree)
+    assert bool(synced) is not replicas_agree

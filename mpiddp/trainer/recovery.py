@@ -290,7 +290,8 @@ class InJobRecovery:
         state.optimizer.zero_grad(set_to_none=True)  # the interrupted step's partial gradients
         old_hook = state.gradient_hook
         state.ddp, state.gradient_hook, state.model = wrap(
-            new_cfg, dist, state.unwrapped, self.members, old_hook.transport if old_hook is not None else None)
+            new_cfg, dist, state.unwrapped, self.members, old_hook.transport if old_hook is not None else None,
+            replicas_agree=True)  # _same_position made every survivor's weights the same
         for loader in (loaders.train, loaders.eval):
             iterator = getattr(loader, "_iterator", None)
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -95,17 +96,24 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
     return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook, batches_per_epoch=batches_per_epoch)
 
 
+# At 16k GPUs the broadcast of a model of many GB is a phase of its own that a recovery does not need.
+DDP_CAN_SKIP_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
 def wrap(cfg: Config, dist: Dist, model: nn.Module, members: Any = None,
-         transport: compression.TransportChoice | None = None,
+         transport: compression.TransportChoice | None = None, replicas_agree: bool = False,
          ) -> tuple[DistributedDataParallel, compression.GradientHook, nn.Module]:
     """Collective (DDP broadcasts rank 0's weights): `model` in DDP on the current process group, with mpiddp's
     gradient hook, maybe compiled. `members` (in-job recovery) lets the hook notice a failed peer through MPI.
-    A recovery wraps the same module again over the survivors, keeping the job's `transport` (no new probe)."""
+    A recovery wraps the same module again over the survivors, keeping the job's `transport` (no new probe);
+    `replicas_agree`: every rank already holds the same weights (survivors made consistent), so DDP skips its
+    broadcast of the whole model where this torch lets it (DDP's init_sync; torch 2.4 has none)."""
     device = dist.device
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.training.bucket_cap_mb,
         static_graph=cfg.training.static_graph,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less per step
+        **({"init_sync": False} if replicas_agree and DDP_CAN_SKIP_INIT_SYNC else {}),
     )
     quiet = transport is not None
     if transport is None:

@@ -8,8 +8,12 @@ with --inject-fault stall-data:RANK:5 and SIGKILLed while its peers wait in the 
 from the kill to the survivors' next completed step (its record in metrics.jsonl), with the phases the job
 recorded, for the MPI and the gloo gradient transports. Writes run/bench/results/only-recovery-trainer.json.
 
+With --trainer-sizes 3,4,8,16: the same at several world sizes on four fake hosts (N/4 ranks each, more ranks
+than cores), to show how each phase grows with the world. Writes run/bench/results/only-recovery-trainer-sizes.json.
+
 usage: python run/bench/recovery.py [--repeats 5] [--sizes 3,4] [--steps 400]
        python run/bench/recovery.py --trainer [--repeats 5]   (root: fake hosts are network namespaces)
+       python run/bench/recovery.py --trainer-sizes 3,4,8,16 [--repeats 3] [--transport gloo]
 Every run is `mpirun --with-ft ulfm` of tests/programs/membership_loop.py; ranks are oversubscribed when the
 host has fewer cores than ranks (the JSON says how many cores there were).
 """
@@ -149,14 +153,16 @@ def pid_of_rank(run_dir: Path, rank: int) -> int | None:
     return None
 
 
-def trainer_recovery(hosts, out_dir: Path, transport: str, victim: int) -> dict:
-    """One run: the trainer on 3 fake hosts, `victim` killed while its peers wait in the all-reduce of step 6."""
+def trainer_recovery(hosts, out_dir: Path, transport: str, victim: int, np: int = 3, host_list: str = FAKE_HOSTS,
+                     batch: int = 16, epochs: int = 1, at_step: int = 5) -> dict:
+    """One run: the trainer on fake hosts, `victim` killed while its peers wait in the all-reduce after step
+    `at_step` (the victim stalls in its data wait there)."""
     run_dir, log = out_dir / "run", out_dir / "job.log"
     out_dir.mkdir(parents=True)
-    command = [mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", FAKE_HOSTS, sys.executable,
-               "-m", "mpiddp", "--run-dir", str(run_dir), "--dataset", "digits", "--epochs", "1", "--batch-size",
-               "16", "--log-every", "1", "--no-progress", "--wandb", "disabled", "--grad-transport", transport,
-               "--inject-fault", f"stall-data:{victim}:5"]
+    command = [mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", str(np), "-H", host_list, sys.executable,
+               "-m", "mpiddp", "--run-dir", str(run_dir), "--dataset", "digits", "--epochs", str(epochs),
+               "--batch-size", str(batch), "--log-every", "1", "--no-progress", "--wandb", "disabled",
+               "--grad-transport", transport, "--inject-fault", f"stall-data:{victim}:{at_step}"]
     with log.open("w") as output:
         job = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=trainer_env(),
                                stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
@@ -175,6 +181,7 @@ def trainer_recovery(hosts, out_dir: Path, transport: str, victim: int) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     next_step = min(r["time"] for r in records if r["kind"] == "step" and r["time"] > killed_at)
     (recovery,) = json.loads((run_dir / "summary.json").read_text())["recoveries"]
+    assert recovery["world_after"] == np - 1, recovery
     return {"downtime_s": next_step - killed_at, **{f"{k}_s": v for k, v in recovery["phases"].items()},
             "steps_lost": recovery["steps_lost"]}
 
@@ -208,6 +215,55 @@ def trainer_main(repeats: int) -> None:
     print(f"wrote {TRAINER_RESULT}")
 
 
+SCALING_RESULT = REPO / "run" / "bench" / "results" / "only-recovery-trainer-sizes.json"
+SCALING_HOSTS = ["nodea", "nodeb", "nodec", "noded"]
+DIGITS_TRAIN = 1437  # the digits training split: 80% of 1,797
+
+
+def scaling_plan(np: int) -> dict:
+    """N ranks on four fake hosts (N/4 slots each; 3 ranks: one each on three): the victim is the first rank of the
+    second host; N-1 images per rank, so the global batch N(N-1) splits over the N-1 survivors (N per rank)."""
+    slots = max(1, np // len(SCALING_HOSTS))
+    hosts = SCALING_HOSTS[:3] if np == 3 else SCALING_HOSTS
+    global_batch = np * (np - 1)
+    epochs = 1 if DIGITS_TRAIN // global_batch >= 8 else 2
+    return {"host_list": ",".join(f"{name}:{slots}" for name in hosts), "victim": slots, "batch": np - 1,
+            "epochs": epochs, "at_step": 3}
+
+
+def scaling_main(sizes: list[int], repeats: int, transport: str) -> None:
+    """The trainer's recovery at 3, 4, 8, 16 ranks (oversubscribed on this machine's cores), interleaved by size."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from fakehosts import FakeHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"fake hosts unavailable: {reason}")
+    result: dict = {"host": platform.node(), "cores": os.cpu_count(), "transport": transport, "runs": {},
+                    "note": "N ranks on four fake hosts (network namespaces) sharing this machine's cores; digits, "
+                            "N-1 images per rank; the first rank of the second host stalls before step 4 and is "
+                            "SIGKILLed while its peers wait in the gradient all-reduce; downtime: kill -> the "
+                            "survivors' next step record; phases: the slowest survivor's (detect: the earliest)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = FakeHosts(SCALING_HOSTS, Path(tmp), tag="s")
+        hosts.up()
+        try:
+            for index in range(repeats):
+                for np in sizes:
+                    plan = scaling_plan(np)
+                    run = trainer_recovery(hosts, Path(tmp) / f"{np}-{index}", transport, plan.pop("victim"), np,
+                                           **plan)
+                    result["runs"].setdefault(str(np), []).append(run)
+                    print(np, "ranks:", json.dumps(run), flush=True)
+        finally:
+            hosts.down()
+    result["median"] = {np: {key: statistics.median(run[key] for run in runs if run[key] is not None)
+                             for key in runs[0]} for np, runs in result["runs"].items()}
+    SCALING_RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["median"], indent=1))
+    print(f"wrote {SCALING_RESULT}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -215,7 +271,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--trainer", action="store_true", help="the built-in trainer on three fake hosts")
+    parser.add_argument("--trainer-sizes", default=None,
+                        help="the built-in trainer at these world sizes (e.g. 3,4,8,16) on four fake hosts")
+    parser.add_argument("--transport", default="gloo", help="with --trainer-sizes: the gradient transport")
     args = parser.parse_args(argv)
+    if args.trainer_sizes:
+        scaling_main([int(n) for n in args.trainer_sizes.split(",")], args.repeats, args.transport)
+        return
     if args.trainer:
         trainer_main(args.repeats)
         return

@@ -61,15 +61,15 @@ def run(command: list[str], retry_on: str | None = None, tries: int = 3) -> floa
     raise AssertionError("unreachable: the last try fails loudly")
 
 
-def mpiddp_command(ranks: int, run_dir: Path, *flags: str) -> list[str]:
-    return [MPIRUN, "-np", str(ranks), "--bind-to", "none", PYTHON, "-m", "mpiddp", "--run-dir", str(run_dir),
+def mpiddp_command(ranks: int, run_dir: Path, *flags: str, mpirun_args: tuple[str, ...] = ()) -> list[str]:
+    return [MPIRUN, *mpirun_args, "-np", str(ranks), "--bind-to", "none", PYTHON, "-m", "mpiddp", "--run-dir", str(run_dir),
             "--wandb", "disabled", "--no-progress", "--epochs", "1", "--batch-size", str(BATCH),
             "--throughput-warmup-steps", str(WARMUP), "--arch", "resnet18", "--image-size", str(SIZE), *flags]
 
 
-def mpiddp(ranks: int, work: Path, *flags: str) -> dict:
+def mpiddp(ranks: int, work: Path, *flags: str, mpirun_args: tuple[str, ...] = ()) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    launched = run(mpiddp_command(ranks, run_dir, *flags))
+    launched = run(mpiddp_command(ranks, run_dir, *flags, mpirun_args=mpirun_args))
     ended = time.time()
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"images_per_second": summary["images_per_second"],
@@ -78,8 +78,8 @@ def mpiddp(ranks: int, work: Path, *flags: str) -> dict:
             "compute_s": statistics.mean(summary["rank_compute_s"]), "step_s": statistics.mean(summary["rank_step_time_s"])}
 
 
-def synthetic(ranks: int, work: Path, steps: int = STEPS, *flags: str) -> dict:
-    return mpiddp(ranks, work, *synthetic_flags(steps), *flags)
+def synthetic(ranks: int, work: Path, steps: int = STEPS, *flags: str, mpirun_args: tuple[str, ...] = ()) -> dict:
+    return mpiddp(ranks, work, *synthetic_flags(steps), *flags, mpirun_args=mpirun_args)
 
 
 def synthetic_flags(steps: int) -> tuple[str, ...]:
@@ -242,6 +242,34 @@ def transport_comparisons(repeats: int, work: Path) -> list[dict]:
     allreduce_out = work / "allreduce-hook.json"
     run([MPIRUN, "-np", "2", PYTHON, str(HERE / "allreduce.py"), str(allreduce_out), "cpu"])
     rows.append({"benchmark": "all-reduce by size, 2 ranks", **json.loads(allreduce_out.read_text())})
+    return rows
+
+
+FAULT_TOLERANT = ("--with-ft", "ulfm")
+
+
+def ft_cost_comparisons(repeats: int, work: Path) -> list[dict]:
+    """What in-job recovery costs when nothing fails: the same 2-rank job under `mpirun --with-ft ulfm` (recovery
+    on: the MPI failure watch, gloo buckets issued async and waited under it) and under plain `mpirun`,
+    interleaved: throughput for the gloo and the MPI gradient transports (batch 32, one thread per rank), and a
+    one-step job's start-up (launch to the first step, and to exit)."""
+    rows = []
+    plain = ("--num-threads", "1", "--batch-size", str(TRANSPORT_BATCH))
+    for name in ("gloo", "mpi"):
+        flags = (*plain, *TRANSPORTS[name])
+        on, off = interleave(repeats, lambda: synthetic(2, work, TRANSPORT_STEPS, *flags, mpirun_args=FAULT_TOLERANT),
+                             lambda: synthetic(2, work, TRANSPORT_STEPS, *flags))
+        row = compare(f"in-job recovery on vs off, throughput, --grad-transport {name}", "images_per_second",
+                      "--with-ft ulfm", on, "plain mpirun", off) | {"target": ">= 0.98"}
+        row["step_s"] = {"on": statistics.median(r["step_s"] for r in on),
+                         "off": statistics.median(r["step_s"] for r in off)}
+        rows.append(row)
+    one_step = (*synthetic_flags(1), "--throughput-warmup-steps", "0")
+    on, off = interleave(repeats, lambda: mpiddp(2, work, *one_step, mpirun_args=FAULT_TOLERANT),
+                         lambda: mpiddp(2, work, *one_step))
+    for metric in ("launch_to_first_step_s", "wall_s"):
+        rows.append(compare(f"in-job recovery on vs off, start-up ({metric})", metric, "--with-ft ulfm", on,
+                            "plain mpirun", off) | {"target": "<= 1.02"})
     return rows
 
 
@@ -422,7 +450,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--only", choices=["own-script", "compression", "startup", "gpu", "transport", "overhead",
-                                           "save", "relaunch"], default=None,
+                                           "save", "relaunch", "ft-cost"], default=None,
                         help="run one comparison and write it to OUT/only-NAME.json (the full results stay)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -435,6 +463,7 @@ def main() -> None:
                 "overhead": lambda: overhead_comparisons(args.repeats, work),
                 "save": lambda: save_benchmark(args.repeats, work),
                 "relaunch": lambda: relaunch_comparisons(args.repeats, work),
+                "ft-cost": lambda: ft_cost_comparisons(args.repeats, work),
                 "gpu": lambda: [gpu_benchmark(args.repeats, work)]}[args.only]()
         (args.out / f"only-{args.only}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         print(json.dumps(rows, indent=2))
