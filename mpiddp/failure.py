@@ -19,6 +19,7 @@ from mpiddp.atomicfile import write_new
 
 FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that recorded a failure
 PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
+RECOVERIES_FILE = "recoveries.jsonl"  # in the same directory: one line per in-job recovery, as it happens
 ATTEMPTS_FILE = "attempts.json"  # written by the supervisor after each attempt; the job's summary includes it
 # exception: a rank raised; killed: a rank died by a signal (inferred by the supervisor from the launcher, since a
 # SIGKILLed rank writes nothing); hang: the watchdog fired; user_error: exit 2; stopped: a stop signal or an
@@ -71,7 +72,7 @@ def clear(directory: Path) -> None:
     never raises: a stale record is read with its time, and a clear that fails must not stop a job."""
     try:
         for path in directory.iterdir():
-            if path.name.startswith(("rank-", ".rank-")) or path.name == PLACEMENT_FILE:
+            if path.name.startswith(("rank-", ".rank-")) or path.name in (PLACEMENT_FILE, RECOVERIES_FILE):
                 path.unlink(missing_ok=True)
     except OSError:
         pass

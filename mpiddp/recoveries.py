@@ -1,4 +1,5 @@
-"""In-job recoveries as the job records them in summary.json (`recoveries`), read and told in one line each.
+"""In-job recoveries as the job records them in summary.json (`recoveries`), and each as it happens in the
+failures directory (recoveries.jsonl, for a job that a later failure ends), read and told in one line each.
 
 Stdlib only: `launch` (which mentions them in its attempts) and `report` both read them. Each item is
 {"cause", "ranks_lost", "hosts_lost", "step", "steps_lost", "world_before", "world_after", "phases"}, with
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from mpiddp.failure import RECOVERIES_FILE
 
 SUMMARY_FILE = "summary.json"
 RECOVERY_PHASES = ("detect", "agree_and_shrink", "process_group", "ddp", "first_step")
@@ -28,6 +31,39 @@ def read_recoveries(run_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
     except (OSError, ValueError):
         return []
     return recoveries_in(data)
+
+
+def record(directory: Path, recovery: dict[str, Any]) -> None:
+    """The new rank 0, as a recovery ends: one line in DIRECTORY/recoveries.jsonl (the failures directory), so
+    the recovery stays on record when a later failure ends the job before summary.json. Never raises OSError:
+    a record that cannot be written must not end the job that just recovered."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with (directory / RECOVERIES_FILE).open("a") as out:
+            out.write(json.dumps(recovery) + "\n")
+    except OSError:
+        pass
+
+
+def recorded(directory: Path) -> list[dict[str, Any]]:
+    """The recoveries `record` wrote into DIRECTORY (a torn last line is left out); empty when there are none."""
+    try:
+        lines = (directory / RECOVERIES_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return [item for item in found if isinstance(item, dict)]
+
+
+def of_attempt(run_dir: Path, failures_dir: Path, since: float) -> list[dict[str, Any]]:
+    """An attempt's recoveries: summary.json's (every survivor's phases) when the job wrote it in this attempt,
+    else those recorded as they happened (the job ended before its summary: a later failure)."""
+    return read_recoveries(run_dir, since) or recorded(failures_dir)
 
 
 def recoveries_in(summary: Any) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from conftest import REPO
 from mpiddp import recoveries
 from mpiddp.launch.cli import LaunchError, make_plan
 from mpiddp.launch.command import FT_ARGS, build_command, decide_in_job_recovery, open_mpi_major
@@ -261,3 +262,64 @@ def test_a_script_under_run_keeps_the_relaunch_path(tmp_path):
                       "train.py"], {})
     assert not plan.in_job_recovery.on and "mpiddp run" in plan.in_job_recovery.why
     assert plan.in_job_recovery.add_args == ()
+
+
+def test_a_host_lost_in_the_job_counts_as_a_failure_of_that_host():
+    from mpiddp.launch.policy import strike_lost_in_job
+
+    hosts = [Host(name, 1) for name in ("nodea", "nodeb.cluster", "nodec", "noded")]
+    assert strike_lost_in_job([RECOVERY], hosts, [], {}) == (["nodeb.cluster"], {"nodeb.cluster": 1})
+    assert strike_lost_in_job([RECOVERY], hosts, [], {}, host_strikes=2) == ([], {"nodeb.cluster": 1})
+    assert strike_lost_in_job([RECOVERY], hosts, ["nodeb.cluster"], {}) == ([], {})  # already left out
+    assert strike_lost_in_job([], hosts, [], {"nodea": 1}) == ([], {"nodea": 1})
+
+
+def test_a_recovery_then_a_failure_that_ends_the_job_is_on_record_and_both_hosts_are_left_out(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """The job recovers from nodeb's loss in the job, then a failure on nodec ends it before summary.json: the
+    recovery, which the new rank 0 recorded in the failures directory as it happened, is in attempts.json, and the
+    relaunch leaves out nodeb as well as nodec."""
+    from mpiddp.failure import FailureRecord
+
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "ompi_info").write_text("#!/bin/sh\necho 'options:ft_mpi_support:yes'\n")
+    failed = FailureRecord("killed", [1], ["nodec"], "MPI_ERR_PROC_FAILED: ranks 1 failed", step=12, rank=0, status=1)
+    launcher = folder / "mpirun"
+    launcher.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\nfrom pathlib import Path\n"
+        "from mpiddp import recoveries\nfrom mpiddp.failure import FailureRecord, write_placement, write_rank\n"
+        "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
+        "run_dir, failures = Path(os.environ['MPIDDP_RUN_DIR']), Path(os.environ['MPIDDP_FAILURE_FILE'])\n"
+        "if os.environ['MPIDDP_RESTART_COUNT'] != '0':\n"
+        "    (run_dir / 'summary.json').write_text('{}')\n    (run_dir / 'finished').write_text('1')\n    sys.exit(0)\n"
+        f"recoveries.record(failures, {RECOVERY!r})\n"
+        "write_placement(failures, [('nodea', [0]), ('nodec', [1])])  # the survivors' world\n"
+        f"write_rank(failures, 0, FailureRecord(**{vars(failed)!r}))\n"
+        "sys.exit(1)\n")
+    for program in (folder / "ompi_info", launcher):
+        program.chmod(0o755)
+    run_dir = tmp_path / "run"
+    plan = make_plan(["-H", "nodea:1,nodeb:1,nodec:1,noded:1,nodee:1", "-np", "3", "--launcher-path", str(launcher),
+                      "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}).run() == 0, capsys.readouterr().err
+    first, second = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert first["recoveries"] == [RECOVERY], first
+    assert set(first["excluded_hosts"]) == {"nodeb", "nodec"}, first
+    assert second["hosts"] == ["nodea", "noded", "nodee"], second
+    assert "without nodeb too (lost in the job earlier" in capsys.readouterr().err
+
+
+def test_a_recovery_recorded_as_it_happens_is_read_back_and_cleared_with_the_attempts_records(tmp_path):
+    from mpiddp import failure
+
+    recoveries.record(tmp_path / "failures", RECOVERY)
+    with (tmp_path / "failures" / failure.RECOVERIES_FILE).open("a") as out:
+        out.write('{"cause": "killed", "ranks_lo')  # torn by the job's end
+    assert recoveries.recorded(tmp_path / "failures") == [RECOVERY]
+    assert recoveries.of_attempt(tmp_path, tmp_path / "failures", 0.0) == [RECOVERY]  # no summary.json
+    (tmp_path / "summary.json").write_text(json.dumps({"recoveries": [{**RECOVERY, "step": 31}]}))
+    assert recoveries.of_attempt(tmp_path, tmp_path / "failures", 0.0)[0]["step"] == 31  # the summary's, complete
+    failure.clear(tmp_path / "failures")  # a new attempt: an earlier one's recoveries do not describe it
+    assert recoveries.recorded(tmp_path / "failures") == []

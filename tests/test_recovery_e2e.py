@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, find_mpirun, rank_pids
+from mpiddp import recoveries
 from fakehosts import FakeHosts, running_fake_hosts
 from test_leftovers import assert_nothing_left, marked_env
 
@@ -123,9 +124,13 @@ def assert_recovered(job: Job, pids: dict[int, int], victim: int, host: str) -> 
     first, second = [r for r in records if r["kind"] == "epoch"]
     assert (first["step"], second["step"]) == (30, 60)
     # the survivors went on at sample 240 of epoch 1 (5 steps x 48): 49 batches of 12 on each of 2 ranks, to
-    # sample 1416 (the tail of 22 is left out as a trailing short batch is); had they started the epoch again,
-    # they would have trained 1416 samples after the recovery
-    assert round(first["images_per_second"] * first["epoch_time_s"]) == 1176, first
+    # sample 1416 (the tail of 22 is left out as a trailing short batch is); the epoch's record counts each
+    # survivor's 5 x 16 samples before the failure too (the dead rank's are gone with it): 2 x (80 + 588) = 1336.
+    # Had they started the epoch again, they would have trained 1416 samples after the recovery, not 1176
+    assert round(first["images_per_second"] * first["epoch_time_s"]) == 1336, first
+    assert summary["steps"] == 60, summary  # every step of this job, those before the failure included
+    (recorded,) = recoveries.recorded(job.run_dir / "failures")  # on record as it happened, before the summary
+    assert (recorded["ranks_lost"], recorded["hosts_lost"], recorded["step"]) == ([victim], [host], 5), recorded
     assert summary["world_size"] == 2 and summary["eval_accuracy"] > 0.8, summary
     return summary
 

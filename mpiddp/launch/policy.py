@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mpiddp.globalbatch import GlobalBatchError, split
 from mpiddp.launch.diagnose import Failure
@@ -60,6 +61,23 @@ def blamed(failure: Failure, hosts: list[Host], placed: list[Host], placement: d
     if by_rank:
         return by_rank
     return [h.name for h in hosts if any(same_host(h.name, name) for name in failure.hosts)]
+
+
+def strike_lost_in_job(recoveries: list[dict[str, Any]], hosts: list[Host], excluded: list[str],
+                       strikes: dict[str, int], host_strikes: int = 1) -> tuple[list[str], dict[str, int]]:
+    """The hosts an attempt lost and recovered from in the job (its `recoveries`, each naming `hosts_lost`) before
+    a later failure ended it: each loss is a failure blamed on its host, like the attempt's own. Returns (the
+    host-list names to leave out now, the strikes with these counted)."""
+    strikes = dict(strikes)
+    names = [str(name) for item in recoveries for name in (item.get("hosts_lost") or [])]
+    left_out = []
+    for host in hosts:
+        if host.name in excluded or not any(same_host(host.name, name) for name in names):
+            continue
+        strikes[host.name] = strikes.get(host.name, 0) + 1
+        if strikes[host.name] >= host_strikes:
+            left_out.append(host.name)
+    return left_out, strikes
 
 
 def decide(failure: Failure, hosts: list[Host], excluded: list[str], restarts_used: int, max_restarts: int,

@@ -31,7 +31,7 @@ from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
-from mpiddp.launch.policy import blamed, decide, same_host
+from mpiddp.launch.policy import blamed, decide, same_host, strike_lost_in_job
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -236,7 +236,7 @@ class Supervisor:
                 return EXIT_USER_ERROR
             metrics = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
             self._count_steps_lost(metrics)
-            attempt.recoveries = recoveries.read_recoveries(self.plan.run_dir, attempt.started_at)
+            attempt.recoveries = recoveries.of_attempt(self.plan.run_dir, self.failure_file, attempt.started_at)
             if attempt.status == 0 and not self._finished(attempt):
                 attempt.status = EXIT_CRASH  # mpirun --with-ft ulfm said 0, but the job never said it finished
             within = recoveries.count_line(attempt.recoveries)
@@ -252,9 +252,15 @@ class Supervisor:
             found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
             progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
             attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
-            decision = decide(found, self.plan.hosts, excluded, number, self.plan.max_restarts, self.plan.num_ranks,
-                              hosts_now, self.plan.min_np, self.plan.global_batch, strikes, self.plan.host_strikes,
-                              placement)
+            # a host the job lost and recovered from earlier in the attempt failed too: the same evidence
+            lost, strikes = strike_lost_in_job(attempt.recoveries, self.plan.hosts, excluded, strikes,
+                                               self.plan.host_strikes)
+            decision = decide(found, self.plan.hosts, [*excluded, *lost], number, self.plan.max_restarts,
+                              self.plan.num_ranks, hosts_now, self.plan.min_np, self.plan.global_batch, strikes,
+                              self.plan.host_strikes, placement)
+            if lost:
+                decision = replace(decision, reason=f"{decision.reason}; without {', '.join(lost)} too (lost in the "
+                                                    "job earlier, recovered from in the job)")
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.ranks_recorded, attempt.witness_ranks = found.recorded, list(found.witnesses)

@@ -19,8 +19,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+from mpiddp import recoveries
 from mpiddp.contract import MIN_NP_ENV
-from mpiddp.failure import write_placement
+from mpiddp.failure import records_dir, write_placement
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
 from mpiddp.job import storekeys
 from mpiddp.job.log import setup_logging
@@ -223,6 +224,7 @@ class InJobRecovery:
             "world_before": world_before, "world_after": dist.world_size, "phases": phases,
         })
         self._recovered_at = time.monotonic()
+        self._put_on_record(dist)
         self._say(split, failed, hosts, phases)
 
     def _rebind(self, before: Any, recovered: Any) -> None:
@@ -249,6 +251,13 @@ class InJobRecovery:
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(topology.rank),
                           WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank),
                           LOCAL_WORLD_SIZE=str(topology.local_world_size))
+
+    def _put_on_record(self, dist: Dist) -> None:
+        """The new rank 0: the recovery into the failures directory as it happens (this rank's phases so far), so
+        `launch` learns of it, and of the host lost, when a later failure ends the job before summary.json."""
+        directory = records_dir(dist.topology.failure_file, self.parts.run_dir)
+        if dist.is_main and directory is not None:
+            recoveries.record(directory, self.records[-1])
 
     def _take_over_logging(self, dist: Dist) -> None:
         """Rank 0 died: the new rank 0 appends the run's records to metrics.jsonl (wandb stays with the dead)."""
