@@ -39,6 +39,16 @@ def test_check_says_a_job_started_with_fault_tolerance_can_recover_in_the_job(mp
     assert job.output.count("in-job recovery: yes (Open MPI v5") == 1, job.output[-3000:]
 
 
+def test_check_says_a_job_with_powersgd_cannot_recover_in_the_job(mpirun, tmp_path):
+    """MPI could (--with-ft ulfm), but this job's settings rule it out: check says so, as the job would."""
+    command = [mpirun, "--with-ft", "ulfm", "-np", "2", sys.executable, "-m", "mpiddp", "check", "--runs-root",
+               str(tmp_path / "runs"), "--wandb", "disabled", "--grad-compression", "powersgd"]
+    job = run_command(command, tmp_path, timeout=120)
+    assert job.returncode == 0, job.output[-3000:]
+    assert job.output.count("in-job recovery: no: in-job recovery does not carry PowerSGD's per-rank error "
+                            "feedback: a failure ends the job") == 1, job.output[-3000:]
+
+
 def test_check_fails_with_reasons(mpirun, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
