@@ -274,6 +274,21 @@ def test_a_host_lost_in_the_job_counts_as_a_failure_of_that_host():
     assert strike_lost_in_job([], hosts, [], {"nodea": 1}) == ([], {"nodea": 1})
 
 
+def test_a_host_lost_in_the_job_is_found_by_its_slots_whatever_the_job_calls_it():
+    """The job says `myhost` (socket.gethostname()) where the host list says localhost: the lost ranks, numbered
+    back to the attempt's own ranks through each recovery, name the host by the attempt's slot order."""
+    from mpiddp.launch.policy import ranks_lost_at_start, strike_lost_in_job
+
+    first = {**RECOVERY, "ranks_lost": [1], "hosts_lost": ["myhost"], "world_before": 4, "world_after": 3}
+    second = {**RECOVERY, "ranks_lost": [1], "hosts_lost": ["otherhost"], "world_before": 3, "world_after": 2}
+    assert ranks_lost_at_start([first, second]) == (1, 2)  # the second's rank 1 was the attempt's rank 2
+    assert ranks_lost_at_start([first, {**second, "world_before": 4}]) is None  # does not chain
+    placed = [Host("localhost", 2), Host("10.0.0.2", 2)]
+    assert strike_lost_in_job([first], placed, [], {}, placed=placed)[0] == ["localhost"]
+    assert strike_lost_in_job([first, second], placed, [], {}, placed=placed)[0] == ["localhost", "10.0.0.2"]
+    assert strike_lost_in_job([first], placed, [], {})[0] == []  # no slot order: by name, and none matches
+
+
 def test_a_recovery_then_a_failure_that_ends_the_job_is_on_record_and_both_hosts_are_left_out(tmp_path, monkeypatch,
                                                                                                 capsys):
     """The job recovers from nodeb's loss in the job, then a failure on nodec ends it before summary.json: the

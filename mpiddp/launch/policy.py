@@ -63,16 +63,41 @@ def blamed(failure: Failure, hosts: list[Host], placed: list[Host], placement: d
     return [h.name for h in hosts if any(same_host(h.name, name) for name in failure.hosts)]
 
 
+def ranks_lost_at_start(recoveries: list[dict[str, Any]]) -> tuple[int, ...] | None:
+    """The attempt's own rank numbers of the ranks its in-job recoveries lost (each recovery numbers the world it
+    shrank; survivors keep their order), or None when the records do not chain (a field missing or odd)."""
+    try:
+        alive = list(range(int(recoveries[0]["world_before"])))
+        lost = []
+        for item in recoveries:
+            if int(item["world_before"]) != len(alive):
+                return None
+            gone = {int(rank) for rank in item["ranks_lost"]}
+            lost += [alive[rank] for rank in sorted(gone)]
+            alive = [rank for index, rank in enumerate(alive) if index not in gone]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return tuple(lost)
+
+
 def strike_lost_in_job(recoveries: list[dict[str, Any]], hosts: list[Host], excluded: list[str],
-                       strikes: dict[str, int], host_strikes: int = 1) -> tuple[list[str], dict[str, int]]:
-    """The hosts an attempt lost and recovered from in the job (its `recoveries`, each naming `hosts_lost`) before
-    a later failure ended it: each loss is a failure blamed on its host, like the attempt's own. Returns (the
-    host-list names to leave out now, the strikes with these counted)."""
+                       strikes: dict[str, int], host_strikes: int = 1, placed: list[Host] | None = None,
+                       ) -> tuple[list[str], dict[str, int]]:
+    """The hosts an attempt lost and recovered from in the job (its `recoveries`) before a later failure ended
+    it: each loss is a failure blamed on its host, like the attempt's own. The job names hosts as the host sees
+    itself (socket.gethostname()), which a host list may call otherwise (localhost, a short name, an IP), so
+    the lost ranks are mapped through the attempt's slot order (`placed`) where the records chain from its
+    start; else `hosts_lost` is compared by name. Returns (host-list names to leave out now, strikes)."""
     strikes = dict(strikes)
-    names = [str(name) for item in recoveries for name in (item.get("hosts_lost") or [])]
+    ranks = ranks_lost_at_start(recoveries) if recoveries and placed else None
+    if ranks is not None and placed and int(recoveries[0]["world_before"]) == sum(h.slots for h in placed):
+        names = hosts_of(placed, ranks)
+    else:
+        said = [str(name) for item in recoveries for name in (item.get("hosts_lost") or [])]
+        names = [host.name for host in hosts if any(same_host(host.name, name) for name in said)]
     left_out = []
     for host in hosts:
-        if host.name in excluded or not any(same_host(host.name, name) for name in names):
+        if host.name in excluded or host.name not in names:
             continue
         strikes[host.name] = strikes.get(host.name, 0) + 1
         if strikes[host.name] >= host_strikes:

@@ -254,7 +254,7 @@ class Supervisor:
             attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
             # a host the job lost and recovered from earlier in the attempt failed too: the same evidence
             lost, strikes = strike_lost_in_job(attempt.recoveries, self.plan.hosts, excluded, strikes,
-                                               self.plan.host_strikes)
+                                               self.plan.host_strikes, hosts_now)
             decision = decide(found, self.plan.hosts, [*excluded, *lost], number, self.plan.max_restarts,
                               self.plan.num_ranks, hosts_now, self.plan.min_np, self.plan.global_batch, strikes,
                               self.plan.host_strikes, placement)
