@@ -67,8 +67,10 @@ def settings_refusal(device_type: str, backend: str, compression: str) -> str | 
 
 def prepare_nccl(compression: str) -> None:
     """Before the process group starts, in a job that may recover in the job (MPI fault tolerance on): torch's
-    NCCL watchdog must not end a survivor when a peer dies (recoverable.nccl_errors_env). Only NCCL reads it."""
-    if compression != "powersgd" and check_ulfm() is None:
+    NCCL watchdog must not end a survivor when a peer dies (recoverable.nccl_errors_env). Only NCCL reads it.
+    Left as it is where recovery on NCCL is refused anyway (PowerSGD, a torch that cannot abort NCCL): there a
+    failure ends the job, as torchrun's setting has it."""
+    if compression != "powersgd" and nccl_abort_available() and check_ulfm() is None:
         os.environ.update(nccl_errors_env(os.environ))
 
 
