@@ -154,3 +154,41 @@ def test_watched_buckets_overlap_the_next_backward_and_all_end_before_ddp_finali
     stale = hook.run(Bucket(0, 3))  # a backward that raised left it in flight; the next step starts afresh
     hook.run(Bucket(0, 3))
     assert not stale.done() and len(hook._in_flight) == 1
+
+
+class LosingMembers(WatchingMembers):
+    """A Membership stand-in whose peer has failed: every wait says so, as MPI would."""
+
+    def wait(self, work):
+        from mpiddp.job.membership import MembersLost
+
+        self.waited += 1
+        raise MembersLost((1,), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["none", "fp16"])
+def test_gpu_buckets_are_handed_to_ddp_unwaited_and_settled_on_the_main_thread(kind):
+    """The GPU path (run here on CPU tensors through `_deferred` itself): the hook never calls MPI, since DDP runs
+    it on autograd's device thread; `settle`, after backward, waits for every bucket under the failure watch."""
+    members = WatchingMembers()
+    hook = compression.GradientHook(kind, [], on_ready=lambda: None, members=members)
+    futures = [hook._deferred(Bucket(index, 3)) for index in range(3)]
+    assert members.waited == 0 and len(hook.pending) == 3
+    hook.settle()
+    assert members.waited == 3 and hook.pending == []
+    for index, future in enumerate(futures):  # world of one: the sum is the bucket itself
+        assert torch.equal(future.wait(), torch.full((4,), float(index + 1)))
+    hook.settle()  # nothing in flight (CPU buckets are waited for in the hook): nothing to do
+    assert members.waited == 3
+
+
+def test_a_peer_lost_during_a_gpu_step_is_raised_by_settle_and_the_next_step_starts_afresh():
+    from mpiddp.job.membership import MembersLost
+
+    hook = compression.GradientHook("none", [], on_ready=lambda: None, members=LosingMembers())
+    hook._deferred(Bucket(0, 2))
+    with pytest.raises(MembersLost):
+        hook.settle()
+    hook._deferred(Bucket(0, 2))
+    hook._deferred(Bucket(0, 2))  # a backward that raised before settling: its work is not waited for again
+    assert len(hook.pending) == 1
