@@ -159,7 +159,8 @@ def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:
               f"{rendezvous.interface_per_host or 'left to gloo/NCCL'}"]
     versions = {k: v for k, v in prints[0].items() if not k.startswith("_")}
     lines.append(f"fingerprint: {'same on every rank' if not problems else 'DIFFERS'}: {versions}")
-    lines.append(in_job_recovery_line(settings=settings_refusal(cfg, dist)))  # off is no problem: launch relaunches
+    # not a problem when off: the job then fails fast and launch relaunches
+    lines.append(in_job_recovery_line(settings=settings_refusal(cfg, dist)))
 
     if topo.world_size > 1:
         latency = dist.pingpong(topo.world_size - 1, 8, 200)
