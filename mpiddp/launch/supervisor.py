@@ -31,7 +31,7 @@ from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
-from mpiddp.launch.policy import blamed, decide, same_host, strike_lost_in_job
+from mpiddp.launch.policy import Decision, blamed, decide, same_host, strike_lost_in_job
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -252,15 +252,7 @@ class Supervisor:
             found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
             progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
             attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
-            # a host the job lost and recovered from earlier in the attempt failed too: the same evidence
-            lost, strikes = strike_lost_in_job(attempt.recoveries, self.plan.hosts, excluded, strikes,
-                                               self.plan.host_strikes, hosts_now)
-            decision = decide(found, self.plan.hosts, [*excluded, *lost], number, self.plan.max_restarts,
-                              self.plan.num_ranks, hosts_now, self.plan.min_np, self.plan.global_batch, strikes,
-                              self.plan.host_strikes, placement)
-            if lost:
-                decision = replace(decision, reason=f"{decision.reason}; without {', '.join(lost)} too (lost in the "
-                                                    "job earlier, recovered from in the job)")
+            decision = self._decide(attempt, found, placement, hosts_now, excluded, strikes)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.ranks_recorded, attempt.witness_ranks = found.recorded, list(found.witnesses)
@@ -275,6 +267,20 @@ class Supervisor:
             hosts_now, excluded, strikes = decision.hosts, decision.excluded, decision.strikes
             self.num_ranks = decision.num_ranks
         raise AssertionError("the policy stops once --max-restarts is spent")
+
+    def _decide(self, attempt: Attempt, found: Failure, placement: dict[int, str], hosts_now: list[Host],
+                excluded: list[str], strikes: dict[str, int]) -> Decision:
+        """The policy's decision on a failed attempt. A host the job lost and recovered from in the job before the
+        failure that ended it failed too: the same evidence, so it is left out as well (per --host-strikes)."""
+        lost, strikes = strike_lost_in_job(attempt.recoveries, self.plan.hosts, excluded, strikes,
+                                           self.plan.host_strikes, hosts_now)
+        decision = decide(found, self.plan.hosts, [*excluded, *lost], attempt.number, self.plan.max_restarts,
+                          self.plan.num_ranks, hosts_now, self.plan.min_np, self.plan.global_batch, strikes,
+                          self.plan.host_strikes, placement)
+        if not lost:
+            return decision
+        return replace(decision, reason=f"{decision.reason}; without {', '.join(lost)} too (lost in the job "
+                                        "earlier, recovered from in the job)")
 
     def _diagnose(self, attempt: Attempt, output: str, hosts_now: list[Host],
                   metrics: list[dict[str, Any]]) -> tuple[Failure, dict[int, str], list[failure.FailureRecord]]:
