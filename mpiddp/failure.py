@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpiddp.atomicfile import write_new
+from mpiddp.atomicfile import write_new, write_text_atomic
 
 FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that recorded a failure
 PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
@@ -129,6 +129,17 @@ def read_all(directory: Path) -> list[FailureRecord]:
 def write_placement(directory: Path, hosts: list[tuple[str, list[int]]]) -> bool:
     """Rank 0: where every rank runs, as the job observed it (host name, its world ranks), written once."""
     return _write_new(directory / PLACEMENT_FILE, {"hosts": [[name, list(ranks)] for name, ranks in hosts]})
+
+
+def replace_placement(directory: Path, hosts: list[tuple[str, list[int]]]) -> bool:
+    """The new rank 0 after an in-job recovery: the survivors' placement in place of the start's (a later
+    failure's records number ranks in the survivors' world); True when written. Never raises OSError."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(directory / PLACEMENT_FILE, json.dumps({"hosts": [[n, list(r)] for n, r in hosts]}, indent=1))
+    except OSError:
+        return False
+    return True
 
 
 def read_placement(directory: Path) -> dict[int, str] | None:

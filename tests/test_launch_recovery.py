@@ -338,3 +338,14 @@ def test_a_recovery_recorded_as_it_happens_is_read_back_and_cleared_with_the_att
     assert recoveries.of_attempt(tmp_path, tmp_path / "failures", 0.0)[0]["step"] == 31  # the summary's, complete
     failure.clear(tmp_path / "failures")  # a new attempt: an earlier one's recoveries do not describe it
     assert recoveries.recorded(tmp_path / "failures") == []
+
+
+def test_the_survivors_placement_replaces_the_one_written_at_start(tmp_path):
+    """Under launch, rank 0 writes the placement at start; after a recovery a later failure's records number the
+    survivors' ranks, so the new rank 0's placement must replace it (written once, it stayed the start's, and
+    the later failure was blamed on the host lost before)."""
+    from mpiddp.failure import read_placement, replace_placement, write_placement
+
+    write_placement(tmp_path, [("nodea", [0]), ("nodeb", [1]), ("nodec", [2])])
+    assert replace_placement(tmp_path, [("nodea", [0]), ("nodec", [1])])
+    assert read_placement(tmp_path) == {0: "nodea", 1: "nodec"}

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from mpiddp import recoveries
 from mpiddp.contract import MIN_NP_ENV
-from mpiddp.failure import records_dir, write_placement
+from mpiddp.failure import records_dir, replace_placement
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
 from mpiddp.job import storekeys
 from mpiddp.job.log import setup_logging
@@ -242,7 +242,7 @@ class InJobRecovery:
             each.rebind(topology, transport, rendezvous if each.rendezvous is not None else None)
         setup_logging(topology, self.parts.cfg.outputs.log_level)  # the lines name the new rank; the new rank 0 logs info
         if topology.failure_file and topology.rank == 0:  # a later failure's records name ranks of this world
-            write_placement(Path(topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
+            replace_placement(Path(topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
         log.warning("in-job recovery: this process (pid %d) goes on as rank %d of %d", os.getpid(), topology.rank,
                     topology.world_size)
         guard = self.parts.guard
