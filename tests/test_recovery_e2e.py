@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -215,3 +216,47 @@ def test_a_snapshot_after_a_recovery_records_the_split_it_was_trained_with(hosts
     snapshot = load(path)
     assert snapshot.world_size == 2, snapshot.world_size
     assert (snapshot.config["batch_size"], snapshot.config["grad_accum"]) == (12, 2), snapshot.config
+
+
+def test_under_launch_a_recovery_then_a_failure_that_ends_the_job_leaves_out_both_hosts(hosts, tmp_path):
+    """`launch --min-np 2`: rank 1 (nodeb) killed, the job recovers in the job on 2 ranks; then the rank on nodec
+    killed: 1 rank left, fewer than --min-np, so the job ends. attempts.json lists the recovery (recorded as it
+    happened: the job ended before summary.json) and launch leaves out nodeb as well as nodec (nodea alone is too
+    few for --min-np 2: it stops, saying so). Before: the recovery was missing and nodeb was not left out."""
+    from test_launch_e2e import attempts, launch_command
+
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    env, mark = marked_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+    command = launch_command("-H", HOSTS, "-np", "3", "--min-np", "2", "--max-restarts", "1", "--launcher", "mpirun",
+                             "--launcher-args", " ".join(hosts.openmpi_args()), "--run-dir", str(run_dir), "--",
+                             *JOB, "--epochs", "3", "--save-every", "100", "--inject-fault", "slow-compute:all:0")
+    with log.open("w") as out:
+        process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=subprocess.STDOUT)
+    job = SimpleNamespace(process=process, run_dir=run_dir, mark=mark, output=lambda: log.read_text(errors="replace"))
+
+    def step_at_least(step: int) -> bool:
+        return (run_dir / "metrics.jsonl").exists() and \
+            any(r["kind"] == "step" and r["step"] >= step for r in metrics(run_dir))
+
+    Job.wait_for(job, "step 3", lambda: step_at_least(3))
+    pids = rank_pids(run_dir)
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    Job.wait_for(job, "the recovery on record", lambda: recoveries.recorded(run_dir / "failures"))
+    resumed = max(r["step"] for r in metrics(run_dir) if r["kind"] == "step")
+    Job.wait_for(job, "steps on 2 ranks", lambda: step_at_least(resumed + 2))
+    subprocess.run(["kill", "-KILL", str(pids[2])], check=False)
+    try:
+        status = process.wait(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        assert_nothing_left(mark)
+    assert status != 0, job.output()[-5000:]
+    (attempt,) = attempts(run_dir)["attempts"]
+    (recovery,) = attempt["recoveries"]
+    assert (recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_after"]) == ([1], ["nodeb"], 2), attempt
+    assert attempt["blamed_hosts"] == ["nodec"], attempt  # the survivors' placement: rank 1 is nodec's now
+    assert sorted(attempt["excluded_hosts"]) == ["nodeb", "nodec"], attempt
+    assert "fewer than --min-np 2" in attempt["decision"] and "without nodeb too" in attempt["decision"], attempt
