@@ -229,8 +229,9 @@ def test_under_launch_a_recovery_then_a_failure_that_ends_the_job_leaves_out_bot
     env, mark = marked_env()
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
     command = launch_command("-H", HOSTS, "-np", "3", "--min-np", "2", "--max-restarts", "1", "--launcher", "mpirun",
-                             "--launcher-args", " ".join(hosts.openmpi_args()), "--run-dir", str(run_dir), "--",
-                             *JOB, "--epochs", "3", "--save-every", "100", "--inject-fault", "slow-compute:all:0")
+                             "--launcher-args", " ".join(hosts.transport_args()), "--", "--run-dir", str(run_dir),
+                             *(flag if flag != "2" else "3" for flag in JOB),  # 3 epochs: time for both kills
+                             "--save-every", "100", "--inject-fault", "slow-compute:all:0")
     with log.open("w") as out:
         process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                    stdout=out, stderr=subprocess.STDOUT)
@@ -240,14 +241,14 @@ def test_under_launch_a_recovery_then_a_failure_that_ends_the_job_leaves_out_bot
         return (run_dir / "metrics.jsonl").exists() and \
             any(r["kind"] == "step" and r["step"] >= step for r in metrics(run_dir))
 
-    Job.wait_for(job, "step 3", lambda: step_at_least(3))
-    pids = rank_pids(run_dir)
-    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
-    Job.wait_for(job, "the recovery on record", lambda: recoveries.recorded(run_dir / "failures"))
-    resumed = max(r["step"] for r in metrics(run_dir) if r["kind"] == "step")
-    Job.wait_for(job, "steps on 2 ranks", lambda: step_at_least(resumed + 2))
-    subprocess.run(["kill", "-KILL", str(pids[2])], check=False)
     try:
+        Job.wait_for(job, "step 3", lambda: step_at_least(3))
+        pids = Job.wait_for(job, "three ranks", lambda: (found := rank_pids(run_dir)) and len(found) == 3 and found)
+        subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+        Job.wait_for(job, "the recovery on record", lambda: recoveries.recorded(run_dir / "failures"))
+        resumed = max(r["step"] for r in metrics(run_dir) if r["kind"] == "step")
+        Job.wait_for(job, "steps on 2 ranks", lambda: step_at_least(resumed + 2))
+        subprocess.run(["kill", "-KILL", str(pids[2])], check=False)
         status = process.wait(timeout=240)
     finally:
         if process.poll() is None:
