@@ -27,11 +27,13 @@ failure ends the job as it does without it (`launch` relaunches it).
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import logging
 import os
 import pickle
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
@@ -276,6 +278,7 @@ class ScriptRecovery:
 
     def run(self, train: Callable[[State], T], state: State) -> T:
         """Collective: `train(state)`, run again on the survivors after each recovery."""
+        from mpiddp.job.membership import MembersLost
         while True:
             waited_from = time.time()
             try:
@@ -286,6 +289,8 @@ class ScriptRecovery:
                 lost = members_lost(self.members, exc)
                 if lost is None:
                     raise
+                # not the raised one: its traceback holds the failed call's frames, and with them its DDP wrapper
+                lost = MembersLost(lost.ranks, lost.detected_at)
             self.recover(lost, state, waited_from)
 
     def recover(self, lost: MembersLost, state: State, waited_from: float) -> None:
@@ -306,6 +311,7 @@ class ScriptRecovery:
         if self.job.watch is not None:
             self.job.watch.follow(dist)
         started = time.monotonic()
+        _drop_old_wrappers()
         try:
             leader = sync(state, _DistComm(dist))
         except (RuntimeError, self.members._mpi.Exception) as exc:
@@ -324,8 +330,8 @@ class ScriptRecovery:
         if not self.dists[0].is_main:
             return
         synced = "every survivor held the same state" if change.synced_from is None else \
-            f"state from rank {change.synced_from}"
-        log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on from %s (agree and shrink %.3f s, "
+            f"the state of rank {change.synced_from}"
+        log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on with %s (agree and shrink %.3f s, "
                     "process group %.3f s, state %.3f s)", list(change.ranks_lost), ", ".join(change.hosts_lost),
                     change.world_size, synced, change.phases["agree_and_shrink"], change.phases["process_group"],
                     change.phases["state"])
@@ -367,6 +373,23 @@ def run_recoverable(train: Callable[[State], T], state: State, min_world_size: i
     return _recovery.run(train, state)
 
 
+_wrappers: list[weakref.ref[Any]] = []  # the DDP wrappers watch_gradients saw: a recovery checks they are gone
+
+
+def _drop_old_wrappers() -> None:
+    """The interrupted call's DDP wrapper hooks the parameters (its reducer, left mid-step, would fail the next
+    backward with "marked as ready twice") until it is destroyed: usually at once, with the failed call's frames;
+    a reference cycle keeps it until a collection (a tenth of a second, so only when one is left)."""
+    if not _wrappers or any(ref() is not None for ref in _wrappers):
+        gc.collect()
+    left = [ref for ref in _wrappers if ref() is not None]
+    _wrappers[:] = []
+    if left:
+        log.warning("in-job recovery: %d DDP wrapper(s) from before the recovery are still referenced; their hooks "
+                    "would fail the next backward: wrap the model inside the function run_recoverable runs, and "
+                    "keep no other reference to the wrapper", len(left))
+
+
 def watch_gradients(ddp: torch.nn.parallel.DistributedDataParallel,
                     compression: str = "none") -> torch.nn.parallel.DistributedDataParallel:
     """Collective-free: under in-job recovery, DDP's gradient all-reduce runs on the process group as DDP's own
@@ -381,6 +404,7 @@ def watch_gradients(ddp: torch.nn.parallel.DistributedDataParallel,
     members = _recovery.members if _recovery is not None else None
     if members is not None or compression != "none":
         register(ddp, compression, backend="gloo", members=members)
+    _wrappers.append(weakref.ref(ddp))
     return ddp
 
 

@@ -5,7 +5,7 @@ A linear model learns y = X w on a fixed synthetic set, at a global batch of 24 
 of ranks (24 / world per rank, a contiguous slice each), so every survivor's model follows the same trajectory. The
 VICTIM rank (its rank at the start; -1: nobody), when it reaches step AT_STEP, writes OUT_DIR/victim (its pid) and
 waits, outside any collective, for the test's SIGKILL; its peers go on into that step's gradient all-reduce and
-wait there. Each rank that finishes writes OUT_DIR/final.<start rank>.json: its pid, start and final rank, world
+wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes, OUT_DIR/final.<start rank>.json: its pid, start and final rank, world
 size, the step reached, a digest of its parameters and the membership changes it saw.
 """
 
@@ -30,6 +30,7 @@ def main() -> None:
     dist = mpiddp.init(device="cpu")
     mpiddp.setup_logging(dist)
     start_rank = dist.rank
+    (out / f"pid.{start_rank}").write_text(str(os.getpid()))
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(NUM_SAMPLES, 8, generator=generator)
     targets = inputs @ torch.randn(8, 1, generator=generator)
