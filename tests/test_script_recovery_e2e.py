@@ -37,10 +37,10 @@ def hosts(tmp_path_factory):
 class Script:
     """`mpirun [--with-ft ulfm] -np 3` of the example script on the three hosts, started on nodea."""
 
-    def __init__(self, hosts: FakeHosts, tmp_path: Path, victim: int, ft: bool = True) -> None:
+    def __init__(self, hosts: FakeHosts, tmp_path: Path, victim: int, ft: bool = True, **env_extra: str) -> None:
         self.out, self.log = tmp_path / "out", tmp_path / "job.log"
         self.out.mkdir()
-        env, self.mark = marked_env(PYTHONPATH=str(REPO))
+        env, self.mark = marked_env(PYTHONPATH=str(REPO), **env_extra)
         env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
         command = [find_mpirun(), *hosts.openmpi_args(), *(["--with-ft", "ulfm"] if ft else []), "-np", "3",
                    "-H", HOSTS, sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP)]
@@ -112,4 +112,17 @@ def test_without_fault_tolerance_the_script_says_why_once_and_the_job_fails_fast
     output = script.output()
     assert status != 0, output[-5000:]
     assert output.count("in-job recovery needs mpirun --with-ft ulfm") == 1, output[-5000:]
+    assert "goes on as rank" not in output and not script.finals(), output[-5000:]
+
+
+def test_too_few_survivors_for_the_job_end_it_saying_why(hosts, tmp_path):
+    """MPIDDP_MIN_NP=3 (what `launch --min-np 3` sets): after the kill 2 ranks are left, too few; each survivor
+    says why in one line and the job ends with a non-zero status (for `launch` to relaunch), nothing left running."""
+    script = Script(hosts, tmp_path, 1, MPIDDP_MIN_NP="3")
+    script.kill_victim()
+    status = script.finish()
+    output = script.output()
+    assert status != 0, output[-5000:]
+    assert "in-job recovery not possible: 2 of 3 ranks are left, fewer than the 3 the job needs" in output, \
+        output[-5000:]
     assert "goes on as rank" not in output and not script.finals(), output[-5000:]

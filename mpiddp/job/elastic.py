@@ -342,7 +342,8 @@ class ScriptRecovery:
         """One line why, then today's fail-fast path (the job ends; `launch` relaunches it)."""
         log.error("in-job recovery not possible: %s; ending the job", reason)
         names = ", ".join(map(str, ranks)) or "?"
-        raise NotRecovered(f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)")
+        text = f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)"
+        raise NotRecovered(text) from None
 
 
 _recovery: ScriptRecovery | None = None
@@ -361,7 +362,8 @@ def run_recoverable(train: Callable[[State], T], state: State, min_world_size: i
     first. Where recovery cannot work, one line on rank 0 says why and `train(state)` runs as without it."""
     global _recovery, _decided
     if not isinstance(state, State):
-        raise TypeError(f"mpiddp.run_recoverable(train, state): state must be an mpiddp.State, not {type(state).__name__}")
+        raise TypeError(f"mpiddp.run_recoverable(train, state): state must be an mpiddp.State, not "
+                        f"{type(state).__name__}")
     dist = current()
     if dist is None:
         raise RuntimeError("mpiddp.run_recoverable() needs mpiddp's job: call mpiddp.init() first")

@@ -174,7 +174,8 @@ class InJobRecovery:
 
     def _rebind(self, before: Any, recovered: Any) -> None:
         """Every holder of the job's Dist now sees the survivors: new rank, communicator, store."""
-        rebind_survivors(self.dists, self.members, before, recovered, self.parts.guard, self.parts.cfg.outputs.log_level)
+        rebind_survivors(self.dists, self.members, before, recovered, self.parts.guard,
+                         self.parts.cfg.outputs.log_level)
 
     def _take_over_logging(self, dist: Dist) -> None:
         """Rank 0 died: the new rank 0 appends the run's records to metrics.jsonl (wandb stays with the dead)."""

@@ -5,8 +5,9 @@ A linear model learns y = X w on a fixed synthetic set, at a global batch of 24 
 of ranks (24 / world per rank, a contiguous slice each), so every survivor's model follows the same trajectory. The
 VICTIM rank (its rank at the start; -1: nobody), when it reaches step AT_STEP, writes OUT_DIR/victim (its pid) and
 waits, outside any collective, for the test's SIGKILL; its peers go on into that step's gradient all-reduce and
-wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes, OUT_DIR/final.<start rank>.json: its pid, start and final rank, world
-size, the step reached, a digest of its parameters and the membership changes it saw.
+wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes,
+OUT_DIR/final.<start rank>.json: its pid, start and final rank, world size, the step reached, a digest of its
+parameters and the membership changes it saw.
 """
 
 import hashlib
