@@ -98,6 +98,8 @@ def test_a_script_killed_once_finishes_on_the_survivors_with_the_same_model(host
         (change,) = final["changes"]
         assert (change["world_before"], change["world_size"], change["ranks_lost"], change["hosts_lost"]) == \
             (3, 2, [victim], [host]), change
+        assert set(change["phases"]) == {"detect", "agree_and_shrink", "process_group", "state"}, change
+        assert all(isinstance(value, float) and value >= 0 for value in change["phases"].values()), change
     assert len({final["digest"] for final in finals.values()}) == 1, finals  # the same model on every survivor
     assert f"ranks [{victim}] on {host} failed; 2 ranks go on" in output, output[-5000:]
     assert "running at reduced size 2 of 3 ranks" in output

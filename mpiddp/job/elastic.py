@@ -329,9 +329,8 @@ class ScriptRecovery:
     def _say(self, change: MembershipChange) -> None:
         if not self.dists[0].is_main:
             return
-        synced = "every survivor held the same state" if change.synced_from is None else \
-            f"the state of rank {change.synced_from}"
-        log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on with %s (agree and shrink %.3f s, "
+        synced = "the same on every survivor" if change.synced_from is None else f"from rank {change.synced_from}"
+        log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on (state %s; agree and shrink %.3f s, "
                     "process group %.3f s, state %.3f s)", list(change.ranks_lost), ", ".join(change.hosts_lost),
                     change.world_size, synced, change.phases["agree_and_shrink"], change.phases["process_group"],
                     change.phases["state"])

@@ -64,7 +64,8 @@ def main() -> None:
     record = {"pid": os.getpid(), "start_rank": start_rank, "rank": dist.rank, "world_size": dist.world_size,
               "step": state.step, "digest": digest, "losses": len(state.losses),
               "changes": [{"world_before": c.world_before, "world_size": c.world_size, "ranks_lost": list(c.ranks_lost),
-                           "hosts_lost": list(c.hosts_lost), "synced_from": c.synced_from} for c in changes]}
+                           "hosts_lost": list(c.hosts_lost), "synced_from": c.synced_from, "phases": c.phases}
+                          for c in changes]}
     (out / f"final.{start_rank}.json").write_text(json.dumps(record))
 
 
