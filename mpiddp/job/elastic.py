@@ -331,7 +331,7 @@ class ScriptRecovery:
             return
         synced = "the same on every survivor" if change.synced_from is None else f"from rank {change.synced_from}"
         log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on (state %s; agree and shrink %.3f s, "
-                    "process group %.3f s, state %.3f s)", list(change.ranks_lost), ", ".join(change.hosts_lost),
+                    "process group %.3f s, state sync %.3f s)", list(change.ranks_lost), ", ".join(change.hosts_lost),
                     change.world_size, synced, change.phases["agree_and_shrink"], change.phases["process_group"],
                     change.phases["state"])
         if len(self.changes) == 1:
