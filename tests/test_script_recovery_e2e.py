@@ -37,13 +37,15 @@ def hosts(tmp_path_factory):
 class Script:
     """`mpirun [--with-ft ulfm] -np 3` of the example script on the three hosts, started on nodea."""
 
-    def __init__(self, hosts: FakeHosts, tmp_path: Path, victim: int, ft: bool = True, **env_extra: str) -> None:
+    def __init__(self, hosts: FakeHosts, tmp_path: Path, victim: int, ft: bool = True, where: str = "step",
+                 **env_extra: str) -> None:
         self.out, self.log = tmp_path / "out", tmp_path / "job.log"
         self.out.mkdir()
         env, self.mark = marked_env(PYTHONPATH=str(REPO), **env_extra)
         env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
         command = [find_mpirun(), *hosts.openmpi_args(), *(["--with-ft", "ulfm"] if ft else []), "-np", "3",
-                   "-H", HOSTS, sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP)]
+                   "-H", HOSTS, sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP),
+                   where]
         with self.log.open("w") as out:
             self.process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env,
                                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
@@ -78,12 +80,13 @@ class Script:
         return {int(path.suffixes[0][1:]): json.loads(path.read_text()) for path in self.out.glob("final.*.json")}
 
 
-@pytest.mark.parametrize("victim, host", [(1, "nodeb"), (0, "nodea")])
-def test_a_script_killed_once_finishes_on_the_survivors_with_the_same_model(hosts, tmp_path, victim, host):
+@pytest.mark.parametrize("victim, host, where", [(1, "nodeb", "step"), (0, "nodea", "step"), (2, "nodec", "reduce")])
+def test_a_script_killed_once_finishes_on_the_survivors_with_the_same_model(hosts, tmp_path, victim, host, where):
     """The rank on `host` (rank 0 holds the rendezvous store) SIGKILLed while its peers wait in the gradient
-    all-reduce of step 5: the two other processes recover in the job, run the training function again from where
-    they were, and end at step 30 with bit-identical parameters; the job exits 0."""
-    script = Script(hosts, tmp_path, victim)
+    all-reduce of step 5 (gloo, under MPI's watch), or in the script's own dist.reduce after it (MPI): the two other
+    processes recover in the job, run the training function again from where they were, and end at step 30 with
+    bit-identical parameters; the job exits 0."""
+    script = Script(hosts, tmp_path, victim, where=where)
     pids = script.kill_victim()
     status = script.finish()
     output = script.output()

@@ -1,11 +1,11 @@
 """A script written against `mpiddp.init()` that recovers in the job (`mpirun --with-ft ulfm python THIS ...`).
 
-usage: recoverable_script.py OUT_DIR STEPS VICTIM AT_STEP
+usage: recoverable_script.py OUT_DIR STEPS VICTIM AT_STEP [WHERE]
 A linear model learns y = X w on a fixed synthetic set, at a global batch of 24 samples per step whatever the number
 of ranks (24 / world per rank, a contiguous slice each), so every survivor's model follows the same trajectory. The
 VICTIM rank (its rank at the start; -1: nobody), when it reaches step AT_STEP, writes OUT_DIR/victim (its pid) and
-waits, outside any collective, for the test's SIGKILL; its peers go on into that step's gradient all-reduce and
-wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes,
+waits, outside any collective, for the test's SIGKILL; its peers go on into that step's gradient all-reduce (WHERE
+"step", the default) or, with WHERE "reduce", into the loss's MPI all-reduce (dist.reduce) after it, and wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes,
 OUT_DIR/final.<start rank>.json: its pid, start and final rank, world size, the step reached, a digest of its
 parameters and the membership changes it saw.
 """
@@ -28,6 +28,7 @@ NUM_SAMPLES = 240
 
 def main() -> None:
     out, steps, victim, at_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    where = sys.argv[5] if len(sys.argv) > 5 else "step"
     dist = mpiddp.init(device="cpu")
     mpiddp.setup_logging(dist)
     start_rank = dist.rank
@@ -46,13 +47,16 @@ def main() -> None:
         ddp = mpiddp.watch_gradients(DDP(state.model))  # wrapped anew on every (re-)entry: the group may be new
         per_rank = GLOBAL_BATCH // dist.world_size
         while state.step < steps:
-            if start_rank == victim and state.step == at_step:
+            stalls = start_rank == victim and state.step == at_step
+            if stalls and where == "step":
                 stall(out)
             first = (state.step * GLOBAL_BATCH) % NUM_SAMPLES + dist.rank * per_rank
             batch = slice(first, first + per_rank)
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(ddp(inputs[batch]), targets[batch])
             loss.backward()  # the all-reduce: a peer's death raises here, under MPI's failure watch
+            if stalls and where == "reduce":
+                stall(out)
             (mean,) = dist.reduce([loss.item()], "mean")  # MPI: a failure here is recovered too
             optimizer.step()
             state.step += 1
