@@ -40,13 +40,15 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from mpiddp.contract import MIN_NP_ENV
 from mpiddp.job.collective import Dist, MpiTransport, current
+from mpiddp.job.log import chosen_level
+from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
+from mpiddp.job.survivors import hosts_of, mark_recovered, members_lost, rebind_survivors
 
 if TYPE_CHECKING:
     import torch
 
     from mpiddp.job.failfast import FailFast
     from mpiddp.job.finishwatch import FinishWatch
-    from mpiddp.job.membership import MembersLost, Membership
 
 log = logging.getLogger("mpiddp")
 T = TypeVar("T")
@@ -257,8 +259,6 @@ class ScriptRecovery:
     @classmethod
     def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
         """Collective: in-job recovery when this job can do it, else None and one line on rank 0 saying why."""
-        from mpiddp.job.membership import Membership, check_ulfm
-
         job = _own
         reason = refusal(job is not None, check_ulfm() if job is not None else None, dist.device_type, dist.backend)
         if reason is not None:
@@ -278,14 +278,11 @@ class ScriptRecovery:
 
     def run(self, train: Callable[[State], T], state: State) -> T:
         """Collective: `train(state)`, run again on the survivors after each recovery."""
-        from mpiddp.job.membership import MembersLost
         while True:
             waited_from = time.time()
             try:
                 return train(state)
             except Exception as exc:
-                from mpiddp.job.survivors import members_lost
-
                 lost = members_lost(self.members, exc)
                 if lost is None:
                     raise
@@ -296,10 +293,6 @@ class ScriptRecovery:
     def recover(self, lost: MembersLost, state: State, waited_from: float) -> None:
         """Collective over the survivors: shrink, rebuild, sync the state, run the callbacks; NotRecovered (the job
         ends) where it cannot."""
-        from mpiddp.job.log import chosen_level
-        from mpiddp.job.membership import RecoveryFailed
-        from mpiddp.job.survivors import hosts_of, mark_recovered, rebind_survivors
-
         dist = self.dists[0]
         before = dist.topology
         try:
