@@ -4,6 +4,8 @@ Public API for your own scripts (importing mpiddp never initialises MPI):
     dist = mpiddp.init()          # collective: bootstrap once, process group up, typed Dist back
     mpiddp.setup_logging(dist)    # rank-prefixed logging: rank 0 at INFO, the others at WARNING
     ddp.register_comm_hook(*mpiddp.comm_hook())   # MPI carries DDP's gradient all-reduce
+    state = mpiddp.State(model=model, optimizer=opt, epoch=0)   # in-job recovery (mpirun --with-ft ulfm):
+    mpiddp.run_recoverable(train, state)          # train(state) runs again on the survivors when a rank dies
 
 The names load on first use (PEP 562): `import mpiddp` alone, or `python -m mpiddp launch`, loads no numpy,
 mpi4py or torch.
@@ -19,16 +21,21 @@ from mpiddp.version import __version__
 
 if TYPE_CHECKING:
     from mpiddp.job.api import init
+    from mpiddp.job.elastic import (MembershipChange, State, on_membership_change, run_recoverable, wait,
+                                    watch_gradients)
     from mpiddp.job.collective import Dist, Rendezvous
     from mpiddp.job.topology import Topology
     from mpiddp.job.transport import comm_hook
 
-__all__ = ["AgreedError", "Dist", "Rendezvous", "Topology", "UserError", "__version__", "comm_hook", "init", "setup_logging"]
+__all__ = ["AgreedError", "Dist", "MembershipChange", "Rendezvous", "State", "Topology", "UserError", "__version__",
+           "comm_hook", "init", "on_membership_change", "run_recoverable", "setup_logging", "wait", "watch_gradients"]
 
 # Lazy: `python -m mpiddp` imports this package before its first line runs, and that line installs the stop
 # handlers; a numpy or torch import here would be a window in which a scheduler's SIGTERM kills a rank.
 _LAZY = {"init": "mpiddp.job.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
-         "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport"}
+         "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport",
+         **dict.fromkeys(["MembershipChange", "State", "on_membership_change", "run_recoverable", "wait",
+                          "watch_gradients"], "mpiddp.job.elastic")}
 
 
 def __getattr__(name: str) -> Any:

@@ -150,6 +150,31 @@ def test_a_host_the_launcher_cannot_reach_is_blamed():
     assert decision.retry and decision.excluded == ["nodeb"] and [h.name for h in decision.hosts] == ["nodea", "nodec"]
 
 
+OPENMPI_DAEMON_LOST = """--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-nodea-8007@0,0] on node nodea
+  Remote daemon: [prterun-nodea-8007@0,1] on node nodeb
+
+This is usually due to either a failure of the TCP network
+connection to the node, or possibly an internal failure of
+the daemon itself. We cannot recover from this failure, and
+therefore will terminate the job.
+--------------------------------------------------------------------------
+"""  # Open MPI 5.0.11's mpirun, three fake hosts, nodeb's processes stopped and its link down (exit status 1)
+
+
+def test_a_host_that_went_silent_while_the_job_ran_is_blamed():
+    keeper = OutputKeeper(OUTPUT_TAIL_LINES)
+    for line in ["step 1\n"] * 500 + OPENMPI_DAEMON_LOST.splitlines(keepends=True) + ["after\n"] * 500:
+        keeper.append(line)
+    failure = diagnose(1, [], "".join(keeper), 2, {0: "nodea", 1: "nodeb"})
+    assert (failure.kind, failure.hosts, failure.source) == ("unreachable", ("nodeb",), "launcher output")
+    assert "lost nodeb while the job ran" in failure.message
+    decision = decide(failure, THREE, [], 0, 3, 2, THREE[:2])
+    assert decision.retry and decision.excluded == ["nodeb"] and [h.name for h in decision.hosts] == ["nodea", "nodec"]
+
+
 def test_evidence_lines_are_kept_however_much_output_follows():
     keeper = OutputKeeper(OUTPUT_TAIL_LINES)
     keeper.append("starting\n")

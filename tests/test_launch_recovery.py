@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO
 from mpiddp import recoveries
 from mpiddp.launch.cli import LaunchError, make_plan
-from mpiddp.launch.command import FT_ARGS, build_command, decide_in_job_recovery, open_mpi_major
+from mpiddp.launch.command import (FT_ARGS, NODE_LOSS_ARGS, build_command, decide_in_job_recovery, node_loss_args,
+                                   open_mpi_major)
 from mpiddp.launch.hosts import Host
 from mpiddp.launch.supervisor import Supervisor
 from mpiddp.tools.report import attempt_lines, recovery_lines
@@ -65,6 +66,15 @@ def test_the_fault_tolerance_arguments_go_on_open_mpis_command_line():
                             ["--mca", "x", "y"], "py", ft_args=FT_ARGS)
     assert command == ["mpirun", "-np", "1", "-H", "a:1", "--bind-to", "none", "--map-by", "slot", "--with-ft", "ulfm",
                        "-x", "V", "--mca", "x", "y", "py", "-m", "mpiddp", "--epochs", "1"]
+
+
+def test_open_mpi_5_is_asked_to_notice_a_silent_host_in_seconds_unless_the_user_tuned_it():
+    assert node_loss_args("mpirun", "openmpi", OPEN_MPI_5, []) == NODE_LOSS_ARGS
+    assert "oob_tcp_keepalive_time" in NODE_LOSS_ARGS and NODE_LOSS_ARGS[0] == "--prtemca"
+    assert node_loss_args("mpirun", "openmpi", OPEN_MPI_5, ["--prtemca", "oob_tcp_keepalive_time", "60"]) == ()
+    assert node_loss_args("mpirun", "openmpi", "mpirun (Open MPI) 4.1.6\n", []) == ()  # no --prtemca there
+    assert node_loss_args("mpiexec", "mpich", HYDRA, []) == ()
+    assert node_loss_args("srun", "openmpi", OPEN_MPI_5, []) == ()
 
 
 def fake_open_mpi(folder, ft_line, calls, finishes=True):

@@ -35,6 +35,8 @@ class Session:
     rendezvous: Rendezvous
     store: _Store
     num_threads: int
+    guard: FailFast | None = None  # set when mpiddp.init() bootstrapped the job itself (plain mpirun)
+    watch: FinishWatch | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     global _initialised
     if _initialised is not None:
         return _initialised
+    from mpiddp.job import elastic
     from mpiddp.job.bootstrap import start_process_group
 
     settings = InitSettings(DistSettings(device, backend, master_addr=os.environ.get(MASTER_ADDR_ENV),
@@ -95,6 +98,9 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     session = _session or _bootstrap(settings)
     _initialised = start_process_group(settings.dist, session.dist, session.rendezvous, session.store, session.num_threads)
     set_current(_initialised)
+    if _session is None:  # in-job recovery (mpiddp.run_recoverable) follows this bootstrap onto the survivors
+        elastic.adopt(elastic.OwnJob([_initialised, session.dist], session.guard, session.watch,
+                                     collective_timeout_s))
     return _initialised
 
 
@@ -112,7 +118,7 @@ def _bootstrap(settings: InitSettings) -> Session:
                                 setting="mpiddp.init(finish_timeout_s={})").start()
     exit_status = _ExitStatus().install()
     atexit.register(_at_exit, guard, dist, store, watch, exit_status)
-    return Session(dist, rendezvous, store, num_threads)
+    return Session(dist, rendezvous, store, num_threads, guard, watch)
 
 
 class _ExitStatus:
@@ -149,6 +155,7 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
     in a collective); otherwise this rank waits, asleep and never in a blocking collective, until every rank
     ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
     from mpiddp.job.bootstrap import teardown
+    from mpiddp.job.survivors import end_without_finalize, recovered_in_this_process
 
     if exit_status.status != 0 and dist.world_size > 1:
         script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"
@@ -161,6 +168,8 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
     dist.wait_for_all()
     watch.stop()
     teardown(dist, store)
+    if recovered_in_this_process():  # every survivor passed the teardown's barrier
+        end_without_finalize(0)
 
 
 def _abort_on_unhandled_exception(guard: FailFast) -> None:
@@ -175,8 +184,15 @@ def _abort_on_unhandled_exception(guard: FailFast) -> None:
             flush_logs()
             stream.write(text + "\n")
             stream.flush()
-        if guard.dist is not None and guard.dist.world_size > 1:
+        if guard.dist is not None and guard.dist.world_size > 1 and not _follows_first_report(guard):
             guard.dist.abort(code)
         os._exit(code)
 
     sys.excepthook = hook
+
+
+def _follows_first_report(guard: FailFast) -> bool:
+    """Under MPI fault tolerance (a failed in-job recovery of a script) a second MPI_Abort racing the first can
+    make Open MPI's mpirun exit 0: a rank that follows another's report while MPI reports failed peers leaves
+    alone, and the first one's abort ends the rest (as FailFast does)."""
+    return not guard.reported_first and bool(guard._failed_peers())

@@ -40,6 +40,20 @@ class FinishWatch(Watcher):
         store = rendezvous.client() if timeout_s > 0 and dist.world_size > 1 else None
         return cls(timeout_s, dist, store, setting)
 
+    def follow(self, dist: Dist) -> None:
+        """In-job recovery ended (a script's run_recoverable): watch the survivors on their new store, under this
+        rank's new number. The old thread ends at its next wake-up (it holds the old stop event)."""
+        fresh = FinishWatch.for_job(self.timeout_s, dist, dist.rendezvous, "{}") if dist.rendezvous else None
+        self.stopped.set()
+        if fresh is None:
+            return
+        self.rank, self.world_size, self.label, self.store = fresh.rank, fresh.world_size, fresh.label, fresh.store
+        self.interval, self.abort = fresh.interval, fresh.abort
+        self.first_seen = self.reported = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name=self.THREAD_NAME, daemon=True)
+        self.start()
+
     def finished(self) -> None:
         """This rank's script is done: tell the other ranks' watches (from the watch's own thread)."""
         self.done.set()

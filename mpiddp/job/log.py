@@ -18,8 +18,19 @@ def flush_logs() -> None:
         handler.flush()
 
 
+_chosen_level: str | None = None  # the level of the last setup_logging with a topology (a recovery keeps it)
+
+
+def chosen_level() -> str | None:
+    """The level the job's logging was set up with (None: never set up for a rank)."""
+    return _chosen_level
+
+
 def setup_logging(topo: Topology | None, level: str = "info") -> None:
     """Rank 0 logs at `level`; the other ranks only warnings and errors, each line naming its rank."""
+    global _chosen_level
+    if topo is not None:
+        _chosen_level = level
     if topo is None:
         prefix, chosen = "mpiddp", logging.WARNING
     else:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mpiddp.launch.command import (LAUNCHERS, NO_RECOVERY_FLAG, InJobRecovery, choose_launcher,
-                                   decide_in_job_recovery, find_program, mpi_flavour, ompi_info_text,
+                                   decide_in_job_recovery, find_program, mpi_flavour, node_loss_args, ompi_info_text,
                                    users_ft_choice, version_text)
 from mpiddp.launch.hosts import HostListError, discover, place
 from mpiddp.errors import EXIT_USER_ERROR, UserError
@@ -126,7 +126,8 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
                 extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
-                made_run_dir=not args.run_dir, in_job_recovery=recovery)
+                made_run_dir=not args.run_dir, in_job_recovery=recovery,
+                node_loss_args=node_loss_args(launcher, flavour, version, extra))
 
 
 def writable_run_dir(given: str | None) -> Path:

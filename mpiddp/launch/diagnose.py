@@ -58,6 +58,12 @@ SRUN_CLEANUP = re.compile(r"Terminating StepId|CANCELLED")
 # being spawned. ... Local host: nodea / Remote host: nodeb / Daemon exit status: 255" (Open MPI 5.0, reproduced
 # with the rsh agent refusing nodeb)
 OPENMPI_UNREACHABLE = re.compile(r"daemon failed to report back.*?Remote host:\s*(\S+)", re.DOTALL)
+# Open MPI 5 lost the connection to a host's daemon after the job started (the host went silent: power, kernel,
+# network; noticed by keepalive, see command.NODE_LOSS_ARGS) and ends the whole job, even with --with-ft ulfm:
+# "PRTE has lost communication with a remote daemon. ... Remote daemon: [prterun-nodea-8007@0,1] on node nodeb"
+# (Open MPI 5.0.11, reproduced on fake hosts by stopping a host's processes and taking its link down)
+OPENMPI_DAEMON_LOST = re.compile(r"lost communication with a remote daemon.*?Remote daemon:\s*\S+ on node (\S+)",
+                                 re.DOTALL)
 # ssh's own words (any launcher that uses it): "ssh: connect to host nodeb port 22: Connection refused", "ssh:
 # Could not resolve hostname nodeb: ...". MPICH 5.0.2's Hydra adds only "Launch proxy failed." and no host name
 # (reproduced on fake hosts), so for Hydra ssh's line is the evidence. Older Hydra: "HYDU_sock_connect (...): unable
@@ -79,7 +85,8 @@ LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|b
 # each, since several of the reports above span lines)
 EVIDENCE = re.compile(r"process rank \d+ with PID|peer process has unexpectedly disconnected|RUNNING AT"
                       r"|BAD TERMINATION|EXIT STRING|KILLED BY SIGNAL|srun: error:|Terminating StepId|CANCELLED"
-                      r"|daemon failed to report back|ssh: |HYDU_sock_connect|unable to connect from|Task launch for")
+                      r"|daemon failed to report back|ssh: |HYDU_sock_connect|unable to connect from|Task launch for"
+                      r"|lost communication with a remote daemon")
 EVIDENCE_CONTEXT = 12
 
 
@@ -235,6 +242,10 @@ def diagnose(status: int, record: FailureRecord | list[FailureRecord] | None, ou
     if lost:
         return Failure("unreachable", status, (), lost, f"the launcher could not reach {', '.join(lost)}", step,
                        "launcher output", **evidence)
+    silent = tuple(dict.fromkeys(match.group(1) for match in OPENMPI_DAEMON_LOST.finditer(output)))
+    if silent:
+        return Failure("unreachable", status, (), silent, f"the launcher lost {', '.join(silent)} while the job ran "
+                       f"(the host stopped answering: power, kernel or network)", step, "launcher output", **evidence)
     if found is not None:
         return found
     kind = {EXIT_USER_ERROR: "user_error", EXIT_STOPPED: "stopped", EXIT_INTERRUPTED: "stopped",

@@ -62,6 +62,7 @@ class Plan:
     host_strikes: int = 1  # a host is left out on its N-th blamed failure
     made_run_dir: bool = False  # launch created run_dir: removed if training writes elsewhere and leaves it empty
     in_job_recovery: InJobRecovery = InJobRecovery(False, "in-job recovery is off")  # decided once per launch
+    node_loss_args: tuple[str, ...] = ()  # so a silent host ends the attempt in seconds (command.node_loss_args)
 
 
 @dataclass
@@ -308,7 +309,7 @@ class Supervisor:
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
                                 list(self.plan.inner), exports, excluded, self.plan.extra,
-                                ft_args=self.plan.in_job_recovery.add_args)
+                                ft_args=(*self.plan.in_job_recovery.add_args, *self.plan.node_loss_args))
         failure.clear(self.failure_file)  # records from an earlier attempt must not explain this one
         (self.plan.run_dir / JOB_RECORD_FILE).unlink(missing_ok=True)  # nor an earlier job's record describe it
         recovery = self.plan.in_job_recovery

@@ -15,47 +15,20 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from mpiddp import recoveries
 from mpiddp.contract import MIN_NP_ENV
-from mpiddp.failure import records_dir, replace_placement
-from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
-from mpiddp.job import storekeys
-from mpiddp.job.log import setup_logging
-from mpiddp.job.membership import (MembersLost, Membership, RecoveryFailed, check_ulfm, nccl_abort_available,
-                                   shrunk_topology)
-from mpiddp.job.storeload import add_within
+from mpiddp.failure import records_dir
+from mpiddp.job.collective import Dist, MpiTransport
+from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm, nccl_abort_available
+from mpiddp.job.survivors import (CONFIRM_S, end_without_finalize, mark_recovered,  # noqa: F401 (run.py's)
+                                  members_lost, rebind_survivors, recovered_in_this_process)
 from mpiddp.trainer.recoverable import Resplit, job_refusal, nccl_errors_env, refusal, resplit
 
 log = logging.getLogger("mpiddp")
 
 T = TypeVar("T")
-CONFIRM_S = 2.0  # a torch error on a rank: how long MPI gets to report a failed peer before the error stands
-REPORT_CLAIM_S = 2.0
-
-
-_recovered = False  # this process went through an in-job recovery (its MPI world has failed members)
-
-
-def recovered_in_this_process() -> bool:
-    return _recovered
-
-
-def end_without_finalize(status: int) -> None:
-    """End a survivor after a recovery, once everything is written and every survivor has finished: without
-    MPI_Finalize, which Open MPI's ULFM can hang in after a shrink (open-mpi/ompi#11404). mpirun takes the exit
-    of a process of a failed-and-shrunk job as it is (status 0 included)."""
-    import sys
-
-    from mpiddp.job.log import flush_logs
-
-    flush_logs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def settings_refusal(device_type: str, backend: str, compression: str) -> str | None:
@@ -170,16 +143,7 @@ class InJobRecovery:
 
     def lost(self, exc: BaseException) -> MembersLost | None:
         """The failure behind `exc` when MPI reports failed members, else None (the error stands)."""
-        if isinstance(exc, MembersLost):
-            return exc
-        mpi = self.members._mpi
-        if isinstance(exc, mpi.Exception):
-            if exc.Get_error_class() not in (mpi.ERR_PROC_FAILED, mpi.ERR_PROC_FAILED_PENDING, mpi.ERR_REVOKED):
-                return None
-        elif not isinstance(exc, RuntimeError):
-            return None
-        ranks = self.members.confirm(CONFIRM_S)
-        return None if ranks is None else MembersLost(ranks, time.time())
+        return members_lost(self.members, exc, CONFIRM_S)
 
     # -- the recovery itself --------------------------------------------------------------------------------------
 
@@ -200,8 +164,7 @@ class InJobRecovery:
             recovered = self.members.recover(self.min_size)
         except RecoveryFailed as exc:
             self.fall_back(str(exc), lost.ranks)
-        global _recovered
-        _recovered = True
+        mark_recovered()
         failed = recovered.failed_ranks
         self._rebind(topology_before, recovered)
         started = time.monotonic()
@@ -231,28 +194,8 @@ class InJobRecovery:
 
     def _rebind(self, before: Any, recovered: Any) -> None:
         """Every holder of the job's Dist now sees the survivors: new rank, communicator, store."""
-        members = self.members
-        transport = MpiTransport(members.comm)
-        topology = shrunk_topology(before, recovered.old_ranks_alive, recovered.rank)
-        old = self.dists[0].rendezvous
-        address, port = members.endpoint or ("", 0)
-        rendezvous = Rendezvous(address, port, old.interface_per_host if old else {},
-                                SimpleNamespace(store=members._store))
-        for each in self.dists:
-            each.rebind(topology, transport, rendezvous if each.rendezvous is not None else None)
-        setup_logging(topology, self.parts.cfg.outputs.log_level)  # the lines name the new rank; the new rank 0 logs info
-        if topology.failure_file and topology.rank == 0:  # a later failure's records name ranks of this world
-            replace_placement(Path(topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
-        log.warning("in-job recovery: this process (pid %d) goes on as rank %d of %d", os.getpid(), topology.rank,
-                    topology.world_size)
-        guard = self.parts.guard
-        if guard is not None:  # the one full failure report, and the count of failed ranks, on the new store
-            store = members._store
-            guard.claim_report = lambda: add_within(store, storekeys.FAILURE_REPORTS, 1, REPORT_CLAIM_S) == 1
-            guard.tally = lambda amount: add_within(store, storekeys.FAILED_RANKS, amount, REPORT_CLAIM_S)
-        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(topology.rank),
-                          WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank),
-                          LOCAL_WORLD_SIZE=str(topology.local_world_size))
+        rebind_survivors(self.dists, self.members, before, recovered, self.parts.guard,
+                         self.parts.cfg.outputs.log_level)
 
     def _put_on_record(self, dist: Dist) -> None:
         """The new rank 0: the recovery into the failures directory as it happens (this rank's phases so far), so

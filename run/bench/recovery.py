@@ -240,6 +240,7 @@ def scaling_main(sizes: list[int], repeats: int, transport: str) -> None:
     if reason:
         raise SystemExit(f"fake hosts unavailable: {reason}")
     result: dict = {"host": platform.node(), "cores": os.cpu_count(), "transport": transport, "runs": {},
+                    "mca": {k: v for k, v in os.environ.items() if k.startswith(("OMPI_MCA_", "PRTE_MCA_"))},
                     "note": "N ranks on four fake hosts (network namespaces) sharing this machine's cores; digits, "
                             "N-1 images per rank; the first rank of the second host stalls before step 4 and is "
                             "SIGKILLed while its peers wait in the gradient all-reduce; downtime: kill -> the "

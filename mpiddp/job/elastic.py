@@ -1,0 +1,411 @@
+"""In-job recovery for your own scripts (`mpiddp.init()`): when a rank dies, the survivors carry on without a restart.
+
+    state = mpiddp.State(model=model, optimizer=optimizer, epoch=0, sample=0)  # what must survive
+    def train(state: mpiddp.State) -> None:       # re-entered on the survivors after each recovery
+        ddp = mpiddp.watch_gradients(DDP(state.model))
+        ...  # per step: forward, backward, optimizer.step(), then the counters, then state.commit()
+    mpiddp.run_recoverable(train, state)
+
+The shape of Horovod elastic (`hvd.elastic.run`, `State.commit`/`restore`/`sync`), with two differences that make
+it cost nothing per step: objects with a `state_dict` (model, optimizer, scheduler, scaler) are not copied at a
+commit (in DDP every replica holds the same ones, so a survivor already has them), and the survivors do not go
+back to the last commit but on from the furthest survivor. What a commit copies is the plain values (epoch, data
+position, any picklable counter), so a step that failed half-way leaves no trace in them.
+
+After a failure, MPI's fault tolerance (ULFM, mpiddp.job.membership) agrees on who failed and shrinks the job;
+torch's process group is rebuilt on a new store (the death of rank 0 and its store included); the values go back
+to this rank's last commit; the survivor with the most commits (the lowest rank among equals) gives every other
+survivor its objects and values when they differ (a collective can complete on some ranks only); gradients left
+by the interrupted step are dropped; the callbacks registered with `on_membership_change` run; then `train(state)`
+runs again. Nothing is read from disk; at most the interrupted step is lost.
+
+Where it cannot work (no ULFM: MPICH, mpirun without `--with-ft ulfm`, srun; `mpiddp run`; GPUs until the NCCL
+path exists; fewer survivors than the job needs; a second failure while recovering) one line says why and a
+failure ends the job as it does without it (`launch` relaunches it).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import hashlib
+import logging
+import os
+import pickle
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
+
+from mpiddp.contract import MIN_NP_ENV
+from mpiddp.job.collective import Dist, MpiTransport, current
+from mpiddp.job.log import chosen_level
+from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
+from mpiddp.job.survivors import hosts_of, mark_recovered, members_lost, rebind_survivors
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpiddp.job.failfast import FailFast
+    from mpiddp.job.finishwatch import FinishWatch
+
+log = logging.getLogger("mpiddp")
+T = TypeVar("T")
+
+
+class NotRecovered(RuntimeError):
+    """A failure in-job recovery does not cover (the message says why in one line): the job ends as without it."""
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """What a recovery changed, the same on every survivor (given to the `on_membership_change` callbacks)."""
+
+    rank: int  # this process's new rank
+    world_size: int  # the survivors
+    world_before: int
+    ranks_lost: tuple[int, ...]  # ranks of the world before
+    hosts_lost: tuple[str, ...]
+    synced_from: int | None  # the new rank whose state the others took, None when every survivor held the same
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: detect, agree_and_shrink, process_group, state
+
+
+class State:
+    """What must survive a failed rank, by name: objects with `state_dict`/`load_state_dict` (the model itself,
+    not its DDP wrapper; optimizer, scheduler, scaler) and picklable values (epoch, data position, counters),
+    read and written as attributes (`state.epoch += 1`). Call `commit()` after each step's optimizer step and
+    counter updates; nothing may communicate between the optimizer step and the commit."""
+
+    def __init__(self, **entries: Any) -> None:
+        objects, values = {}, {}
+        for name, entry in entries.items():
+            if name.startswith("_") or name in _RESERVED:
+                raise ValueError(f"mpiddp.State: {name!r} is not a name an entry can have")
+            if _is_ddp(entry):
+                raise ValueError(f"mpiddp.State({name}=...): register the module itself (ddp.module), not its DDP "
+                                 "wrapper: a recovery wraps it again over the survivors")
+            (objects if _has_state(entry) else values)[name] = entry
+        object.__setattr__(self, "_objects", objects)
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_committed", copy.deepcopy(values))
+        object.__setattr__(self, "commits", 0)
+
+    def __getattr__(self, name: str) -> Any:
+        for table in (self.__dict__.get("_objects", {}), self.__dict__.get("_values", {})):
+            if name in table:
+                return table[name]
+        raise AttributeError(f"mpiddp.State has no entry {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._objects:
+            raise AttributeError(f"mpiddp.State: {name!r} is an object entry; change it in place (load_state_dict)")
+        if name not in self._values:
+            raise AttributeError(f"mpiddp.State has no entry {name!r}: name every entry when you create it")
+        self._values[name] = value
+
+    def __repr__(self) -> str:
+        return f"State(objects={sorted(self._objects)}, values={self._values}, commits={self.commits})"
+
+    def commit(self) -> None:
+        """This rank completed a step: the values as they are now are what a recovery goes back to."""
+        object.__setattr__(self, "_committed", copy.deepcopy(self._values))
+        object.__setattr__(self, "commits", self.commits + 1)
+
+    # -- recovery's side (internal) --
+
+    def restore(self) -> None:
+        """The values of the last commit (what a step that failed half-way changed is undone)."""
+        self._values.clear()
+        self._values.update(copy.deepcopy(self._committed))
+
+    def position(self) -> tuple[int, str]:
+        """(commits, a digest of the committed values): survivors with equal positions hold the same state."""
+        return self.commits, hashlib.sha256(pickle.dumps(self._committed, protocol=4)).hexdigest()
+
+    def payload(self) -> dict[str, Any]:
+        return {"objects": {name: entry.state_dict() for name, entry in self._objects.items()},
+                "values": self._committed, "commits": self.commits}
+
+    def load(self, payload: dict[str, Any]) -> None:
+        for name, entry in self._objects.items():
+            entry.load_state_dict(payload["objects"][name])
+        object.__setattr__(self, "_committed", copy.deepcopy(payload["values"]))
+        object.__setattr__(self, "commits", payload["commits"])
+        self.restore()
+
+    def drop_gradients(self) -> None:
+        """The interrupted step's partial gradients (DDP would add the next step's to them)."""
+        for entry in self._objects.values():
+            zero_grad = getattr(entry, "zero_grad", None)
+            if callable(zero_grad):
+                zero_grad(set_to_none=True)
+
+
+_RESERVED = {"commit", "commits", "restore", "position", "payload", "load", "drop_gradients"}
+
+
+def _has_state(entry: Any) -> bool:
+    return callable(getattr(entry, "state_dict", None)) and callable(getattr(entry, "load_state_dict", None))
+
+
+def _is_ddp(entry: Any) -> bool:
+    return any(cls.__name__ == "DistributedDataParallel" for cls in type(entry).__mro__)
+
+
+class Comm(Protocol):
+    """What `sync` needs of the survivors' communicator (the Dist's MPI communicator, or a test's fake)."""
+
+    rank: int
+
+    def allgather(self, value: Any) -> list[Any]: ...
+    def bcast(self, value: Any, root: int) -> Any: ...
+
+
+def furthest(positions: list[tuple[int, str]]) -> int | None:
+    """The rank whose state every survivor takes: the most commits, the lowest rank among equals; None when all
+    hold the same (nothing to send)."""
+    if len(set(positions)) <= 1:
+        return None
+    return max(range(len(positions)), key=lambda rank: (positions[rank][0], -rank))
+
+
+def sync(state: State, comm: Comm) -> int | None:
+    """Collective over the survivors: back to this rank's last commit, then every survivor takes the state of the
+    furthest one when they differ. Returns that rank, or None."""
+    state.restore()
+    leader = furthest(comm.allgather(state.position()))
+    if leader is not None:
+        payload = comm.bcast(state.payload() if comm.rank == leader else None, root=leader)
+        if comm.rank != leader:
+            state.load(payload)
+    state.drop_gradients()
+    return leader
+
+
+class _DistComm:
+    """The survivors' MPI communicator for `sync` (pickles over 2 GiB too: the state of a big model)."""
+
+    def __init__(self, dist: Dist) -> None:
+        transport = dist.transport
+        assert isinstance(transport, MpiTransport)
+        self.rank, self._transport = dist.rank, transport
+
+    def allgather(self, value: Any) -> list[Any]:
+        return self._transport.allgather(value)
+
+    def bcast(self, value: Any, root: int) -> Any:
+        return self._transport.large.bcast(value, root=root)
+
+
+# ---- the recovery of a script's job ----------------------------------------------------------------------------
+
+_callbacks: list[Callable[[MembershipChange], None]] = []
+
+
+def on_membership_change(callback: Callable[[MembershipChange], None]) -> Callable[[MembershipChange], None]:
+    """Run `callback(change)` on every survivor after each recovery, once the state is synced and before the
+    training function runs again (rescale a learning rate, reopen a per-rank file). Usable as a decorator."""
+    _callbacks.append(callback)
+    return callback
+
+
+@dataclass(frozen=True)
+class OwnJob:
+    """What `mpiddp.init()` bootstrapped itself under a plain mpirun, for a recovery to follow onto the survivors:
+    every Dist of the job (the placed one first), the failure guard, the finish watch."""
+
+    dists: list[Dist]
+    guard: FailFast | None
+    watch: FinishWatch | None
+    collective_timeout_s: float
+
+
+_own: OwnJob | None = None  # None under `mpiddp run` (its runner owns the job) or before init
+
+
+def adopt(job: OwnJob | None) -> None:
+    """`mpiddp.init()` hands over the job it bootstrapped itself (internal)."""
+    global _own
+    _own = job
+
+
+def refusal(own_job: bool, ulfm: str | None, device_type: str, backend: str) -> str | None:
+    """None when a script's job can recover in the job, else one line why not. Pure (tested in-process)."""
+    if not own_job:
+        return ("in-job recovery for scripts needs a plain `mpirun --with-ft ulfm python script.py` (not `mpiddp "
+                "run`): a failure ends the job and `launch` relaunches it")
+    if ulfm is not None:
+        return ulfm
+    if device_type != "cpu":
+        return f"in-job recovery on {device_type} (NCCL) is not built yet: a failure ends the job"
+    if backend != "gloo":
+        return f"in-job recovery rebuilds a gloo process group, and this job's is {backend}: a failure ends the job"
+    return None
+
+
+class ScriptRecovery:
+    """One per process, made by the first `run_recoverable` (collective); every method named collective is called
+    by every survivor at the same point."""
+
+    def __init__(self, members: Membership, job: OwnJob, min_size: int) -> None:
+        self.members = members
+        self.dists = job.dists  # init()'s placed Dist first, then the bootstrap's (the guard's and the exit handler's)
+        self.job = job
+        self.min_size = min_size
+        self.initial_world = job.dists[0].world_size
+        self.changes: list[MembershipChange] = []
+
+    @classmethod
+    def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
+        """Collective: in-job recovery when this job can do it, else None and one line on rank 0 saying why."""
+        job = _own
+        reason = refusal(job is not None, check_ulfm() if job is not None else None, dist.device_type, dist.backend)
+        if reason is not None:
+            if dist.is_main:  # a local log line, no collective
+                log.warning("%s", reason)
+            return None
+        assert job is not None and job.dists[0] is dist
+        members = Membership(dist.transport.comm, job.collective_timeout_s)  # type: ignore[attr-defined]
+        transport = MpiTransport(members.comm)  # a revoke reaches a rank blocked in the script's dist.reduce too
+        for each in job.dists:
+            each.rebind(each.topology, transport, None)
+        min_size = max(1, min_world_size or int(os.environ.get(MIN_NP_ENV) or 1))
+        if dist.is_main:
+            log.info("in-job recovery is on (MPI fault tolerance): a failed rank is left behind and the job goes on "
+                     "with at least %d ranks", min_size)
+        return cls(members, job, min_size)
+
+    def run(self, train: Callable[[State], T], state: State) -> T:
+        """Collective: `train(state)`, run again on the survivors after each recovery."""
+        while True:
+            waited_from = time.time()
+            try:
+                return train(state)
+            except Exception as exc:
+                lost = members_lost(self.members, exc)
+                if lost is None:
+                    raise
+                # not the raised one: its traceback holds the failed call's frames, and with them its DDP wrapper
+                lost = MembersLost(lost.ranks, lost.detected_at)
+            self.recover(lost, state, waited_from)
+
+    def recover(self, lost: MembersLost, state: State, waited_from: float) -> None:
+        """Collective over the survivors: shrink, rebuild, sync the state, run the callbacks; NotRecovered (the job
+        ends) where it cannot."""
+        dist = self.dists[0]
+        before = dist.topology
+        try:
+            recovered = self.members.recover(self.min_size)
+        except RecoveryFailed as exc:
+            self.fall_back(str(exc), lost.ranks)
+        mark_recovered()
+        rebind_survivors(self.dists, self.members, before, recovered, self.job.guard, chosen_level())
+        if self.job.watch is not None:
+            self.job.watch.follow(dist)
+        started = time.monotonic()
+        _drop_old_wrappers()
+        try:
+            leader = sync(state, _DistComm(dist))
+        except (RuntimeError, self.members._mpi.Exception) as exc:
+            self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], recovered.failed_ranks)
+        waited_from = max(self.members.waiting_since or 0.0, waited_from)
+        phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
+                  "state": time.monotonic() - started}
+        change = MembershipChange(dist.rank, dist.world_size, before.world_size, recovered.failed_ranks,
+                                  tuple(hosts_of(before, recovered.failed_ranks)), leader, phases)
+        self.changes.append(change)
+        self._say(change)
+        for callback in _callbacks:
+            callback(change)
+
+    def _say(self, change: MembershipChange) -> None:
+        if not self.dists[0].is_main:
+            return
+        synced = "the same on every survivor" if change.synced_from is None else f"from rank {change.synced_from}"
+        log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on (state %s; agree and shrink %.3f s, "
+                    "process group %.3f s, state sync %.3f s)", list(change.ranks_lost), ", ".join(change.hosts_lost),
+                    change.world_size, synced, change.phases["agree_and_shrink"], change.phases["process_group"],
+                    change.phases["state"])
+        if len(self.changes) == 1:
+            log.warning("running at reduced size %d of %d ranks", change.world_size, self.initial_world)
+
+    def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
+        """One line why, then today's fail-fast path (the job ends; `launch` relaunches it)."""
+        log.error("in-job recovery not possible: %s; ending the job", reason)
+        names = ", ".join(map(str, ranks)) or "?"
+        text = f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)"
+        raise NotRecovered(text) from None
+
+
+_recovery: ScriptRecovery | None = None
+_decided = False  # whether this process decided (once, collectively) if it can recover
+
+
+def active() -> ScriptRecovery | None:
+    """The job's in-job recovery once `run_recoverable` turned it on, else None."""
+    return _recovery
+
+
+def run_recoverable(train: Callable[[State], T], state: State, min_world_size: int | None = None) -> T:
+    """Collective: run `train(state)` and return what it returns; when a rank dies, the survivors recover in the
+    job (see the module) and run `train(state)` again, with `state` synced. `min_world_size`: the fewest ranks
+    the job may go on with (default MPIDDP_MIN_NP, which `launch --min-np` sets, else 1). Needs `mpiddp.init()`
+    first. Where recovery cannot work, one line on rank 0 says why and `train(state)` runs as without it."""
+    global _recovery, _decided
+    if not isinstance(state, State):
+        raise TypeError(f"mpiddp.run_recoverable(train, state): state must be an mpiddp.State, not "
+                        f"{type(state).__name__}")
+    dist = current()
+    if dist is None:
+        raise RuntimeError("mpiddp.run_recoverable() needs mpiddp's job: call mpiddp.init() first")
+    if not _decided:
+        _recovery = ScriptRecovery.enable(dist, min_world_size)
+        _decided = True
+    if _recovery is None:
+        return train(state)
+    return _recovery.run(train, state)
+
+
+_wrappers: list[weakref.ref[Any]] = []  # the DDP wrappers watch_gradients saw: a recovery checks they are gone
+
+
+def _drop_old_wrappers() -> None:
+    """The interrupted call's DDP wrapper hooks the parameters (its reducer, left mid-step, would fail the next
+    backward with "marked as ready twice") until it is destroyed: usually at once, with the failed call's frames;
+    a reference cycle keeps it until a collection (a tenth of a second, so only when one is left)."""
+    if not _wrappers or any(ref() is not None for ref in _wrappers):
+        gc.collect()
+    left = [ref for ref in _wrappers if ref() is not None]
+    _wrappers[:] = []
+    if left:
+        log.warning("in-job recovery: %d DDP wrapper(s) from before the recovery are still referenced; their hooks "
+                    "would fail the next backward: wrap the model inside the function run_recoverable runs, and "
+                    "keep no other reference to the wrapper", len(left))
+
+
+def watch_gradients(ddp: torch.nn.parallel.DistributedDataParallel,
+                    compression: str = "none") -> torch.nn.parallel.DistributedDataParallel:
+    """Collective-free: under in-job recovery, DDP's gradient all-reduce runs on the process group as DDP's own
+    does (`compression`: "none", "fp16" or "bf16" sends half the bytes) but is waited for under MPI's failure
+    watch, so a rank whose peer dies while it waits in gloo's all-reduce learns it at once. Without recovery,
+    DDP's own all-reduce (or `compression`'s hook). Returns `ddp`. Call it on each new DDP wrapper."""
+    from mpiddp.job.compression import register
+    from mpiddp.job.transport import HOOK_COMPRESSIONS
+
+    if compression not in HOOK_COMPRESSIONS:
+        raise ValueError(f"compression must be one of {', '.join(HOOK_COMPRESSIONS)}, got {compression!r}")
+    members = _recovery.members if _recovery is not None else None
+    if members is not None or compression != "none":
+        register(ddp, compression, backend="gloo", members=members)
+    _wrappers.append(weakref.ref(ddp))
+    return ddp
+
+
+def wait(work: Any) -> None:
+    """Wait for a torch collective of your own, issued with `async_op=True`: under in-job recovery, under MPI's
+    failure watch (a blocking gloo collective would wait out its whole timeout for a dead peer)."""
+    if _recovery is None:
+        work.wait()
+    else:
+        _recovery.members.wait(work)

@@ -1,0 +1,104 @@
+"""What every survivor of an in-job recovery does, whoever drives the recovery (the built-in trainer, or a script's
+`mpiddp.run_recoverable`): tell a failed peer from any other error, follow the shrunk job (rank, communicator,
+store, logging, environment, failure reporting) and end without MPI_Finalize.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, NoReturn
+
+from mpiddp.failure import replace_placement
+from mpiddp.job import storekeys
+from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
+from mpiddp.job.log import setup_logging
+from mpiddp.job.membership import MembersLost, Membership, Recovered, shrunk_topology
+from mpiddp.job.storeload import add_within
+from mpiddp.job.topology import Topology
+
+if TYPE_CHECKING:
+    from mpiddp.job.failfast import FailFast
+
+log = logging.getLogger("mpiddp")
+
+CONFIRM_S = 2.0  # a torch error on a rank: how long MPI gets to report a failed peer before the error stands
+REPORT_CLAIM_S = 2.0
+
+_recovered = False  # this process went through an in-job recovery (its MPI world has failed members)
+
+
+def mark_recovered() -> None:
+    global _recovered
+    _recovered = True
+
+
+def recovered_in_this_process() -> bool:
+    return _recovered
+
+
+def end_without_finalize(status: int) -> NoReturn:
+    """End a survivor after a recovery, once everything is written and every survivor has finished: without
+    MPI_Finalize, which Open MPI's ULFM can hang in after a shrink (open-mpi/ompi#11404). mpirun takes the exit
+    of a process of a failed-and-shrunk job as it is (status 0 included)."""
+    from mpiddp.job.log import flush_logs
+
+    flush_logs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def members_lost(members: Membership, exc: BaseException, confirm_s: float = CONFIRM_S) -> MembersLost | None:
+    """The failure behind `exc` when MPI reports failed members, else None (the error stands). MPI's own failure
+    classes, and a torch RuntimeError (a gloo peer that vanished, DDP's wrapping of the hook's MembersLost) once
+    MPI confirms a failed peer within `confirm_s`."""
+    if isinstance(exc, MembersLost):
+        return exc
+    mpi = members._mpi
+    if isinstance(exc, mpi.Exception):
+        if exc.Get_error_class() not in (mpi.ERR_PROC_FAILED, mpi.ERR_PROC_FAILED_PENDING, mpi.ERR_REVOKED):
+            return None
+    elif not isinstance(exc, RuntimeError):
+        return None
+    ranks = members.confirm(confirm_s)
+    return None if ranks is None else MembersLost(ranks, time.time())
+
+
+def rebind_survivors(dists: Sequence[Dist], members: Membership, before: Topology, recovered: Recovered,
+                     guard: FailFast | None, log_level: str | None) -> Topology:
+    """Every holder of the job's Dist now sees the survivors: new rank, communicator, store; the log lines name the
+    new rank (`log_level`: the level the job chose, None to leave logging alone), the new rank 0 rewrites the
+    placement `launch` reads, the guard reports through the new store, torchrun's variables follow."""
+    transport = MpiTransport(members.comm)
+    topology = shrunk_topology(before, recovered.old_ranks_alive, recovered.rank)
+    old = dists[0].rendezvous
+    address, port = members.endpoint or ("", 0)
+    rendezvous = Rendezvous(address, port, old.interface_per_host if old else {},
+                            SimpleNamespace(store=members._store))
+    for each in dists:
+        each.rebind(topology, transport, rendezvous if each.rendezvous is not None else None)
+    if log_level is not None:
+        setup_logging(topology, log_level)
+    if topology.failure_file and topology.rank == 0:  # a later failure's records name ranks of this world
+        replace_placement(Path(topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
+    log.warning("in-job recovery: this process (pid %d) goes on as rank %d of %d", os.getpid(), topology.rank,
+                topology.world_size)
+    if guard is not None:  # the one full failure report, and the count of failed ranks, on the new store
+        store = members._store
+        guard.claim_report = lambda: add_within(store, storekeys.FAILURE_REPORTS, 1, REPORT_CLAIM_S) == 1
+        guard.tally = lambda amount: add_within(store, storekeys.FAILED_RANKS, amount, REPORT_CLAIM_S)
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(topology.rank),
+                      WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank),
+                      LOCAL_WORLD_SIZE=str(topology.local_world_size))
+    return topology
+
+
+def hosts_of(topology: Topology, ranks: Sequence[int]) -> list[str]:
+    """The hosts of `ranks` (ranks of `topology`'s world), each once, in rank order."""
+    return list(dict.fromkeys(topology.host_of(rank) for rank in ranks))

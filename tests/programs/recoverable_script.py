@@ -1,0 +1,84 @@
+"""A script written against `mpiddp.init()` that recovers in the job (`mpirun --with-ft ulfm python THIS ...`).
+
+usage: recoverable_script.py OUT_DIR STEPS VICTIM AT_STEP [WHERE]
+A linear model learns y = X w on a fixed synthetic set, at a global batch of 24 samples per step whatever the number
+of ranks (24 / world per rank, a contiguous slice each), so every survivor's model follows the same trajectory. The
+VICTIM rank (its rank at the start; -1: nobody), when it reaches step AT_STEP, writes OUT_DIR/victim (its pid) and
+waits, outside any collective, for the test's SIGKILL; its peers go on into that step's gradient all-reduce (WHERE
+"step", the default) or, with WHERE "reduce", into the loss's MPI all-reduce (dist.reduce) after it, and wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes,
+OUT_DIR/final.<start rank>.json: its pid, start and final rank, world size, the step reached, a digest of its
+parameters and the membership changes it saw.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mpiddp
+
+GLOBAL_BATCH = 24
+NUM_SAMPLES = 240
+
+
+def main() -> None:
+    out, steps, victim, at_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    where = sys.argv[5] if len(sys.argv) > 5 else "step"
+    dist = mpiddp.init(device="cpu")
+    mpiddp.setup_logging(dist)
+    start_rank = dist.rank
+    (out / f"pid.{start_rank}").write_text(str(os.getpid()))
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(NUM_SAMPLES, 8, generator=generator)
+    targets = inputs @ torch.randn(8, 1, generator=generator)
+    torch.manual_seed(1)  # the same initial model everywhere (DDP would broadcast rank 0's anyway)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # momentum: optimizer state to carry
+    state = mpiddp.State(model=model, optimizer=optimizer, step=0, losses=[])
+    changes = []
+    mpiddp.on_membership_change(changes.append)
+
+    def train(state: mpiddp.State) -> None:
+        ddp = mpiddp.watch_gradients(DDP(state.model))  # wrapped anew on every (re-)entry: the group may be new
+        per_rank = GLOBAL_BATCH // dist.world_size
+        while state.step < steps:
+            stalls = start_rank == victim and state.step == at_step
+            if stalls and where == "step":
+                stall(out)
+            first = (state.step * GLOBAL_BATCH) % NUM_SAMPLES + dist.rank * per_rank
+            batch = slice(first, first + per_rank)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(inputs[batch]), targets[batch])
+            loss.backward()  # the all-reduce: a peer's death raises here, under MPI's failure watch
+            if stalls and where == "reduce":
+                stall(out)
+            (mean,) = dist.reduce([loss.item()], "mean")  # MPI: a failure here is recovered too
+            optimizer.step()
+            state.step += 1
+            state.losses = state.losses + [round(mean, 6)]
+            state.commit()  # nothing communicates between the optimizer step and the commit
+
+    mpiddp.run_recoverable(train, state)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    record = {"pid": os.getpid(), "start_rank": start_rank, "rank": dist.rank, "world_size": dist.world_size,
+              "step": state.step, "digest": digest, "losses": len(state.losses),
+              "changes": [{"world_before": c.world_before, "world_size": c.world_size, "ranks_lost": list(c.ranks_lost),
+                           "hosts_lost": list(c.hosts_lost), "synced_from": c.synced_from, "phases": c.phases}
+                          for c in changes]}
+    (out / f"final.{start_rank}.json").write_text(json.dumps(record))
+
+
+def stall(out: Path) -> None:
+    (out / "victim.tmp").write_text(str(os.getpid()))
+    (out / "victim.tmp").rename(out / "victim")
+    while True:  # until the test's SIGKILL
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""In-job recovery for scripts (mpiddp.job.elastic), in-process: the State's commit and restore, which survivor the
+others take their state from, the sync itself over a fake three-rank communicator, where recovery refuses, and
+the API without a recovering job. The runs on fake hosts are in test_script_recovery_e2e.py."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from mpiddp.job import collective, elastic
+from mpiddp.job.elastic import State, furthest, refusal, sync
+
+
+def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+
+
+def test_entries_are_attributes_and_objects_are_told_from_values():
+    model, optimizer = model_and_optimizer(0)
+    state = State(model=model, optimizer=optimizer, epoch=0, sample=0)
+    state.epoch += 1
+    assert (state.model, state.optimizer, state.epoch, state.sample, state.commits) == (model, optimizer, 1, 0, 0)
+    with pytest.raises(AttributeError, match="no entry 'step'"):
+        state.step = 3
+    with pytest.raises(AttributeError, match="object entry"):
+        state.model = model
+    with pytest.raises(AttributeError, match="no entry 'nothing'"):
+        state.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("entries, says", [({"commit": 1}, "not a name"), ({"_hidden": 1}, "not a name")])
+def test_names_that_would_hide_the_state_s_own_are_refused(entries, says):
+    with pytest.raises(ValueError, match=says):
+        State(**entries)
+
+
+def test_a_ddp_wrapper_is_refused_in_one_line_naming_the_module_instead():
+    class DistributedDataParallel(torch.nn.Module):  # what the check sees of torch's (no process group here)
+        pass
+
+    with pytest.raises(ValueError, match=r"register the module itself \(ddp.module\)") as raised:
+        State(model=DistributedDataParallel())
+    assert "\n" not in str(raised.value)
+
+
+def test_a_recovery_takes_the_values_back_to_the_last_commit_and_leaves_the_objects_alone():
+    model, optimizer = model_and_optimizer(0)
+    state = State(model=model, optimizer=optimizer, step=0, losses=[])
+    train_step(model, optimizer)
+    state.step += 1
+    state.losses.append(0.5)  # mutated in place: the commit copies, so the restore still undoes later changes
+    state.commit()
+    weights = copy.deepcopy(model.state_dict())
+    state.step += 1
+    state.losses.append(0.25)
+    state.restore()
+    assert (state.step, state.losses, state.commits) == (1, [0.5], 1)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_furthest_survivor_gives_its_state_and_equal_ones_give_none():
+    same = (3, "a")
+    assert furthest([same, same, same]) is None
+    assert furthest([(3, "a"), (4, "b"), (4, "b")]) == 1  # the most commits, the lowest rank among them
+    assert furthest([(3, "a"), (3, "b")]) == 0  # the same count, other values: one of them, the same on all
+
+
+class ThreadWorld:
+    """`size` ranks as threads: allgather and bcast (pickled, as MPI sends them) over a barrier."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.barrier, self.slots, self.bcasts = size, threading.Barrier(size, timeout=30), [None] * size, 0
+
+    def comm(self, rank: int) -> "ThreadComm":
+        return ThreadComm(self, rank)
+
+
+class ThreadComm:
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    def allgather(self, value):
+        self.world.slots[self.rank] = value
+        self.world.barrier.wait()
+        out = list(self.world.slots)
+        self.world.barrier.wait()
+        return copy.deepcopy(out)
+
+    def bcast(self, value, root: int):
+        if self.rank == root:
+            self.world.slots[0], self.world.bcasts = value, self.world.bcasts + 1
+        self.world.barrier.wait()
+        out = copy.deepcopy(self.world.slots[0])
+        self.world.barrier.wait()
+        return out
+
+
+def run_sync(states: list[State]) -> tuple[list[int | None], int]:
+    world = ThreadWorld(len(states))
+    leaders: list[int | None] = [None] * len(states)
+
+    def one(rank: int) -> None:
+        leaders[rank] = sync(states[rank], world.comm(rank))
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(len(states))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return leaders, world.bcasts
+
+
+def survivors(num: int) -> list[State]:
+    """`num` ranks that trained two steps alike (DDP keeps replicas equal), and committed them."""
+    states = []
+    for _ in range(num):
+        model, optimizer = model_and_optimizer(0)
+        state = State(model=model, optimizer=optimizer, step=0)
+        for _ in range(2):
+            train_step(model, optimizer)
+            state.step += 1
+            state.commit()
+        states.append(state)
+    return states
+
+
+def test_a_survivor_that_finished_the_interrupted_step_gives_the_others_its_model_optimizer_and_values():
+    states = survivors(3)
+    ahead = states[1]  # its all-reduce of step 3 completed; the others' failed, their gradients half made
+    train_step(ahead.model, ahead.optimizer)
+    ahead.step += 1
+    ahead.commit()
+    for behind in (states[0], states[2]):
+        behind.model(torch.ones(3, 4)).sum().backward()
+        behind.step += 1  # counted before the commit: undone by the restore
+    leaders, bcasts = run_sync(states)
+    assert leaders == [1, 1, 1] and bcasts == 1
+    for state in states:
+        assert (state.step, state.commits) == (3, 3)
+        assert all(torch.equal(a, b) for a, b in zip(state.model.parameters(), ahead.model.parameters()))
+        momentum = [state.optimizer.state[p]["momentum_buffer"] for p in state.model.parameters()]
+        assert all(torch.equal(m, ahead.optimizer.state[p]["momentum_buffer"])
+                   for m, p in zip(momentum, ahead.model.parameters()))
+        assert all(p.grad is None for p in state.model.parameters())  # the interrupted step's gradients dropped
+
+
+def test_survivors_at_the_same_commit_send_nothing_and_drop_the_interrupted_step():
+    states = survivors(2)
+    for state in states:
+        state.model(torch.ones(3, 4)).sum().backward()
+        state.step += 1
+    leaders, bcasts = run_sync(states)
+    assert leaders == [None, None] and bcasts == 0
+    assert [state.step for state in states] == [2, 2]
+    assert all(p.grad is None for state in states for p in state.model.parameters())
+
+
+@pytest.mark.parametrize("own, ulfm, device, backend, says", [
+    (False, None, "cpu", "gloo", "not `mpiddp run`"),
+    (True, "in-job recovery needs mpirun --with-ft ulfm (...)", "cpu", "gloo", "--with-ft ulfm"),
+    (True, None, "cuda", "nccl", "on cuda (NCCL) is not built yet"),
+    (True, None, "cpu", "mpi", "this job's is mpi"),
+])
+def test_where_a_script_cannot_recover_it_says_why_in_one_line(own, ulfm, device, backend, says):
+    reason = refusal(own, ulfm, device, backend)
+    assert reason is not None and says in reason and "\n" not in reason
+
+
+def test_a_script_on_cpu_with_ulfm_and_its_own_bootstrap_can_recover():
+    assert refusal(True, None, "cpu", "gloo") is None
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(elastic, "_recovery", None)
+    monkeypatch.setattr(elastic, "_decided", False)
+    monkeypatch.setattr(elastic, "_own", None)
+    yield
+    collective.set_current(None)
+
+
+def test_run_recoverable_needs_init_first(fresh):
+    with pytest.raises(RuntimeError, match=r"call mpiddp.init\(\) first"):
+        elastic.run_recoverable(lambda state: None, State(step=0))
+    with pytest.raises(TypeError, match="mpiddp.State"):
+        elastic.run_recoverable(lambda state: None, {"step": 0})
+
+
+def test_where_it_cannot_recover_the_function_runs_once_as_without_it(fresh, caplog):
+    collective.set_current(collective.solo_dist())  # not init()'s own bootstrap: as under `mpiddp run`
+    calls = []
+    result = elastic.run_recoverable(lambda state: calls.append(state.step) or "done", State(step=7))
+    assert (result, calls) == ("done", [7])
+    assert "in-job recovery for scripts needs a plain `mpirun --with-ft ulfm" in caplog.text
+
+    class Work:
+        waited = False
+
+        def wait(self) -> None:
+            self.waited = True
+
+    work = Work()
+    elastic.wait(work)  # no recovery: the work's own wait
+    assert work.waited
+
+
+def test_watch_gradients_refuses_an_unknown_compression():
+    with pytest.raises(ValueError, match="compression must be one of"):
+        elastic.watch_gradients(object(), "powersgd")  # type: ignore[arg-type]
+
+
+# ---- what follows the survivors: the finish watch, the failure report -------------------------------------------
+
+def test_the_finish_watch_follows_the_survivors_onto_their_new_store_under_the_new_rank():
+    from types import SimpleNamespace
+
+    from mpiddp.job import storekeys
+    from mpiddp.job.finishwatch import FinishWatch
+    from test_launch_record import DictStore
+    from test_watch import rank, wait_for
+
+    old_store, new_store, aborted = DictStore(), DictStore(), []
+    watch = FinishWatch(60, rank(2, aborted, world_size=3), old_store).start()
+    old_thread = watch.thread
+    survivor = rank(1, aborted, world_size=2)
+    survivor.rendezvous = SimpleNamespace(client=lambda: new_store)
+    watch.follow(survivor)
+    try:
+        assert (watch.rank, watch.world_size, watch.store) == (1, 2, new_store)
+        assert watch.thread is not old_thread and watch.thread.is_alive()
+        watch.interval = 0.02
+        watch.finished()
+        assert wait_for(lambda: new_store.check([storekeys.finished(1)]))
+        old_thread.join(90)  # it wakes once per old interval, sees its stop event, and ends
+        assert not old_thread.is_alive() and not old_store.check([storekeys.finished(2)])
+    finally:
+        watch.stop()
+    assert aborted == []
+
+
+def test_a_rank_that_follows_another_s_report_while_mpi_reports_failed_peers_leaves_the_abort_to_it():
+    from types import SimpleNamespace
+
+    from mpiddp.job.api import _follows_first_report
+    from mpiddp.job.failfast import FailFast
+
+    guard = FailFast()
+    guard.dist = SimpleNamespace(rank=0, failed_ranks=lambda: (1,))
+    assert not _follows_first_report(guard)  # the first to report aborts the job
+    guard.reported_first = False
+    assert _follows_first_report(guard)
+    guard.dist = SimpleNamespace(rank=0, failed_ranks=lambda: ())
+    assert not _follows_first_report(guard)  # no failed peer (no fault tolerance): every rank aborts, as before
