@@ -72,7 +72,7 @@ while step < steps:
             members.wait(work)
     except MembersLost:
         try:
-            recovered = members.recover(min_size=2)
+            recovered = members.recover(min_size=min(2, world.Get_size() - 1))  # 2 of 3; 1 of 2 (two GPUs)
         except RecoveryFailed as exc:
             print(f"rank {start_rank}: {exc}", flush=True)
             sys.exit(5)
