@@ -28,6 +28,10 @@ from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check
 from mpiddp.job.storeload import add_within
 from mpiddp.trainer.recoverable import Resplit, refusal, resplit
 
+
+class Regrown(Exception):
+    """New ranks joined the job at a step boundary (mpiddp.trainer.grow): the epoch goes on with the new split."""
+
 log = logging.getLogger("mpiddp")
 
 T = TypeVar("T")
@@ -36,6 +40,7 @@ REPORT_CLAIM_S = 2.0
 
 
 _recovered = False  # this process went through an in-job recovery (its MPI world has failed members)
+_members: Any = None  # its Membership, once it recovered (the grown job's communicators are disconnected at the end)
 
 
 def recovered_in_this_process() -> bool:
@@ -45,10 +50,15 @@ def recovered_in_this_process() -> bool:
 def end_without_finalize(status: int) -> None:
     """End a survivor after a recovery, once everything is written and every survivor has finished: without
     MPI_Finalize, which Open MPI's ULFM can hang in after a shrink (open-mpi/ompi#11404). mpirun takes the exit
-    of a process of a failed-and-shrunk job as it is (status 0 included)."""
+    of a process of a failed-and-shrunk job as it is (status 0 included). After a grow, the ranks that joined
+    are disconnected first (collective with them: mpiddp.job.grow.disconnect)."""
     import sys
 
+    from mpiddp.job.grow import disconnect
     from mpiddp.job.log import flush_logs
+
+    if _members is not None:
+        disconnect(_members)
 
     flush_logs()
     sys.stdout.flush()
@@ -78,6 +88,8 @@ class InJobRecovery:
         self._stepped_at = 0.0  # time.time() when this rank's last training step ended
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
+        self.where = ""  # what `attempt` runs now: train or eval
+        self.grower: Any = None  # mpiddp.trainer.grow.GrowBack: back to full size after a recovery (None: never)
 
     @classmethod
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
@@ -101,7 +113,11 @@ class InJobRecovery:
         if dist.is_main:
             log.info("in-job recovery is on (MPI fault tolerance): a failed rank is left behind and the job goes on "
                      "with at least %d ranks", min_size)
-        return cls(members, [dist, *others], min_size)
+        from mpiddp.trainer.grow import GrowBack
+
+        recovery = cls(members, [dist, *others], min_size)
+        recovery.grower = GrowBack.from_env()
+        return recovery
 
     def hooks(self, hooks: Any) -> Any:
         """The loop's hooks with recovery in them: epochs run through `attempt`, saves are marked, steps noted."""
@@ -114,6 +130,8 @@ class InJobRecovery:
         def entered(phase: str) -> None:
             enter(phase)
             self.in_step = phase in ("compute", "communication")
+            if phase == "data" and self.where == "train" and self.grower is not None:
+                self.grower.at_boundary(self)  # collective; Regrown when new ranks joined
 
         self._hooks = dataclasses.replace(hooks, save=self.around_save(hooks.save), heartbeat=heartbeat,
                                           phase=entered, in_job=self.attempt)
@@ -141,8 +159,11 @@ class InJobRecovery:
     def attempt(self, body: Callable[[Any], T], cfg: Any, where: str) -> T:
         """Collective: `body(config)`, run again on the survivors (with their config) after each recovery."""
         while True:
+            self.where = where
             try:
                 return body(self.cfg or cfg)
+            except Regrown:  # new ranks joined at a step boundary: the same body goes on with the new split
+                continue
             except Exception as exc:
                 lost = self.lost(exc)
                 if lost is None:
@@ -181,8 +202,8 @@ class InJobRecovery:
             recovered = self.members.recover(self.min_size)
         except RecoveryFailed as exc:
             self.fall_back(str(exc), lost.ranks)
-        global _recovered
-        _recovered = True
+        global _recovered, _members
+        _recovered, _members = True, self.members
         failed = recovered.failed_ranks
         self._rebind(topology_before, recovered)
         started = time.monotonic()
@@ -211,9 +232,13 @@ class InJobRecovery:
 
     def _rebind(self, before: Any, recovered: Any) -> None:
         """Every holder of the job's Dist now sees the survivors: new rank, communicator, store."""
+        self._bind(shrunk_topology(before, recovered.old_ranks_alive, recovered.rank))
+
+    def _bind(self, topology: Any, verb: str = "goes on") -> None:
+        """Every holder of the job's Dist now sees `topology` over the Membership's communicator and store (after
+        a shrink, or a grow: mpiddp.trainer.grow)."""
         members = self.members
         transport = MpiTransport(members.comm)
-        topology = shrunk_topology(before, recovered.old_ranks_alive, recovered.rank)
         old = self.dists[0].rendezvous
         address, port = members.endpoint or ("", 0)
         rendezvous = Rendezvous(address, port, old.interface_per_host if old else {},
@@ -223,7 +248,7 @@ class InJobRecovery:
         setup_logging(topology, self.parts.cfg.outputs.log_level)  # the lines name the new rank; the new rank 0 logs info
         if topology.failure_file and topology.rank == 0:  # a later failure's records name ranks of this world
             write_placement(Path(topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
-        log.warning("in-job recovery: this process (pid %d) goes on as rank %d of %d", os.getpid(), topology.rank,
+        log.warning("in-job recovery: this process (pid %d) %s as rank %d of %d", os.getpid(), verb, topology.rank,
                     topology.world_size)
         guard = self.parts.guard
         if guard is not None:  # the one full failure report, and the count of failed ranks, on the new store

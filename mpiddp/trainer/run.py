@@ -42,7 +42,13 @@ def main(args: list[str], stop: StopRequest | None = None, check: CheckFn | None
     # Training, from the first moment: a scheduler's stop signal during start-up must not kill a rank.
     if stop is None:
         stop = StopRequest().install() if check is None else StopRequest()
+    from mpiddp.job.grow import joining
+
     try:
+        if check is None and joining():  # spawned by a job growing back after a recovery (mpiddp.trainer.grow)
+            from mpiddp.trainer.grow import join_main
+
+            return join_main(args, stop)
         status = _main(args, startup, stop, check)
     finally:
         stop.release()
