@@ -140,10 +140,12 @@ def merge_with_parent() -> Any:
     return merged
 
 
-def disconnect(members: Any) -> None:
-    """Collective over the grown job, at its very end (after the teardown's barrier), on the survivors and the
-    spawned ranks alike: disconnect every communicator that spans both, so the spawned ranks' MPI_Finalize has
-    nobody left to wait for. Nothing to do in a job that never grew."""
+def release(members: Any) -> None:
+    """A spawned rank at its very end (after the teardown's barrier), before MPI_Finalize: cancel the failure
+    watch and free every communicator that spans both jobs except the parent's. Measured with Open MPI 5.0.11
+    under ULFM after a shrink: MPI_Comm_disconnect hangs in PMIx_Fence on every side, and MPI_Finalize with
+    these still held waits forever in ompi_dpm_dyn_finalize for survivors that ended with os._exit. The
+    survivors do nothing (they end without MPI_Finalize, as after any recovery)."""
     if not _spanning:
         return
     from mpi4py import MPI
@@ -153,11 +155,11 @@ def disconnect(members: Any) -> None:
         members._watch.Wait()
     except MPI.Exception:
         pass  # completed already (with an error): nothing pending on it
-    for comm in (members._watch_comm, members.comm, *reversed(_spanning)):
+    for comm in (members._watch_comm, members.comm, *reversed(_spanning[1:])):
         try:
-            comm.Disconnect()
+            comm.Free()
         except MPI.Exception:
-            pass  # revoked or freed already: the others are disconnected all the same
+            pass  # revoked or freed already
     _spanning.clear()
 
 

@@ -321,7 +321,7 @@ class Joined:
         dist.barrier()
         if tdist.is_initialized():
             tdist.destroy_process_group()
-        mpigrow.disconnect(self.members)  # as the survivors do before their exit (end_without_finalize)
+        mpigrow.release(self.members)  # before MPI_Finalize, which would wait for the survivors (gone by then)
 
 
 def restored_state(cfg: Any, current: Any, dist: Any, loaders: Any, datasets: Any, payload: dict[str, Any],

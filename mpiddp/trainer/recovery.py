@@ -40,7 +40,6 @@ REPORT_CLAIM_S = 2.0
 
 
 _recovered = False  # this process went through an in-job recovery (its MPI world has failed members)
-_members: Any = None  # its Membership, once it recovered (the grown job's communicators are disconnected at the end)
 
 
 def recovered_in_this_process() -> bool:
@@ -50,15 +49,10 @@ def recovered_in_this_process() -> bool:
 def end_without_finalize(status: int) -> None:
     """End a survivor after a recovery, once everything is written and every survivor has finished: without
     MPI_Finalize, which Open MPI's ULFM can hang in after a shrink (open-mpi/ompi#11404). mpirun takes the exit
-    of a process of a failed-and-shrunk job as it is (status 0 included). After a grow, the ranks that joined
-    are disconnected first (collective with them: mpiddp.job.grow.disconnect)."""
+    of a process of a failed-and-shrunk job as it is (status 0 included)."""
     import sys
 
-    from mpiddp.job.grow import disconnect
     from mpiddp.job.log import flush_logs
-
-    if _members is not None:
-        disconnect(_members)
 
     flush_logs()
     sys.stdout.flush()
@@ -202,8 +196,8 @@ class InJobRecovery:
             recovered = self.members.recover(self.min_size)
         except RecoveryFailed as exc:
             self.fall_back(str(exc), lost.ranks)
-        global _recovered, _members
-        _recovered, _members = True, self.members
+        global _recovered
+        _recovered = True
         failed = recovered.failed_ranks
         self._rebind(topology_before, recovered)
         started = time.monotonic()
