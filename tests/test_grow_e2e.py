@@ -53,9 +53,10 @@ def test_the_job_grows_back_onto_the_spare_host_and_finishes_at_full_size(hosts,
     pids = job.kill_when_stalled(1)
     status = job.finish()
     output = job.output()
-    # mpirun itself (prterun 5.0.11) sometimes crashes after such a job has finished (SIGSEGV or glibc "free():
-    # invalid pointer", after the last rank's last line): checked below, after every other check
-    assert status == 0 or (status in (-11, -6, 139, 134) and "done: eval accuracy" in output), output[-6000:]
+    # mpirun itself (prterun 5.0.11) sometimes crashes once such a job has finished (SIGSEGV or glibc "free():
+    # invalid pointer", when the spawned rank ends, after the summary is written): xfail after every other check
+    finished = (job.run_dir / "summary.json").exists()
+    assert status == 0 or (status in (-11, -6, 139, 134) and finished), output[-6000:]
     assert survivors_pids(output) == {0: pids[0], 1: pids[2]}, output[-3000:]
     assert "running at reduced size 2 of 3 ranks" in output
     assert "grow: this process" in output and "joins as rank 2 of 3" in output, output[-3000:]
