@@ -26,6 +26,7 @@ GLOBAL_BATCH_ENV = "MPIDDP_GLOBAL_BATCH"  # --global-batch's default: a shrunk a
 SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of `launch`: the job records it when the supervisor died
 HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"  # set by a rank for its loader helpers: the pid they must die with
 MIN_NP_ENV = "MPIDDP_MIN_NP"  # launch --min-np: in-job recovery goes on with no fewer ranks (1 when unset)
+SPARE_HOSTS_ENV = "MPIDDP_SPARE_HOSTS"  # host[:slots],...: where a job that lost ranks grows back (MPI_Comm_spawn)
 MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"  # --master-addr's default (set by the user, not by launch)
 JOB_RECORD_FILE = "job.json"
 # Written by a training job under `launch` when it ended as it should (trained, or nothing left to train): Open MPI's

@@ -23,6 +23,13 @@ def main(argv: list[str] | None = None, stop: Any = None) -> int:
         from mpiddp.job.script import main as run_script
 
         return run_script(args)
+    if command == "train":
+        from mpiddp.job.grow import joining
+
+        if joining():  # spawned by a job growing back after a recovery (mpiddp.trainer.grow)
+            from mpiddp.trainer.join import main as join
+
+            return join(args, stop)
     from mpiddp.trainer.run import main as train
 
     if command == "check":

@@ -4,6 +4,8 @@ failures directory (recoveries.jsonl, for a job that a later failure ends), read
 Stdlib only: `launch` (which mentions them in its attempts) and `report` both read them. Each item is
 {"cause", "ranks_lost", "hosts_lost", "step", "steps_lost", "world_before", "world_after", "phases"}, with
 `phases` in seconds per RECOVERY_PHASES; the downtime is their sum (from the failure to the first step after).
+A grow back to full size is an item of the same list with cause "grew", `ranks_added`, `hosts_added` and
+GROW_PHASES (its downtime: from the spawn to the first step on the grown job).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from mpiddp.failure import RECOVERIES_FILE
 
 SUMMARY_FILE = "summary.json"
 RECOVERY_PHASES = ("detect", "agree_and_shrink", "process_group", "ddp", "first_step")
+# a grow back to full size (cause "grew", with ranks_added and hosts_added): mpiddp.trainer.grow
+GROW_PHASES = ("spawn", "merge", "process_group", "state_transfer", "ddp", "first_step")
 PHASE_NAMES = {"detect": "detect", "agree_and_shrink": "agree and shrink", "process_group": "process group",
-               "ddp": "DDP", "first_step": "first step"}
+               "ddp": "DDP", "first_step": "first step", "spawn": "spawn", "merge": "merge",
+               "state_transfer": "state transfer"}
 
 
 def read_recoveries(run_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
@@ -79,10 +84,17 @@ def downtime(recovery: dict[str, Any]) -> float | None:
     return sum(values) if values else None
 
 
+def is_grow(recovery: dict[str, Any]) -> bool:
+    return recovery.get("cause") == "grew"
+
+
 def _who(recovery: dict[str, Any]) -> str:
-    ranks, hosts = recovery.get("ranks_lost") or [], recovery.get("hosts_lost") or []
+    grew = is_grow(recovery)
+    ranks = recovery.get("ranks_added" if grew else "ranks_lost") or []
+    hosts = recovery.get("hosts_added" if grew else "hosts_lost") or []
+    verb = "added" if grew else "lost"
     said = (("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))) if ranks else "a rank"
-    return f"{said} on {', '.join(map(str, hosts))} lost" if hosts else f"{said} lost"
+    return f"{said} on {', '.join(map(str, dict.fromkeys(hosts)))} {verb}" if hosts else f"{said} {verb}"
 
 
 def describe(recovery: dict[str, Any]) -> str:
@@ -94,12 +106,13 @@ def describe(recovery: dict[str, Any]) -> str:
     if before is not None and after is not None:
         parts.append(f"{before} -> {after} ranks")
     lost = recovery.get("steps_lost")
-    if lost is not None:
+    if lost is not None and not (is_grow(recovery) and lost == 0):
         parts.append(f"{lost} step{'' if lost == 1 else 's'} lost")
     total = downtime(recovery)
     if total is not None:
         given = recovery["phases"]  # summary.json may sort its keys: told in the order they happen
-        order = sorted(given, key=lambda n: RECOVERY_PHASES.index(n) if n in RECOVERY_PHASES else len(RECOVERY_PHASES))
+        known = GROW_PHASES if is_grow(recovery) else RECOVERY_PHASES
+        order = sorted(given, key=lambda n: known.index(n) if n in known else len(known))
         phases = ", ".join(f"{PHASE_NAMES.get(name, name)} {given[name]:.2f}" for name in order
                            if isinstance(given[name], (int, float)))
         parts.append(f"down {total:.2f} s ({phases})")
@@ -114,5 +127,8 @@ def count_line(recoveries: list[dict[str, Any]]) -> str:
     for item in recoveries:
         total = downtime(item)
         said.append(_who(item) + (f", down {total:.2f} s" if total is not None else ""))
-    count = len(recoveries)
-    return f"{count} in-job recover{'y' if count == 1 else 'ies'} ({'; '.join(said)})"
+    grows = sum(1 for item in recoveries if is_grow(item))
+    count = len(recoveries) - grows
+    told = [f"{count} in-job recover{'y' if count == 1 else 'ies'}"] if count else []
+    told += [f"{grows} grow{'' if grows == 1 else 's'}"] if grows else []
+    return f"{' and '.join(told)} ({'; '.join(said)})"

@@ -13,6 +13,7 @@ from mpiddp.launch.cli import LaunchError, make_plan
 from mpiddp.launch.command import (FT_ARGS, NODE_LOSS_ARGS, build_command, decide_in_job_recovery, node_loss_args,
                                    open_mpi_major)
 from mpiddp.launch.hosts import Host
+from mpiddp.launch import supervisor as supervisor_module
 from mpiddp.launch.supervisor import Supervisor
 from mpiddp.tools.report import attempt_lines, recovery_lines
 
@@ -359,3 +360,29 @@ def test_the_survivors_placement_replaces_the_one_written_at_start(tmp_path):
     write_placement(tmp_path, [("nodea", [0]), ("nodeb", [1]), ("nodec", [2])])
     assert replace_placement(tmp_path, [("nodea", [0]), ("nodec", [1])])
     assert read_placement(tmp_path) == {0: "nodea", 1: "nodec"}
+
+
+@pytest.mark.parametrize("flags,hosts,spares", [
+    ([], "nodea:1,nodeb:1,nodec:1", "nodec:1"),
+    (["--no-in-job-recovery"], "nodea:1,nodeb:1", None),
+])
+def test_the_spare_hosts_go_to_mpirun_and_to_the_job_where_it_can_grow_back(tmp_path, monkeypatch, flags, hosts,
+                                                                           spares):
+    """With in-job recovery on, mpirun gets the spare host too (its daemon there is where MPI_Comm_spawn puts
+    a rank that replaces a lost one; -np and --map-by slot keep the ranks on the hosts in use), and the job
+    learns it from MPIDDP_SPARE_HOSTS; without in-job recovery the spare waits for a relaunch, as before."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's own handlers
+    calls, run_dir = tmp_path / "calls", tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", calls)
+    plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:1", *flags, "--launcher-path", str(launcher),
+                      "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
+    supervisor = Supervisor(plan, {"PATH": "/usr/bin:/bin"})
+    seen = {}
+    real_build = supervisor_module.build_command
+    monkeypatch.setattr(supervisor_module, "build_command",
+                        lambda *args, **kwargs: seen.setdefault("exports", dict(args[6])) and real_build(*args, **kwargs))
+    supervisor.run()
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    command = attempt["command"]
+    assert command[command.index("-H") + 1] == hosts and command[command.index("-np") + 1] == "2", command
+    assert seen["exports"].get("MPIDDP_SPARE_HOSTS") == spares

@@ -298,6 +298,22 @@ class Membership:
             except self._mpi.Exception:
                 pass  # a revoked communicator may refuse: it is dropped either way
 
+    def adopt(self, comm: Any) -> float:
+        """Collective over `comm` (the survivors and the ranks that joined them, mpiddp.job.grow): watch and
+        recover over it from now on, with torch's default group rebuilt over it. Returns the process group's
+        seconds. A joining rank constructs a Membership on `comm` instead (the same collectives)."""
+        try:
+            self._watch.Cancel()
+            self._watch.Free()
+        except self._mpi.Exception:
+            pass  # already completed with an error: nothing to cancel
+        self._disarm()
+        self.comm = self._dup(comm)
+        self._arm()
+        started = time.monotonic()
+        self._rebuild_process_group()
+        return time.monotonic() - started
+
     def start_process_group(self) -> None:
         """Collective: torch's default group (self.backend) over `comm`, on a store opened by rank 0 (the same path a
         recovery takes, so start-up and recovery share one rendezvous)."""

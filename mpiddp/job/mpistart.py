@@ -75,6 +75,9 @@ def _loaded_library_dir(prefix: str) -> Path | None:
     return None
 
 
+_initialised_with = ""  # what init_mpi set for MPI, once it ran
+
+
 def init_mpi() -> tuple[Any, str]:
     """Initialise MPI and return (COMM_WORLD, what mpiddp set for MPI, '' when nothing). Importing mpiddp alone
     never initialises MPI."""
@@ -85,8 +88,9 @@ def init_mpi() -> tuple[Any, str]:
         mpi4py.rc.finalize = True
     from mpi4py import MPI
 
+    global _initialised_with
     if MPI.Is_initialized():
-        return MPI.COMM_WORLD, ""
+        return MPI.COMM_WORLD, _initialised_with
     adjusted = ""
     if mpi_library_version().startswith("Open MPI"):  # callable before MPI_Init
         if not btl_already_chosen(os.environ, parameter_files(os.environ, _loaded_library_dir("libmpi.so"))):
@@ -94,6 +98,7 @@ def init_mpi() -> tuple[Any, str]:
             adjusted = f"btl={SKIP_OFI_BTL}"
     # Only the main thread calls MPI; MPI_THREAD_MULTIPLE disables fast transports in some MPIs.
     MPI.Init_thread(MPI.THREAD_FUNNELED)
+    _initialised_with = adjusted  # a second call (after mpiddp.job.grow.joining) says the same
     return MPI.COMM_WORLD, adjusted
 
 

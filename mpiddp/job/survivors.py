@@ -72,11 +72,19 @@ def members_lost(members: Membership, exc: BaseException, confirm_s: float = CON
 
 def rebind_survivors(dists: Sequence[Dist], members: Membership, before: Topology, recovered: Recovered,
                      guard: FailFast | None, log_level: str | None) -> Topology:
-    """Every holder of the job's Dist now sees the survivors: new rank, communicator, store; the log lines name the
-    new rank (`log_level`: the level the job chose, None to leave logging alone), the new rank 0 rewrites the
-    placement `launch` reads, the guard reports through the new store, torchrun's variables follow."""
-    transport = MpiTransport(members.comm)
+    """Every holder of the job's Dist now sees the survivors (see bind_topology)."""
     topology = shrunk_topology(before, recovered.old_ranks_alive, recovered.rank)
+    bind_topology(dists, members, topology, guard, log_level)
+    return topology
+
+
+def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology, guard: FailFast | None,
+                  log_level: str | None, verb: str = "goes on") -> None:
+    """Every holder of the job's Dist now sees `topology` over the Membership's communicator and store (after a
+    shrink, or a grow): new rank, communicator, store; the log lines name the new rank (`log_level`: the level
+    the job chose, None to leave logging alone), the new rank 0 rewrites the placement `launch` reads, the guard
+    reports through the new store, torchrun's variables follow."""
+    transport = MpiTransport(members.comm)
     old = dists[0].rendezvous
     address, port = members.endpoint or ("", 0)
     rendezvous = Rendezvous(address, port, old.interface_per_host if old else {},
@@ -87,7 +95,7 @@ def rebind_survivors(dists: Sequence[Dist], members: Membership, before: Topolog
         setup_logging(topology, log_level)
     if topology.failure_file and topology.rank == 0:  # a later failure's records name ranks of this world
         replace_placement(Path(topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
-    log.warning("in-job recovery: this process (pid %d) goes on as rank %d of %d", os.getpid(), topology.rank,
+    log.warning("in-job recovery: this process (pid %d) %s as rank %d of %d", os.getpid(), verb, topology.rank,
                 topology.world_size)
     if guard is not None:  # the one full failure report, and the count of failed ranks, on the new store
         store = members._store
@@ -96,7 +104,6 @@ def rebind_survivors(dists: Sequence[Dist], members: Membership, before: Topolog
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(topology.rank),
                       WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank),
                       LOCAL_WORLD_SIZE=str(topology.local_world_size))
-    return topology
 
 
 def hosts_of(topology: Topology, ranks: Sequence[int]) -> list[str]:

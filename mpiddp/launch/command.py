@@ -158,6 +158,17 @@ def choose_launcher(requested: str, env: Mapping[str, str], flavour: str) -> str
     return "mpiexec" if flavour == "mpich" else "mpirun"
 
 
+def growth_hosts(known: list[Host], used: list[Host], excluded: list[str], recovery_on: bool) -> list[Host]:
+    """The spare hosts a job may grow back onto after an in-job recovery (mpiddp.job.grow): every known host
+    neither in use nor left out, with its slots; none when in-job recovery is off. They go into mpirun's host
+    list after the hosts in use (so its daemons run there and MPI_Comm_spawn can reach them; `--map-by slot`
+    with -np still places every rank on the hosts in use) and into MPIDDP_SPARE_HOSTS."""
+    if not recovery_on:
+        return []
+    taken = {h.name for h in used} | set(excluded)
+    return [h for h in known if h.name not in taken]
+
+
 def build_command(launcher: str, program: str, flavour: str, hosts: list[Host], num_ranks: int, inner: list[str],
                   exports: Mapping[str, str], excluded: list[str] = (), extra: list[str] = (),
                   python: str = sys.executable, ft_args: tuple[str, ...] = ()) -> list[str]:

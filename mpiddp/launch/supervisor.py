@@ -24,11 +24,11 @@ from typing import Any, TextIO
 from mpiddp import failure, recoveries, supervision
 from mpiddp.atomicfile import write_text_atomic
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
-                             MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, JobRecord, finished_since,
+                             MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, SPARE_HOSTS_ENV, JobRecord, finished_since,
                              read_job_record)
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
-from mpiddp.launch.command import InJobRecovery, build_command
+from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import Decision, blamed, decide, same_host, strike_lost_in_job
@@ -306,8 +306,11 @@ class Supervisor:
     def _attempt(self, number: int, hosts: list[Host], excluded: list[str]) -> tuple[Attempt, str]:
         num_ranks = self.num_ranks
         exports = {**job_exports(self.plan, number, self.launch_id), supervision.SUPERVISOR_ENV: supervision.identity()}
+        spares = growth_hosts(self.plan.hosts, hosts, excluded, self.plan.in_job_recovery.on)
+        if spares:  # where the job grows back after an in-job recovery (mpiddp.job.grow)
+            exports[SPARE_HOSTS_ENV] = ",".join(f"{h.name}:{h.slots}" for h in spares)
         env = {**self.env, **exports}
-        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, hosts, num_ranks,
+        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, [*hosts, *spares], num_ranks,
                                 list(self.plan.inner), exports, excluded, self.plan.extra,
                                 ft_args=(*self.plan.in_job_recovery.add_args, *self.plan.node_loss_args))
         failure.clear(self.failure_file)  # records from an earlier attempt must not explain this one

@@ -22,9 +22,10 @@ from mpiddp.contract import MIN_NP_ENV
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist, MpiTransport
 from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm, nccl_abort_available
-from mpiddp.job.survivors import (CONFIRM_S, end_without_finalize, mark_recovered,  # noqa: F401 (run.py's)
-                                  members_lost, rebind_survivors, recovered_in_this_process)
-from mpiddp.trainer.recoverable import Resplit, job_refusal, nccl_errors_env, refusal, resplit
+from mpiddp.job.survivors import (CONFIRM_S, bind_topology, end_without_finalize,  # noqa: F401 (run.py's)
+                                  mark_recovered, members_lost, rebind_survivors, recovered_in_this_process)
+from mpiddp.trainer.recoverable import Regrown, Resplit, job_refusal, nccl_errors_env, refusal, resplit
+
 
 log = logging.getLogger("mpiddp")
 
@@ -69,6 +70,8 @@ class InJobRecovery:
         self._stepped_at = 0.0  # time.time() when this rank's last training step ended
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
+        self.where = ""  # what `attempt` runs now: train or eval
+        self.grower: Any = None  # mpiddp.trainer.grow.GrowBack: back to full size after a recovery (None: never)
 
     @classmethod
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
@@ -93,7 +96,11 @@ class InJobRecovery:
         if dist.is_main:
             log.info("in-job recovery is on (MPI fault tolerance): a failed rank is left behind and the job goes on "
                      "with at least %d ranks", min_size)
-        return cls(members, [dist, *others], min_size)
+        from mpiddp.trainer.grow import GrowBack
+
+        recovery = cls(members, [dist, *others], min_size)
+        recovery.grower = GrowBack.from_env()
+        return recovery
 
     def hooks(self, hooks: Any) -> Any:
         """The loop's hooks with recovery in them: epochs run through `attempt`, saves are marked, steps noted."""
@@ -106,6 +113,8 @@ class InJobRecovery:
         def entered(phase: str) -> None:
             enter(phase)
             self.in_step = phase in ("compute", "communication")
+            if phase == "data" and self.where == "train" and self.grower is not None:
+                self.grower.at_boundary(self)  # collective; Regrown when new ranks joined
 
         self._hooks = dataclasses.replace(hooks, save=self.around_save(hooks.save), heartbeat=heartbeat,
                                           phase=entered, in_job=self.attempt)
@@ -133,8 +142,11 @@ class InJobRecovery:
     def attempt(self, body: Callable[[Any], T], cfg: Any, where: str) -> T:
         """Collective: `body(config)`, run again on the survivors (with their config) after each recovery."""
         while True:
+            self.where = where
             try:
                 return body(self.cfg or cfg)
+            except Regrown:  # new ranks joined at a step boundary: the same body goes on with the new split
+                continue
             except Exception as exc:
                 lost = self.lost(exc)
                 if lost is None:
@@ -196,6 +208,10 @@ class InJobRecovery:
         """Every holder of the job's Dist now sees the survivors: new rank, communicator, store."""
         rebind_survivors(self.dists, self.members, before, recovered, self.parts.guard,
                          self.parts.cfg.outputs.log_level)
+
+    def _bind(self, topology: Any, verb: str = "goes on") -> None:
+        """Every holder of the job's Dist now sees `topology` (after a grow: mpiddp.trainer.grow)."""
+        bind_topology(self.dists, self.members, topology, self.parts.guard, self.parts.cfg.outputs.log_level, verb)
 
     def _put_on_record(self, dist: Dist) -> None:
         """The new rank 0: the recovery into the failures directory as it happens (this rank's phases so far), so

@@ -423,7 +423,7 @@ def nondeterministic_op(exc: RuntimeError, arch: str, device: torch.device) -> U
     )
 
 
-def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
+def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, joined: bool = False) -> TrainOutcome:
     """Collective: every rank runs the same number of steps and the same reductions, in the same order.
 
     `hooks.save(state)` runs at the configured epochs, at the step where rank 0's save clock says
@@ -437,7 +437,7 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
             hooks.callbacks = Callbacks([hooks.callbacks])
         hooks.callbacks.add(*drills)  # in place: in-job recovery's copy of the hooks tells them it recovered
     try:
-        return _train(cfg, state, loaders, dist, hooks)
+        return _train(cfg, state, loaders, dist, hooks, joined)
     except RuntimeError as exc:
         explained = nondeterministic_op(exc, cfg.data.model_name, dist.device) if cfg.training.deterministic else None
         if explained is None:
@@ -445,10 +445,11 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
         raise explained from None
 
 
-def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks) -> TrainOutcome:
+def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, joined: bool = False) -> TrainOutcome:
     timing = RankTiming(cfg.outputs.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
-    signum = hooks.stop.agreed(dist)
+    # A rank that joined a running job (mpiddp.trainer.grow) enters at the survivors' step: no start-up agreement.
+    signum = 0 if joined else hooks.stop.agreed(dist)
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)
     def evaluated(current: Config) -> dict[str, Any]:

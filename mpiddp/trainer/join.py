@@ -1,0 +1,203 @@
+"""Growing back, the new ranks' side: a process spawned by a job that grows back after a recovery
+(mpiddp.trainer.grow) joins the job, takes the state from a survivor's memory and trains to the end with it.
+`python -m mpiddp` starts here (mpiddp.main) when this process has an MPI parent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from mpiddp.job import grow as mpigrow
+from mpiddp.job.stopping import StopRequest
+from mpiddp.trainer.grow import GrowBack, grow_record, own_rng, send_state
+
+log = logging.getLogger("mpiddp")
+
+
+def main(args: list[str], stop: StopRequest | None) -> int:
+    """`python -m mpiddp` in a spawned rank: training's stop handlers, then join_main."""
+    stop = stop or StopRequest().install()
+    try:
+        return join_main(args, stop)
+    finally:
+        stop.release()
+
+
+def join_main(args: list[str], stop: Any) -> int:
+    """A spawned rank: join the job, take the state, train to the end with it, summarise and tear down as every
+    rank does (collective with the survivors throughout). Returns the exit status."""
+    from mpiddp.job.stopping import Stopped
+    from mpiddp.job.startup import StartupClock
+    from mpiddp.trainer.metrics import process_start_time
+
+    startup = StartupClock(process_start_time())
+    merged = mpigrow.merge_with_parent()
+    joined = Joined.enter(merged, args)
+    try:
+        outcome = joined.train(stop)
+    except Stopped:
+        joined.teardown()
+        return 3
+    joined.conclude(outcome, startup)
+    joined.teardown()
+    return 0
+
+
+class Joined:
+    """A new rank inside the job: its Dist, config, state, loaders and in-job recovery."""
+
+    @classmethod
+    def enter(cls, merged: Any, args: list[str]) -> Joined:
+        """Collective over the merged job: the new rank's half of GrowBack.grow."""
+        from mpiddp.job.membership import Membership
+
+        hello = merged.bcast(None, root=0)
+        hostnames = merged.allgather(mpigrow.own_host())
+        point_gloo_at(hello["interface_per_host"], hello["topology"].hostname)
+        started = time.monotonic()
+        members = Membership(merged, hello["collective_timeout_s"])
+        members.start_process_group()
+        phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
+        joined = cls()
+        joined.members, joined.hello = members, hello
+        topology = mpigrow.regrown_topology(hello["topology"], hostnames, members.comm.Get_rank())
+        before = hello["topology"].world_size
+        joined.added = (list(range(before, len(hostnames))), list(hostnames[before:]), before, len(hostnames))
+        joined.prepare(args, topology)
+        started = time.monotonic()
+        payload = send_state(members, None)
+        phases["state_transfer"] = time.monotonic() - started
+        joined.build(payload, phases)
+        return joined
+
+    def prepare(self, args: list[str], topology: Any) -> None:
+        """Local: the config, Dist, logging and data of this rank (no collective)."""
+        from mpiddp.job.bootstrap import export_environment, set_threads
+        from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
+        from mpiddp.job.log import setup_logging
+        from mpiddp.trainer.data import load_datasets
+        from mpiddp.trainer.models import input_channels
+        from mpiddp.trainer.run import parse_for_world
+
+        members, hello = self.members, self.hello
+        _, cfg = parse_for_world(args, hello["initial_world"])
+        self.cfg, _ = cfg.replace(inject_fault=None).ordered_timeouts()  # drills name ranks of the first job
+        setup_logging(topology, self.cfg.outputs.log_level)
+        address, port = members.endpoint or ("", 0)
+        rendezvous = Rendezvous(address, port, hello["interface_per_host"], SimpleNamespace(store=members._store))
+        threads = set_threads(self.cfg.dist, topology)
+        self.dist = Dist(topology, MpiTransport(members.comm), "cpu", None, hello["backend"], rendezvous, threads)
+        export_environment(topology, address, port)
+        log.warning("grow: this process (pid %d) joins as rank %d of %d", os.getpid(), topology.rank, topology.world_size)
+        self.datasets = load_datasets(self.cfg, lambda channels: input_channels(self.cfg.data.model_name, channels))
+
+    def build(self, payload: dict[str, Any], phases: dict[str, float | None]) -> None:
+        """Collective (DDP): the state from `payload` in DDP over the grown job, the loaders at the same sample."""
+        from mpiddp.trainer.data import build_loaders
+
+        cfg, dist, split = self.cfg, self.dist, payload["split"]
+        self.run_dir = Path(payload["run_dir"])
+        started = time.monotonic()
+        self.current = cfg.replace(batch_size=split.batch_size, grad_accum=split.grad_accum)
+        self.loaders = build_loaders(self.current, self.datasets, dist)
+        self.state = restored_state(cfg, self.current, dist, self.loaders, self.datasets, payload, self.members)
+        self.state.batches_done = split.batches_done
+        own_rng(payload["rng"], dist.rank)
+        phases["ddp"] = time.monotonic() - started
+        ranks, hosts, before, after = self.added
+        step = payload["position"][0]
+        self.records = [*payload["records"], grow_record(step, ranks, hosts, before, after, phases)]
+        self.payload = payload
+
+    def train(self, stop: Any) -> Any:
+        """Collective: the rest of the run, entered at the survivors' epoch and batch."""
+        from mpiddp.job.watchdog import Watchdog
+        from mpiddp.trainer.metrics import NullLogger
+        from mpiddp.trainer.recovery import InJobRecovery
+        from mpiddp.trainer.run import Saver, checkpoint_dir_of
+        from mpiddp.trainer.saveclock import SaveClock
+        from mpiddp.trainer.train import Hooks, train
+
+        cfg, dist, state = self.cfg, self.dist, self.state
+        self.watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, self.run_dir).start()
+        parent, wandb_run_id = self.payload["saver"]
+        saver = Saver(self.current, dist, checkpoint_dir_of(cfg.checkpoint, self.run_dir), self.watchdog,
+                      wandb_run_id, Path(parent) if parent else None)
+        hooks = Hooks(NullLogger(), saver.save, stop, self.watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
+                      self.watchdog.enter)
+        self.recovery = recovery = InJobRecovery(self.members, [dist], self.hello["min_size"])
+        recovery.initial_world, recovery.records, recovery.cfg, recovery.stepped = \
+            self.hello["initial_world"], self.records, self.current, True
+        recovery._recovered_at = time.monotonic()  # the grow's first step is this rank's too
+        recovery.grower = GrowBack.from_env()
+        recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=self.loaders, datasets=self.datasets,
+                                         watchdog=self.watchdog, guard=None, run_dir=self.run_dir, saver=saver)
+        try:
+            return train(self.current, state, self.loaders, dist, recovery.hooks(hooks), joined=True)
+        finally:
+            self.watchdog.stop()
+
+    def conclude(self, outcome: Any, startup: Any) -> None:
+        """Collective: the survivors' end of `run` (final weights, summary, records, the finished mark)."""
+        from mpiddp.trainer.checkpoint import save_weights
+        from mpiddp.trainer.run import checkpoint_dir_of, summarise
+
+        cfg, dist = self.cfg, self.recovery.dists[0]
+        if cfg.checkpoint.model_filename:
+            save_weights(checkpoint_dir_of(cfg.checkpoint, self.run_dir) / cfg.checkpoint.model_filename,
+                         self.state.unwrapped.state_dict(), dist)
+        summarise(self.recovery.cfg or cfg, dist, outcome, self.loaders, startup.started_at, startup)
+        self.recovery.gathered(dist)
+        dist.from_main(lambda: None)  # rank 0 writes the summary
+        if dist.topology.job_record:
+            dist.from_main(lambda: None)  # rank 0 marks the job finished for `launch`
+
+    def teardown(self) -> None:
+        """Collective: as the bootstrap's teardown (every rank arrives, then the process group goes)."""
+        import torch.distributed as tdist
+
+        dist = self.recovery.dists[0] if hasattr(self, "recovery") else self.dist
+        dist.barrier()
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        mpigrow.release(self.members)  # before MPI_Finalize, which would wait for the survivors (gone by then)
+
+
+def restored_state(cfg: Any, current: Any, dist: Any, loaders: Any, datasets: Any, payload: dict[str, Any],
+                   members: Any) -> Any:
+    """Collective (DDP): a TrainState from a survivor's state in memory, wrapped in DDP over the grown job."""
+    import torch
+
+    from mpiddp.trainer.models import build_model
+    from mpiddp.trainer.optim import build_optimizer, build_scheduler
+    from mpiddp.trainer.state import TrainState, optimizer_steps_per_epoch, wrap
+
+    step, epoch, batches_per_epoch, pending = payload["position"]
+    torch.manual_seed(cfg.training.seed)
+    model = build_model(cfg.data.model_name, loaders.num_classes, datasets.channels, cfg.data.input_size)
+    model.load_state_dict(payload["model"])
+    model = model.to(dist.device)
+    optimizer = build_optimizer(cfg.training, model.parameters())
+    optimizer.load_state_dict(payload["optimizer"])
+    # the schedule's length is the job's first split's (its steps per epoch), as on the survivors
+    scheduler = build_scheduler(cfg.training, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.training.grad_accum))
+    scheduler.load_state_dict(payload["scheduler"])
+    scaler = torch.amp.GradScaler(dist.device.type, enabled=cfg.training.amp == "fp16")
+    scaler.load_state_dict(payload["scaler"])
+    ddp, hook, wrapped = wrap(current, dist, model, members, payload["transport"])
+    return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook, epoch=epoch, step=step,
+                      batches_per_epoch=batches_per_epoch, pending_epoch=pending)
+
+
+def point_gloo_at(interface_per_host: dict[str, str], main_host: str) -> None:
+    """gloo on this new host uses the interface the job's rendezvous uses (by name, as on rank 0's host), unless
+    the user chose one."""
+    from mpiddp.job.netif import local_interfaces
+
+    wanted = interface_per_host.get(main_host)
+    if wanted and "GLOO_SOCKET_IFNAME" not in os.environ and any(i.name == wanted for i in local_interfaces()):
+        os.environ["GLOO_SOCKET_IFNAME"] = wanted

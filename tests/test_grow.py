@@ -1,0 +1,70 @@
+"""Growing back after an in-job recovery: the decisions, in-process (no MPI, no spawn)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mpiddp.job.grow import GrowPlan, format_spare_hosts, grow_due, parse_spare_hosts, plan_growth
+from mpiddp.recoveries import count_line, describe
+from mpiddp.trainer.grow import GROW_PHASES, grow_record, split_for_growth
+from mpiddp.trainer.recoverable import Resplit, resplit
+
+
+def test_spare_hosts_are_read_with_their_slots():
+    assert parse_spare_hosts("noded, nodee:2,") == [("noded", 1), ("nodee", 2)]
+    assert parse_spare_hosts("") == []
+    assert format_spare_hosts([("noded", 1), ("nodee", 2)]) == "noded,nodee:2"
+    for bad in ("noded:0", "noded:x", ":2"):
+        with pytest.raises(ValueError, match="MPIDDP_SPARE_HOSTS"):
+            parse_spare_hosts(bad)
+
+
+def test_the_plan_fills_the_missing_ranks_from_the_free_spare_slots():
+    assert plan_growth(2, 3, [("noded", 1)], {}) == GrowPlan(("noded",))
+    assert plan_growth(1, 4, [("noded", 2), ("nodee", 4)], {}) == GrowPlan(("noded", "noded", "nodee"))
+    assert plan_growth(2, 4, [("noded", 1), ("nodee", 1)], {"noded": 1}) == GrowPlan(("nodee",))  # partial
+    assert plan_growth(3, 3, [("noded", 1)], {}) == "the job runs at full size"
+
+
+def test_no_spare_slot_says_why_and_how_to_give_one():
+    for spares, used in (([], {}), ([("noded", 1)], {"noded": 1})):
+        reason = plan_growth(2, 3, spares, used)
+        assert isinstance(reason, str) and "no spare slot" in reason and "MPIDDP_SPARE_HOSTS" in reason
+
+
+def test_the_job_grows_after_a_step_at_reduced_size_and_only_below_full_size():
+    assert grow_due(True, 2, 3, False)
+    assert not grow_due(False, 2, 3, False)  # the recovery's first step is not done yet
+    assert not grow_due(True, 3, 3, False)  # full size
+    assert not grow_due(True, 2, 3, True)  # growing was found impossible (said once)
+
+
+def config(batch: int, accumulation: int) -> SimpleNamespace:
+    return SimpleNamespace(training=SimpleNamespace(batch_size=batch, grad_accum=accumulation))
+
+
+def test_growing_goes_back_to_the_first_per_rank_batch_at_the_same_sample():
+    # 3 ranks x 16 lost one: 2 x 12 x 2 accumulation; 12 micro-batches done on 2 ranks = sample 288 = 6 x 48
+    assert split_for_growth(config(12, 2), config(16, 1), 2, 3, 12) == (Resplit(16, 1, 6), None)
+    # without the first batch as the cap the per-rank batch would stay at 12 and split into 8 x 2
+    assert resplit(12, 2, 2, 3, 12) == Resplit(8, 2, 12)
+    assert resplit(12, 2, 2, 3, 12, max_per_rank=16) == Resplit(16, 1, 6)
+
+
+def test_a_position_off_the_new_batch_waits_for_the_epoch_start_and_a_batch_that_cannot_split_never_grows():
+    # 2 x 12 x 2: 13 micro-batches = sample 312, not a multiple of 48: wait (an epoch's start always fits)
+    assert split_for_growth(config(12, 2), config(16, 1), 2, 3, 13) == (None, None)
+    # a global batch of 14 (2 x 7) cannot split over 3 ranks
+    split, never = split_for_growth(config(7, 1), config(7, 1), 2, 3, 4)
+    assert split is None and "global batch" in never
+
+
+def test_a_grow_is_recorded_and_told_next_to_the_recoveries():
+    record = grow_record(6, [2], ["noded"], 2, 3, {"spawn": 0.2, "merge": 0.05, "process_group": 1.3,
+                                                     "state_transfer": 0.03, "ddp": 0.8})
+    assert record["cause"] == "grew" and record["ranks_added"] == [2] and record["hosts_added"] == ["noded"]
+    assert list(record["phases"]) == list(GROW_PHASES) and record["phases"]["first_step"] is None
+    line = describe(record)
+    assert line.startswith("grew at step 6: rank 2 on noded added, 2 -> 3 ranks"), line
+    assert "spawn 0.20" in line and "down 2.38 s" in line, line
+    assert count_line([record]) == "1 grow (rank 2 on noded added, down 2.38 s)"

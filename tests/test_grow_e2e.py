@@ -1,0 +1,100 @@
+"""Growing back after an in-job recovery, on four fake hosts (nodea, nodeb, nodec and a spare, noded) under
+`mpirun --with-ft ulfm -np 3`: the rank on nodeb is SIGKILLed mid-epoch, the survivors (the same processes) go
+on at reduced size, then spawn a new rank on the spare host, hand it the state from memory, and the job
+finishes on 3 ranks at the same global batch, every step once.
+
+The victim is held with `--inject-fault stall-data:1:5` (see tests/test_recovery_e2e.py), then killed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, find_mpirun
+from fakehosts import FakeHosts, running_fake_hosts
+from test_leftovers import marked_env
+from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, survivors_pids
+
+pytestmark = pytest.mark.mpi
+HOSTS = "nodea:1,nodeb:1,nodec:1,noded:1"  # -np 3 fills the first three; noded's slot is the spare
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    reason = _ulfm_missing()
+    if reason:
+        pytest.skip(reason)
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec", "noded"], tmp_path_factory.mktemp("grow-hosts"),
+                                      tag="g")) as cluster:
+        yield cluster
+
+
+class GrowJob(Job):
+    """Job's `mpirun --with-ft ulfm -np 3` with noded in the host list and named as the spare."""
+
+    def __init__(self, hosts: FakeHosts, tmp_path, *flags: str, spare: str = "noded") -> None:
+        self.run_dir, self.log = tmp_path / "run", tmp_path / "job.log"
+        env, self.mark = marked_env(MPIDDP_SPARE_HOSTS=spare)
+        env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+        command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", HOSTS,
+                   sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env,
+                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("transport", ["gloo", "mpi"])
+def test_the_job_grows_back_onto_the_spare_host_and_finishes_at_full_size(hosts, tmp_path, transport):
+    """Rank 1 (nodeb) killed at step 5: the survivors recover (same pids), train a step on 2 ranks, then a new
+    rank joins on noded with the state of rank 0; the job ends on 3 ranks at the same global batch (16 x 3),
+    every step trained once (no sample skipped or repeated), with the recovery and the grow recorded."""
+    job = GrowJob(hosts, tmp_path, "--grad-transport", transport, "--inject-fault", "stall-data:1:5")
+    pids = job.kill_when_stalled(1)
+    status = job.finish()
+    output = job.output()
+    # mpirun itself (prterun 5.0.11) sometimes crashes once such a job has finished (SIGSEGV or glibc "free():
+    # invalid pointer", when the spawned rank ends, after the summary is written): xfail after every other check
+    finished = (job.run_dir / "summary.json").exists()
+    assert status == 0 or (status in (-11, -6, 139, 134) and finished), output[-6000:]
+    assert survivors_pids(output) == {0: pids[0], 1: pids[2]}, output[-3000:]
+    assert "running at reduced size 2 of 3 ranks" in output
+    assert "grow: this process" in output and "joins as rank 2 of 3" in output, output[-3000:]
+    assert "3 ranks go on at the same global batch (16 per rank x 1 accumulation)" in output, output[-3000:]
+    assert "running at full size again: 3 ranks" in output
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    recovery, grew = summary["recoveries"]
+    assert (recovery["cause"], recovery["ranks_lost"], recovery["world_before"], recovery["world_after"]) == \
+        ("process_failed", [1], 3, 2), recovery
+    assert (grew["cause"], grew["ranks_added"], grew["hosts_added"], grew["world_before"], grew["world_after"],
+            grew["steps_lost"]) == ("grew", [2], ["noded"], 2, 3, 0), grew
+    assert grew["step"] == 6, grew  # one step at reduced size, then the next step boundary
+    assert set(grew["phases"]) == {"spawn", "merge", "process_group", "state_transfer", "ddp", "first_step"}
+    assert all(isinstance(v, float) and v >= 0 for v in grew["phases"].values()), grew
+    records = metrics(job.run_dir)
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, 61)), steps  # 30 an epoch on 3 ranks, on 2, and on 3 again
+    first, second = [r for r in records if r["kind"] == "epoch"]
+    assert (first["step"], second["step"]) == (30, 60)
+    # epoch 1 went on at sample 288 (5 steps x 48 on 3 ranks, 1 step x 48 on 2): 24 batches of 16 on each of 3
+    # ranks; had the new rank started the epoch again or skipped ahead, the count would differ
+    assert round(first["images_per_second"] * first["epoch_time_s"]) == 24 * 48, first
+    assert second["images_per_second"] > 0  # the epoch after the grow, at full size (the benchmark compares it)
+    assert summary["world_size"] == 3 and summary["eval_accuracy"] > 0.8, summary
+    if status != 0:
+        pytest.xfail(f"mpirun crashed (status {status}) after the grown job had finished: a prterun 5.0.11 bug "
+                     "with a spawned job in a job with a failed rank (docs/recovery.md)")
+
+
+def test_without_a_spare_slot_the_job_says_why_once_and_finishes_at_reduced_size(hosts, tmp_path):
+    """No spare named: after the recovery rank 0 says once why it does not grow, and the job finishes on the
+    survivors as before (noded stays idle)."""
+    job = GrowJob(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:5", spare="")
+    job.kill_when_stalled(1)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert output.count("not growing back: no spare slot to grow onto") == 1, output[-3000:]
+    assert "joins as rank" not in output and "grew back" not in output
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert [r["cause"] for r in summary["recoveries"]] == ["process_failed"] and summary["world_size"] == 2
