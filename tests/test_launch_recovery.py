@@ -78,10 +78,10 @@ def test_open_mpi_5_is_asked_to_notice_a_silent_host_in_seconds_unless_the_user_
     assert node_loss_args("srun", "openmpi", OPEN_MPI_5, []) == ()
 
 
-def fake_open_mpi(folder, ft_line, calls, finishes=True):
+def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0):
     """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
     launcher it writes a summary.json with one recovery into RUN_DIR (and, with `finishes`, the job's mark that it
-    finished) and exits 0."""
+    finished) and exits `status`."""
     folder.mkdir()
     info = folder / "ompi_info"
     info.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'options:ft_mpi_support:{ft_line}'\n")
@@ -91,7 +91,8 @@ def fake_open_mpi(folder, ft_line, calls, finishes=True):
         "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
         "run_dir = os.environ['MPIDDP_RUN_DIR']\n"
         f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{RECOVERY!r}]}}))\n"
-        + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else ""))
+        + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else "")
+        + f"sys.exit({status})\n")
     for program in (info, launcher):
         program.chmod(0o755)
     return launcher
@@ -265,6 +266,22 @@ def test_a_zero_from_a_fault_tolerant_mpirun_without_the_jobs_finished_mark_is_a
     assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() != 0
     attempts = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     assert len(attempts) == 2 and all(a["status"] != 0 and a["decision"] != "finished" for a in attempts), attempts
+
+
+def test_a_fault_tolerant_mpirun_that_fails_after_the_jobs_finished_mark_is_a_finished_job(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Open MPI 5.0.11's mpirun can crash (SIGSEGV, "free(): invalid pointer") after a job that grew back has
+    finished: every rank wrote its results and rank 0 the mark. Launch takes the job's mark over the launcher's
+    status, says so, and does not relaunch a finished job."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", status=139)
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"],
+                     {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert (attempt["status"], attempt["decision"]) == (0, "finished"), attempt
+    assert "the launcher exited 139 after the job marked its end" in capsys.readouterr().err
 
 
 def test_a_script_under_run_keeps_the_relaunch_path(tmp_path):

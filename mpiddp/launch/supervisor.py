@@ -238,8 +238,7 @@ class Supervisor:
             metrics = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
             self._count_steps_lost(metrics)
             attempt.recoveries = recoveries.of_attempt(self.plan.run_dir, self.failure_file, attempt.started_at)
-            if attempt.status == 0 and not self._finished(attempt):
-                attempt.status = EXIT_CRASH  # mpirun --with-ft ulfm said 0, but the job never said it finished
+            attempt.status = self._job_status(attempt)
             within = recoveries.count_line(attempt.recoveries)
             if attempt.status == 0 or self.stop_signal:
                 attempt.decision = "finished" if attempt.status == 0 else (
@@ -344,6 +343,21 @@ class Supervisor:
         if not attempt.in_job_recovery or self.plan.mode != "train":
             return True
         return finished_since(self.plan.run_dir, attempt.started_at)
+
+    def _job_status(self, attempt: Attempt) -> int | None:
+        """The attempt's status as the job's evidence tells it. Under MPI fault tolerance a 0 counts only with
+        training's mark that it ended (mpirun --with-ft ulfm exits 0 when every rank was killed), and the mark
+        makes a non-zero status from the launcher after it a finished job (Open MPI 5.0.11's mpirun can crash
+        after a job that grew back has finished)."""
+        if attempt.status == 0 and not self._finished(attempt):
+            return EXIT_CRASH
+        marked = attempt.in_job_recovery and self.plan.mode == "train" and finished_since(self.plan.run_dir,
+                                                                                           attempt.started_at)
+        if attempt.status not in (0, None) and not self.stop_signal and marked:
+            say(f"attempt {attempt.number}: the launcher exited {attempt.status} after the job marked its end "
+                f"(every rank finished and wrote its results): taken as finished")
+            return 0
+        return attempt.status
 
     def _output_paths(self, number: int) -> tuple[Path, Path]:
         """Where attempt `number`'s launcher writes its stdout and stderr."""
