@@ -175,6 +175,7 @@ class InJobRecovery:
         if reason is not None:
             self.fall_back(reason, lost.ranks)
         in_step = self.in_step
+        hung = set(getattr(parts.watchdog, "excluded", ()))  # ranks the hang watchdog ended (before it follows)
         parts.watchdog.suspend()
         topology_before, world_before, step = dist.topology, dist.world_size, parts.state.step
         try:
@@ -202,7 +203,7 @@ class InJobRecovery:
                   "ddp": time.monotonic() - started, "first_step": None}
         hosts = list(dict.fromkeys(topology_before.host_of(rank) for rank in failed))
         self.records.append({
-            "cause": "process_failed", "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
+            "cause": "hang" if hung & set(failed) else "process_failed", "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
             "steps_lost": 1 if in_step and not caught_up else 0,
             "world_before": world_before, "world_after": dist.world_size, "phases": phases,
         })
@@ -309,14 +310,16 @@ class InJobRecovery:
     def gathered(self, dist: Dist) -> list[dict[str, Any]]:
         """Collective: the recoveries, each phase the slowest survivor's (detect: the earliest notice); on rank 0,
         an empty list elsewhere."""
-        views = dist.gather([record["phases"] for record in self.records])
+        views = dist.gather([(record["phases"], record["cause"]) for record in self.records])
         if views is None:
             return []
         out = []
         for index, record in enumerate(self.records):
             phases = {}
             for name in record["phases"]:
-                values = [view[index][name] for view in views if view[index][name] is not None]
+                values = [view[index][0][name] for view in views if view[index][0][name] is not None]
                 phases[name] = (min if name == "detect" else max)(values) if values else None
-            out.append({**record, "phases": phases})
+            # a hang's end: any survivor whose watchdog learned of it in time says so
+            cause = "hang" if any(view[index][1] == "hang" for view in views) else record["cause"]
+            out.append({**record, "cause": cause, "phases": phases})
         return out
