@@ -86,6 +86,7 @@ class Watchdog(Watcher):
                    records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
 
     def starting(self) -> None:
+        self._publish_now()
         if self.rank == 0:
             log.info("hang watchdog: each rank reports every %.1f s (%.0f requests/s to rank 0's store)",
                      self.interval, store_rate(self.world_size, REQUESTS_PER_INTERVAL, self.interval))
@@ -120,7 +121,16 @@ class Watchdog(Watcher):
         self.recovering = False
         self.thread = threading.Thread(target=self._watch, name=self.THREAD_NAME, daemon=True)
         if self.active:
+            self._publish_now()
             self.thread.start()
+
+    def _publish_now(self) -> None:
+        """A first progress record (with this process's pid) before the first interval: a rank that stops at once
+        is still named, and can be ended under in-job recovery."""
+        try:
+            self._publish()
+        except Exception:  # the thread's first round tries again, under its guard
+            pass
 
     def _publish(self) -> None:
         # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
@@ -241,8 +251,10 @@ class Watchdog(Watcher):
         when, in the store; a watchdog on the host of a rank behind ends it; where none is, launch is asked), then
         wait for the recovery to begin. False when there is nothing to end or it did not happen in time."""
         deadline = time.monotonic() + max(self.timeout_s, EXCLUDE_WAIT_MIN_S)
+        if first and plan is None:  # nothing to end (every rank stuck, a pid unknown): the job ends as today
+            return False
         try:
-            if first and plan is not None:
+            if first:
                 plan = {**plan, "end": True}
                 self.put_exclusion(plan)
             while not first and (plan is None or not plan.get("end")) and time.monotonic() < deadline:

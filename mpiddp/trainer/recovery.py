@@ -203,7 +203,8 @@ class InJobRecovery:
                   "ddp": time.monotonic() - started, "first_step": None}
         hosts = list(dict.fromkeys(topology_before.host_of(rank) for rank in failed))
         self.records.append({
-            "cause": "hang" if hung & set(failed) else "process_failed", "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
+            "cause": "hang" if hung & set(failed) else "process_failed",
+            "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
             "steps_lost": 1 if in_step and not caught_up else 0,
             "world_before": world_before, "world_after": dist.world_size, "phases": phases,
         })
