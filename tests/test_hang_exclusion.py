@@ -128,3 +128,38 @@ def test_launch_ends_each_process_the_job_asks_for_once(tmp_path):
     assert said == ["ending hung rank 1 (pid 77) on nodeb for in-job recovery: agent nodeb kill -KILL 77"]
     failure.clear(directory)  # a new attempt: an earlier attempt's requests are gone
     assert failure.to_end(directory) == []
+
+
+def test_a_collective_returning_after_mpi_reported_a_failure_is_not_trusted(monkeypatch):
+    """Under ULFM an Allreduce cut short by a failure returned on a survivor with its buffer never filled (the
+    stop agreement's garbage asked for a save, and the recovery then refused "a failure during a save"): the
+    survivors' transport raises MembersLost for any collective that returns once MPI has reported a failure."""
+    import numpy as np
+
+    from mpiddp.job.membership import MembersLost
+    from mpiddp.trainer.recovery import WatchedTransport
+
+    class Comm:
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 2
+
+        def Allreduce(self, values, out, op):
+            out[:] = 12345.0  # what an aborted schedule left in the buffer
+
+    class Members:
+        comm, _lost, lost = Comm(), 5.0, None
+
+        def failed(self):
+            return self.lost
+
+    monkeypatch.setattr("mpi4py.util.pkl5.Intracomm", lambda comm: comm)  # a fake communicator
+    members = Members()
+    transport = WatchedTransport(members)
+    assert transport.allreduce(np.zeros(2), "max").tolist() == [12345.0, 12345.0]  # no failure known: as before
+    members.lost = (1,)
+    with pytest.raises(MembersLost) as caught:
+        transport.allreduce(np.zeros(2), "max")
+    assert caught.value.ranks == (1,) and caught.value.detected_at == 5.0

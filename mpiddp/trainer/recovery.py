@@ -56,6 +56,48 @@ def end_without_finalize(status: int) -> None:
     os._exit(status)
 
 
+class WatchedTransport(MpiTransport):
+    """MPI over the Membership's communicator, trusting no collective that returns after MPI reported a failed
+    member: under ULFM a collective interrupted by a failure can return on some ranks without an error and with
+    its buffer never filled (seen: an Allreduce of the stop agreement after Open MPI aborted its schedule, whose
+    garbage asked for a save). It raises MembersLost instead; the survivors recover, and `_same_position` puts
+    any survivor that got further back in step. One MPI_Test per collective."""
+
+    def __init__(self, members: Membership) -> None:
+        super().__init__(members.comm)
+        self.members = members
+
+    def _trusted(self, value: T) -> T:
+        lost = self.members.failed()
+        if lost is not None:
+            raise MembersLost(lost, self.members._lost or time.time())
+        return value
+
+    def allgather(self, value: Any) -> Any:
+        return self._trusted(super().allgather(value))
+
+    def gather(self, value: Any) -> Any:
+        return self._trusted(super().gather(value))
+
+    def bcast(self, value: Any) -> Any:
+        return self._trusted(super().bcast(value))
+
+    def scatter(self, values: Any) -> Any:
+        return self._trusted(super().scatter(values))
+
+    def allreduce(self, values: Any, op: str) -> Any:
+        return self._trusted(super().allreduce(values, op))
+
+    def barrier(self) -> None:
+        self._trusted(super().barrier())
+
+    def idle_barrier(self, poll_s: float) -> None:
+        self._trusted(super().idle_barrier(poll_s))
+
+    def allreduce_inplace(self, values: object, sum_as: Any = None) -> None:
+        self._trusted(super().allreduce_inplace(values, sum_as))
+
+
 class NotRecovered(RuntimeError):
     """A failure in-job recovery does not cover: FailFast ends the job (the message names the lost peers in MPI's
     words, so `launch` reads this rank's record as a witness, not as the failed rank)."""
@@ -94,7 +136,7 @@ class InJobRecovery:
                 log.info("%s", reason)
             return None
         members = Membership(dist.transport.comm, collective_timeout_s)  # type: ignore[attr-defined]
-        transport = MpiTransport(members.comm)  # a revoke reaches a rank blocked in a metric reduction too
+        transport = WatchedTransport(members)  # a revoke reaches a rank blocked in a metric reduction too
         for each in [dist, *others]:
             each.rebind(each.topology, transport, None)
         min_size = max(1, int(os.environ.get(MIN_NP_ENV) or 1))
@@ -214,7 +256,7 @@ class InJobRecovery:
     def _rebind(self, before: Any, recovered: Any) -> None:
         """Every holder of the job's Dist now sees the survivors: new rank, communicator, store."""
         members = self.members
-        transport = MpiTransport(members.comm)
+        transport = WatchedTransport(members)
         topology = shrunk_topology(before, recovered.old_ranks_alive, recovered.rank)
         old = self.dists[0].rendezvous
         address, port = members.endpoint or ("", 0)
