@@ -3,6 +3,7 @@
 Stdlib only: `launch` (which mentions them in its attempts) and `report` both read them. Each item is
 {"cause", "ranks_lost", "hosts_lost", "step", "steps_lost", "world_before", "world_after", "phases"}, with
 `phases` in seconds per RECOVERY_PHASES; the downtime is their sum (from the failure to the first step after).
+`cause`: "process_failed" (a rank died), or "hang" (the hang watchdog ended a rank that stopped answering).
 """
 
 from __future__ import annotations
