@@ -74,16 +74,19 @@ class Watchdog(Watcher):
         self.ended: set[int] = set()  # pids this watchdog ended
 
     @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
-        """A watchdog on this rank's one connection to the rendezvous store (none when it is turned off)."""
+    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None, exclude_hung: bool = False) -> Watchdog:
+        """A watchdog on this rank's one connection to the rendezvous store (none when it is turned off);
+        `exclude_hung`: under in-job recovery, a hung rank is ended rather than the job."""
         store = None
         if timeout_s > 0:
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
             store = dist.rendezvous.client()
         topo = dist.topology
         host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
-        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
-                   records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
+        watchdog = cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
+                       records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
+        watchdog.exclude_hung = exclude_hung
+        return watchdog
 
     def starting(self) -> None:
         self._publish_now()
