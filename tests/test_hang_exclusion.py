@@ -149,6 +149,9 @@ def test_a_collective_returning_after_mpi_reported_a_failure_is_not_trusted(monk
         def Allreduce(self, values, out, op):
             out[:] = 12345.0  # what an aborted schedule left in the buffer
 
+        def Get_failed(self):
+            raise NotImplementedError  # (MpiTransport.failed_ranks: nothing known)
+
     class Members:
         comm, _lost, lost = Comm(), 5.0, None
 
@@ -163,3 +166,8 @@ def test_a_collective_returning_after_mpi_reported_a_failure_is_not_trusted(monk
     with pytest.raises(MembersLost) as caught:
         transport.allreduce(np.zeros(2), "max")
     assert caught.value.ranks == (1,) and caught.value.detected_at == 5.0
+    members.lost = None  # the failure watch has not heard yet, but this communicator knows rank 1 failed
+    monkeypatch.setattr(WatchedTransport, "failed_ranks", lambda self: (1,))
+    with pytest.raises(MembersLost) as caught:
+        transport.allreduce(np.zeros(2), "max")
+    assert caught.value.ranks == (1,)

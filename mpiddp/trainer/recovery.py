@@ -61,7 +61,7 @@ class WatchedTransport(MpiTransport):
     member: under ULFM a collective interrupted by a failure can return on some ranks without an error and with
     its buffer never filled (seen: an Allreduce of the stop agreement after Open MPI aborted its schedule, whose
     garbage asked for a save). It raises MembersLost instead; the survivors recover, and `_same_position` puts
-    any survivor that got further back in step. One MPI_Test per collective."""
+    any survivor that got further back in step. One MPI_Test and one MPI_Comm_get_failed (local) per collective."""
 
     def __init__(self, members: Membership) -> None:
         super().__init__(members.comm)
@@ -71,6 +71,10 @@ class WatchedTransport(MpiTransport):
         lost = self.members.failed()
         if lost is not None:
             raise MembersLost(lost, self.members._lost or time.time())
+        # the aborted schedule knew before the failure watch (another communicator) heard: MPI_Comm_get_failed
+        failed = self.failed_ranks()
+        if failed:
+            raise MembersLost(failed, time.time())
         return value
 
     def allgather(self, value: Any) -> Any:
