@@ -20,6 +20,9 @@ from mpiddp.atomicfile import write_new, write_text_atomic
 FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that recorded a failure
 PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
 RECOVERIES_FILE = "recoveries.jsonl"  # in the same directory: one line per in-job recovery, as it happens
+# In-job recovery: a hung rank with no peer on its host to end it; launch ends it through its agent (ssh, the
+# rsh agent), and MPI then declares it failed. RUN_DIR/failures/end-pid-PID.json: {"host", "pid", "rank"}
+END_PREFIX = "end-pid-"
 ATTEMPTS_FILE = "attempts.json"  # written by the supervisor after each attempt; the job's summary includes it
 # exception: a rank raised; killed: a rank died by a signal (inferred by the supervisor from the launcher, since a
 # SIGKILLed rank writes nothing); hang: the watchdog fired; user_error: exit 2; stopped: a stop signal or an
@@ -72,7 +75,7 @@ def clear(directory: Path) -> None:
     never raises: a stale record is read with its time, and a clear that fails must not stop a job."""
     try:
         for path in directory.iterdir():
-            if path.name.startswith(("rank-", ".rank-")) or path.name in (PLACEMENT_FILE, RECOVERIES_FILE):
+            if path.name.startswith(("rank-", ".rank-", END_PREFIX)) or path.name in (PLACEMENT_FILE, RECOVERIES_FILE):
                 path.unlink(missing_ok=True)
     except OSError:
         pass
@@ -106,6 +109,30 @@ def rank_path(directory: Path, rank: int) -> Path:
 def write_rank(directory: Path, rank: int, record: FailureRecord) -> bool:
     """This rank's record, unless it recorded one already (its first failure is the cause); never raises."""
     return write_first(rank_path(directory, rank), record)
+
+
+def ask_to_end(directory: Path, rank: int, host: str, pid: int) -> bool:
+    """Ask `launch` to end process `pid` (rank `rank`) on `host`: a hung rank that no peer on its host can end
+    (in-job recovery). True when written; never raises."""
+    return _write_new(directory / f"{END_PREFIX}{pid}.json", {"host": host, "pid": pid, "rank": rank,
+                                                             "time": time.time()})
+
+
+def to_end(directory: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(file name, request) of every request to end a hung rank in `directory`: only well-formed ones."""
+    found = []
+    try:
+        paths = sorted(directory.glob(f"{END_PREFIX}*.json"))
+    except OSError:
+        return []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written (write_new renames a complete file in, so rarely) or broken
+        if isinstance(data, dict) and isinstance(data.get("host"), str) and isinstance(data.get("pid"), int):
+            found.append((path.name, data))
+    return found
 
 
 def read(path: Path) -> FailureRecord | None:

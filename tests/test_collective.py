@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpiddp.errors import AgreedError, HelpRequested, UserError
-from mpiddp.job.collective import Dist, SoloTransport, agree_on, solo_dist
+from mpiddp.job.collective import AGREEMENT_MARK as MARK, Dist, SoloTransport, agree_on, solo_dist
 from mpiddp.job.topology import RankRecord, build_topology
 
 
@@ -113,14 +113,24 @@ def test_reductions():
 
 def test_stop_agreement_takes_any_ranks_signal():
     # The per-step reduction carries (signal, save due): one call for both.
-    assert dist_for(PeersTransport(0, [None], reduce_with=[[10, 0]])).agree_stop(0) == 10
-    assert dist_for(PeersTransport(0, [None], reduce_with=[[0, 0]])).agree_stop(0) == 0
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[10, 0, MARK]])).agree_stop(0) == 10
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[0, 0, MARK]])).agree_stop(0) == 0
 
 
 def test_the_step_agreement_carries_a_snapshot_request_in_the_same_reduction():
-    assert dist_for(PeersTransport(1, [None], reduce_with=[[0, 1]])).agree_step(0, False) == (0, True)
-    assert dist_for(PeersTransport(0, [None], reduce_with=[[15, 0]])).agree_step(0, True) == (15, True)
-    assert dist_for(PeersTransport(0, [None], reduce_with=[[0, 0]])).agree_step(0, False) == (0, False)
+    assert dist_for(PeersTransport(1, [None], reduce_with=[[0, 1, MARK]])).agree_step(0, False) == (0, True)
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[15, 0, MARK]])).agree_step(0, True) == (15, True)
+    assert dist_for(PeersTransport(0, [None], reduce_with=[[0, 0, MARK]])).agree_step(0, False) == (0, False)
+
+
+def test_a_step_agreement_without_its_mark_is_not_trusted():
+    """Under ULFM a reduction cut short by a peer's failure returned another collective's numbers on a survivor
+    (they asked for a save): without every rank's mark the result is an error, which in-job recovery tells as
+    the peer's failure."""
+    transport = PeersTransport(0, [None], reduce_with=[[0, 1, 0]])
+    transport.allreduce = lambda values, op: np.array([37.0, 16.0, 2.5])  # a metric reduction's sums, say
+    with pytest.raises(RuntimeError, match="the stop agreement returned numbers that are not its own"):
+        dist_for(transport).agree_step(0, False)
 
 
 def test_gather_reaches_rank_0_only():

@@ -55,12 +55,12 @@ def launch_on(cluster, run_dir, job, launch=(), transport=None):
         assert_nothing_left(mark)
 
 
-def start_on(cluster, job, log):
+def start_on(cluster, job, log, launch=()):
     """Start the launch in the background, its output to `log` (a file: nobody need read it as it comes);
     (the supervisor's process, the job's mark) once training made progress (a generous deadline)."""
     env, mark = drill_env()
     with log.open("w") as out:
-        process = subprocess.Popen(on_cluster(cluster, job), cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
+        process = subprocess.Popen(on_cluster(cluster, job, launch), cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                    stderr=out)
     run_dir = Path(job[job.index("--run-dir") + 1])
     deadline = time.monotonic() + 180
@@ -115,7 +115,7 @@ def test_2_a_stopped_rank_is_named_by_the_hang_and_its_host_left_out(cluster, tm
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = ("--run-dir", str(run_dir), "--epochs", "3", *FAST, "--log-every", "1", "--hang-timeout", "8",
            "--collective-timeout", "8")  # the healthy rank's gloo timeout must not speak first
-    process, mark = start_on(cluster, job, log)
+    process, mark = start_on(cluster, job, log, launch=("--no-in-job-recovery",))  # in the job: test_2b
     try:
         os.kill(rank_pid(run_dir, 1), signal.SIGSTOP)  # rank 1, on nodeb: alive but silent, as a wedged GPU or NFS
         process.wait(timeout=300)
@@ -126,6 +126,39 @@ def test_2_a_stopped_rank_is_named_by_the_hang_and_its_host_left_out(cluster, tm
     assert_nodeb_replaced_by_the_spare(run_dir, JobResult(process.returncode, log.read_text(), 0, run_dir), "hang")
     (hang_file,) = run_dir.glob("hang-*.txt")
     assert "ranks behind: 1 on nodeb" in hang_file.read_text()
+
+
+def test_2b_under_in_job_recovery_launch_ends_the_stopped_rank_and_the_survivor_finishes(cluster, tmp_path):
+    """The same stop with in-job recovery (launch's default here): the hang file names rank 1, and since no other
+    rank runs on nodeb, the job asks launch, which ends it (SIGKILL through the agent it reaches hosts with);
+    MPI declares it failed and the survivor on nodea finishes in the same attempt, the recovery's cause a hang."""
+    from mpiddp.failure import read_metrics
+
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    job = ("--run-dir", str(run_dir), "--epochs", "3", *FAST, "--log-every", "1", "--hang-timeout", "8")
+    process, mark = start_on(cluster, job, log)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r.get("step", 0) >= 10 for r in read_metrics(run_dir) if r.get("kind") == "step") \
+                and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling with a deadline: the watchdogs have reported their pids by step 10
+        pid = rank_pid(run_dir, 1)
+        os.kill(pid, signal.SIGSTOP)  # rank 1, on nodeb: alive but silent
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        assert_nothing_left(mark)  # the stopped rank too
+    output = log.read_text()
+    assert process.returncode == 0, output[-5000:]
+    assert f"ending hung rank 1 (pid {pid}) on nodeb for in-job recovery" in output, output[-5000:]
+    (hang_file,) = run_dir.glob("hang-*.txt")
+    assert "ranks behind: 1 on nodeb" in hang_file.read_text()
+    (attempt,) = attempts(run_dir)["attempts"]
+    assert attempt["in_job_recovery"] and attempt["status"] == 0, attempt
+    (recovery,) = attempt["recoveries"]
+    assert (recovery["cause"], recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_after"]) == \
+        ("hang", [1], ["nodeb"], 1), recovery
 
 
 def test_3_every_rank_raising_blames_no_host(cluster, tmp_path):

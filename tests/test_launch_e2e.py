@@ -274,6 +274,9 @@ def test_mpich_a_killed_rank_is_relaunched_without_its_host_on_the_spare(hosts, 
     # in-job recovery falls back, saying why once: MPICH has no ULFM (launch never passes --with-ft to Hydra)
     off = "in-job recovery is off: MPICH has no ULFM fault tolerance"
     assert job.output.count(off) == 1, job.output[-5000:]
+    # and the job itself says why once (rank 0), each attempt: a failure ends it, `launch` relaunches it
+    said = "in-job recovery needs an MPI with ULFM fault tolerance (Open MPI 5 with --with-ft ulfm); this job runs MPICH"
+    assert job.output.count(said) == 2, job.output[-5000:]
     assert not first["in_job_recovery"] and first["in_job_recovery_off"].startswith(off)
     assert "--with-ft" not in first["command"]
 

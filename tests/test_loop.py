@@ -285,6 +285,9 @@ class PointRecorder:
     def on_eval_start(self, step):
         self.calls.append(("eval_start", step))
 
+    def on_save_start(self, step):
+        self.calls.append(("save_start", step))
+
 
 def test_the_loop_calls_its_callbacks_once_per_point_of_each_step():
     cfg, dist, loaders, state = job(epochs=1, batch_size=256)
@@ -295,7 +298,7 @@ def test_the_loop_calls_its_callbacks_once_per_point_of_each_step():
     steps = len(loaders.train)
     expected = [call for step in range(steps)
                 for call in (("data_wait", step), ("batch_loaded", step), ("step_end", step + 1))]
-    assert recorder.calls == expected + [("data_wait", steps), ("eval_start", steps)]
+    assert recorder.calls == expected + [("data_wait", steps), ("eval_start", steps), ("save_start", steps)]
 
 
 def test_the_drills_are_a_callback_only_with_inject_fault():

@@ -50,11 +50,11 @@ def hosts(tmp_path_factory):
 class Job:
     """`mpirun --with-ft ulfm -np 3` of the trainer on the three hosts, started on nodea, output in a file."""
 
-    def __init__(self, hosts: FakeHosts, tmp_path: Path, *flags: str) -> None:
+    def __init__(self, hosts: FakeHosts, tmp_path: Path, *flags: str, layout: str = HOSTS) -> None:
         self.run_dir, self.log = tmp_path / "run", tmp_path / "job.log"
         env, self.mark = marked_env()
         env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
-        command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", HOSTS,
+        command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", layout,
                    sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
         with self.log.open("w") as out:
             self.process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env,
@@ -74,10 +74,11 @@ class Job:
         assert_nothing_left(self.mark)
         pytest.fail(f"never saw {what}:\n{self.output()[-5000:]}")
 
-    def kill_when_stalled(self, victim: int) -> dict[int, int]:
-        """Every rank's pid once all three run; SIGKILL `victim` once it holds up the others. Returns the pids."""
+    def kill_when_stalled(self, victim: int, kind: str = "stall-data") -> dict[int, int]:
+        """Every rank's pid once all three run; SIGKILL `victim` once it holds up the others (its --inject-fault
+        `kind` said so). Returns the pids."""
         pids = self.wait_for("three ranks", lambda: (found := rank_pids(self.run_dir)) and len(found) == 3 and found)
-        self.wait_for("the stall", lambda: "injecting fault 'stall-data'" in self.output())
+        self.wait_for("the stall", lambda: f"injecting fault '{kind}'" in self.output())
         pids[victim] = rank_pids(self.run_dir)[victim]  # the same process: a rank's pid never changes
         subprocess.run(["kill", "-KILL", str(pids[victim])], check=False)
         return pids
@@ -262,3 +263,76 @@ def test_under_launch_a_recovery_then_a_failure_that_ends_the_job_leaves_out_bot
     assert attempt["blamed_hosts"] == ["nodec"], attempt  # the survivors' placement: rank 1 is nodec's now
     assert sorted(attempt["excluded_hosts"]) == ["nodeb", "nodec"], attempt
     assert "fewer than --min-np 2" in attempt["decision"] and "without nodeb too" in attempt["decision"], attempt
+
+
+def test_a_stopped_rank_is_named_in_the_hang_file_then_ended_by_its_hosts_peer_and_the_survivors_finish(hosts, tmp_path):
+    """Rank 1 on nodeb SIGSTOPped mid-epoch (alive, silent: a wedged GPU or NFS) while rank 2 shares its host: the
+    hang watchdog writes the hang file, rank 2's watchdog ends rank 1 with SIGKILL (a stopped process ignores
+    SIGTERM), MPI declares it failed, and the same two processes finish on 2 ranks, the recovery's cause a hang."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--hang-timeout", "8",
+              layout="nodea:1,nodeb:2")
+
+    def stepped() -> bool:
+        return (job.run_dir / "metrics.jsonl").exists() and \
+            any(r["kind"] == "step" and r["step"] >= 10 for r in metrics(job.run_dir))
+
+    pids = job.wait_for("three ranks", lambda: (found := rank_pids(job.run_dir)) and len(found) == 3 and found)
+    job.wait_for("step 10", stepped)  # the watchdogs have reported (with their pids) by then
+    subprocess.run(["kill", "-STOP", str(pids[1])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-5000:]
+    (hang_file,) = job.run_dir.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on nodeb" in text and f"rank 1 (pid {pids[1]}) on nodeb will be ended" in text, text
+    assert f"ending rank 1 (pid {pids[1]}) on nodeb with SIGKILL" in output, output[-5000:]
+    assert survivors_pids(output) == {0: pids[0], 1: pids[2]}, output[-3000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    (recovery,) = summary["recoveries"]
+    assert (recovery["cause"], recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_before"],
+            recovery["world_after"]) == ("hang", [1], ["nodeb"], 3, 2), recovery
+    assert summary["world_size"] == 2 and summary["epochs"] == 3, summary
+    steps = [r["step"] for r in metrics(job.run_dir) if r["kind"] == "step"]
+    assert steps == sorted(set(steps)) and steps[-1] == 90, steps  # none repeated, none skipped at the end
+
+
+def test_a_rank_killed_during_the_evaluation_the_survivors_evaluate_again_on_their_new_split(hosts, tmp_path):
+    """Rank 1 killed at the start of epoch 1's evaluation, while its peers wait for it in the evaluation's
+    reduction: the survivors recover (no training step is lost) and evaluate the whole test set again, split over
+    2 ranks; the epoch's record is written once, with its evaluation, and the run finishes."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-eval:1:30")
+    pids = job.kill_when_stalled(1, "stall-eval")
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-5000:]
+    assert survivors_pids(output) == {0: pids[0], 1: pids[2]}, output[-3000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    (recovery,) = summary["recoveries"]
+    assert (recovery["cause"], recovery["step"], recovery["steps_lost"], recovery["world_after"]) == \
+        ("process_failed", 30, 0, 2), recovery
+    records = metrics(job.run_dir)
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 61))
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["step"] for r in epochs] == [30, 60] and all(r["eval_accuracy"] > 0.5 for r in epochs), epochs
+    assert summary["eval_accuracy"] > 0.8, summary
+
+
+def test_a_rank_killed_during_a_save_falls_back_saying_why_and_the_earlier_snapshot_stays(hosts, tmp_path):
+    """Rank 1 killed while the others save epoch 2's snapshot: a failure during a save is not recovered in the
+    job (the snapshot may be incomplete). One line says why, the job ends non-zero (so `launch` relaunches it),
+    and `latest` still names epoch 1's snapshot, which loads."""
+    from mpiddp.trainer.checkpoint import load
+
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--inject-fault", "stall-save:1:60")
+    job.kill_when_stalled(1, "stall-save")
+    status = job.finish()
+    output = job.output()
+    assert status != 0, output[-5000:]
+    why = [line for line in output.splitlines() if "ERROR in-job recovery not possible" in line]
+    assert 1 <= len(why) <= 2, why  # one line per survivor at most, each saying why
+    assert all(line.endswith("in-job recovery not possible: a rank failed during a save: the snapshot may be "
+                              "incomplete; ending the job") for line in why), why
+    assert "goes on as rank" not in output and not (job.run_dir / "summary.json").exists()
+    latest = (job.run_dir / "checkpoints" / "latest").read_text().strip()
+    snapshot = load(job.run_dir / "checkpoints" / latest if not Path(latest).is_absolute() else Path(latest))
+    assert (snapshot.epoch, snapshot.step) == (1, 30), (latest, snapshot.epoch, snapshot.step)

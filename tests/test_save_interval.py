@@ -3,7 +3,7 @@ agreement riding on the per-step stop reduction, where the loop saves, and the s
 
 import pytest
 
-from mpiddp.job.collective import solo_dist
+from mpiddp.job.collective import AGREEMENT_MARK as MARK, solo_dist
 from mpiddp.job.stopping import StopRequest
 from mpiddp.tools.report import snapshot_line
 from mpiddp.trainer.config import Config, ConfigError, parse_args, parse_duration
@@ -67,9 +67,12 @@ def test_an_interval_of_zero_is_never_due():
 
 def test_rank_0s_clock_decides_for_every_rank():
     # rank 1 whose own clock says due, rank 0's not: no snapshot; rank 0's says due: every rank saves.
-    assert StopRequest().agreed_with_save(dist_for(PeersTransport(1, [None], reduce_with=[[0, 0]])), True) == (0, False)
-    assert StopRequest().agreed_with_save(dist_for(PeersTransport(1, [None], reduce_with=[[0, 1]])), False) == (0, True)
-    assert StopRequest().agreed_with_save(dist_for(PeersTransport(0, [None], reduce_with=[[0, 0]])), True) == (0, True)
+    def peers(rank, reduced):
+        return dist_for(PeersTransport(rank, [None], reduce_with=[[*reduced, MARK]]))
+
+    assert StopRequest().agreed_with_save(peers(1, [0, 0]), True) == (0, False)
+    assert StopRequest().agreed_with_save(peers(1, [0, 1]), False) == (0, True)
+    assert StopRequest().agreed_with_save(peers(0, [0, 0]), True) == (0, True)
     stop = StopRequest()
     stop.signum = 10
     assert stop.agreed_with_save(solo_dist(), False) == (10, False)
@@ -83,8 +86,8 @@ def test_the_per_step_agreement_is_one_reduction_that_carries_the_save_request()
             calls.append((list(values), op))
             return super().allreduce(values, op)
 
-    StopRequest().agreed_with_save(dist_for(Counting(0, [None], reduce_with=[[0, 0]])), True)
-    assert calls == [([0.0, 1.0], "max")]
+    StopRequest().agreed_with_save(dist_for(Counting(0, [None], reduce_with=[[0, 0, MARK]])), True)
+    assert calls == [([0.0, 1.0, MARK], "max")]
 
 
 @pytest.mark.usefixtures("solo_group")

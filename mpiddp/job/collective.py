@@ -52,6 +52,11 @@ class Transport(Protocol):
     def gradient_support(self) -> GradientSupport: ...
 
 
+# Every rank's third number in the per-step stop agreement. Under MPI fault tolerance (ULFM) a reduction cut short by
+# a peer's failure was seen to return on a survivor, without an error, numbers that were not the agreement's (they
+# asked for a save, which in-job recovery then refused as "a failure during a save"): a result without the mark is
+# not trusted.
+AGREEMENT_MARK = 0.5
 HalfFloat = Literal["float16", "bfloat16"]
 THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")  # MPI_THREAD_*, in increasing order
 
@@ -439,7 +444,10 @@ class Dist:
     def agree_step(self, signum: int, save_due: bool) -> tuple[int, bool]:
         """Once per step, in the one reduction `agree_stop` makes: (the stop signal any rank received, whether
         any rank asks for a snapshot now), so every rank stops or saves at the same step."""
-        agreed, save = self.reduce([signum, float(save_due)], "max")
+        agreed, save, mark = self.reduce([signum, float(save_due), AGREEMENT_MARK], "max")
+        if mark != AGREEMENT_MARK:  # never on a healthy job; in-job recovery tells a peer's failure from this error
+            raise RuntimeError(f"the stop agreement returned numbers that are not its own (mark {mark!r}): a reduction "
+                               "cut short by a peer's failure (MPI fault tolerance)")
         return int(agreed), save > 0
 
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:

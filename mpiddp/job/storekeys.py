@@ -15,6 +15,9 @@ PROGRESS_CLOCK = f"{PREFIX}/progress-clock"  # advanced by every publish: how fr
 HANG_REQUEST = f"{PREFIX}/hang-request"  # set by the rank that writes the hang file: every watchdog answers
 STACKS_GIVEN = f"{PREFIX}/stacks-given"  # how many ranks have put their stacks in the store
 HANG_REPORTS = f"{PREFIX}/hang-reports"  # the first watchdog to fire (its add returns 1) describes the hang
+# in-job recovery: the ranks behind, to be ended so that MPI declares them failed (JSON: rank -> pid, host, and
+# whether to end them now: only once the hang file is written)
+HANG_EXCLUDE = f"{PREFIX}/hang-exclude"
 
 # the finish watch (mpiddp.job.finishwatch)
 FINISHED = f"{PREFIX}/finished"  # how many ranks' scripts finished

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mpiddp.failure import replace_placement
 from mpiddp.job import storekeys
@@ -70,6 +70,49 @@ def members_lost(members: Membership, exc: BaseException, confirm_s: float = CON
     return None if ranks is None else MembersLost(ranks, time.time())
 
 
+class WatchedTransport(MpiTransport):
+    """MPI over the Membership's communicator, trusting no collective that returns after MPI reported a failed
+    member: under ULFM a collective interrupted by a failure can return on some ranks without an error and with
+    its buffer never filled (seen: an Allreduce of the stop agreement after Open MPI aborted its schedule, whose
+    garbage asked for a save). It raises MembersLost instead; the survivors recover, and `_same_position` puts
+    any survivor that got further back in step. One MPI_Test and one MPI_Comm_get_failed (local) per collective."""
+
+    def __init__(self, members: Membership) -> None:
+        super().__init__(members.comm)
+        self.members = members
+
+    def _trusted(self, value: Any) -> Any:
+        lost = self.members.failed()
+        if lost is not None:
+            raise MembersLost(lost, self.members._lost or time.time())
+        # the aborted schedule knew before the failure watch (another communicator) heard: MPI_Comm_get_failed
+        failed = self.failed_ranks()
+        if failed:
+            raise MembersLost(failed, time.time())
+        return value
+
+    def allgather(self, value: Any) -> Any:
+        return self._trusted(super().allgather(value))
+
+    def gather(self, value: Any) -> Any:
+        return self._trusted(super().gather(value))
+
+    def bcast(self, value: Any) -> Any:
+        return self._trusted(super().bcast(value))
+
+    def scatter(self, values: Any) -> Any:
+        return self._trusted(super().scatter(values))
+
+    def allreduce(self, values: Any, op: str) -> Any:
+        return self._trusted(super().allreduce(values, op))
+
+    def barrier(self) -> None:
+        self._trusted(super().barrier())
+
+    def idle_barrier(self, poll_s: float) -> None:
+        self._trusted(super().idle_barrier(poll_s))
+
+
 def rebind_survivors(dists: Sequence[Dist], members: Membership, before: Topology, recovered: Recovered,
                      guard: FailFast | None, log_level: str | None) -> Topology:
     """Every holder of the job's Dist now sees the survivors (see bind_topology)."""
@@ -84,7 +127,7 @@ def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology
     shrink, or a grow): new rank, communicator, store; the log lines name the new rank (`log_level`: the level
     the job chose, None to leave logging alone), the new rank 0 rewrites the placement `launch` reads, the guard
     reports through the new store, torchrun's variables follow."""
-    transport = MpiTransport(members.comm)
+    transport = WatchedTransport(members)
     old = dists[0].rendezvous
     address, port = members.endpoint or ("", 0)
     rendezvous = Rendezvous(address, port, old.interface_per_host if old else {},

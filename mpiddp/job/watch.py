@@ -78,6 +78,14 @@ class StoreMixin:
         key = storekeys.stacks(rank)
         return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
 
+    def put_exclusion(self, plan: dict[str, Any]) -> None:
+        self.store.set(storekeys.HANG_EXCLUDE, json.dumps(plan))
+
+    def exclusion(self) -> dict[str, Any] | None:
+        """The first watchdog's plan for the ranks behind (in-job recovery), or None when there is none."""
+        key = storekeys.HANG_EXCLUDE
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
     def put_trace_answer(self, failed: str | None) -> None:
         self.store.set(storekeys.trace(self.rank), failed or "")
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mpiddp.atomicfile import write_text_atomic
-from mpiddp.failure import FailureRecord, records_dir, write_rank
+from mpiddp.failure import FailureRecord, ask_to_end, records_dir, write_rank
 from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
 from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
@@ -38,6 +40,7 @@ READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight
 # the gradient all-reduce (it waits there for every other rank). At one step, a rank in an earlier phase than the
 # others never reached the collective they wait in: it is the one holding them up.
 STEP_PHASES = ("data", "compute", "communication")
+EXCLUDE_WAIT_MIN_S = 10.0  # in-job recovery: at least this long for a hung rank to be ended and the recovery to begin
 REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advance the clock, publish, look for a request
 
 
@@ -64,20 +67,29 @@ class Watchdog(Watcher):
         self.last_beat = time.monotonic()
         self.own_ticks: collections.deque[int] = collections.deque(maxlen=STALE_INTERVALS + 1)
         self.recovering = False  # in-job recovery: a store that stops answering meanwhile is the failed rank's
+        # In-job recovery: a hang ends the ranks behind (SIGKILL, after the hang file), so that MPI declares them
+        # failed and the survivors go on, instead of ending the job
+        self.exclude_hung = False
+        self.excluded: set[int] = set()  # ranks of this world that a hang ends (the recovery's cause is "hang")
+        self.ended: set[int] = set()  # pids this watchdog ended
 
     @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None) -> Watchdog:
-        """A watchdog on this rank's one connection to the rendezvous store (none when it is turned off)."""
+    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None, exclude_hung: bool = False) -> Watchdog:
+        """A watchdog on this rank's one connection to the rendezvous store (none when it is turned off);
+        `exclude_hung`: under in-job recovery, a hung rank is ended rather than the job."""
         store = None
         if timeout_s > 0:
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
             store = dist.rendezvous.client()
         topo = dist.topology
         host_of_rank = {rank: host for host, ranks in topo.hosts for rank in ranks}
-        return cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
-                   records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
+        watchdog = cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
+                       records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
+        watchdog.exclude_hung = exclude_hung
+        return watchdog
 
     def starting(self) -> None:
+        self._publish_now()
         if self.rank == 0:
             log.info("hang watchdog: each rank reports every %.1f s (%.0f requests/s to rank 0's store)",
                      self.interval, store_rate(self.world_size, REQUESTS_PER_INTERVAL, self.interval))
@@ -106,19 +118,29 @@ class Watchdog(Watcher):
         self.interval, self.host_of_rank, self.failure_dir = fresh.interval, fresh.host_of_rank, fresh.failure_dir
         self.rank, self.world_size, self.label, self.store = fresh.rank, fresh.world_size, fresh.label, fresh.store
         self.answered, self.last_beat = False, time.monotonic()
+        self.excluded = set()  # rank numbers of the old world
         self.own_ticks.clear()
         self.stopped = threading.Event()
         self.recovering = False
         self.thread = threading.Thread(target=self._watch, name=self.THREAD_NAME, daemon=True)
         if self.active:
+            self._publish_now()
             self.thread.start()
+
+    def _publish_now(self) -> None:
+        """A first progress record (with this process's pid) before the first interval: a rank that stops at once
+        is still named, and can be ended under in-job recovery."""
+        try:
+            self._publish()
+        except Exception:  # the thread's first round tries again, under its guard
+            pass
 
     def _publish(self) -> None:
         # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
         # counter in the store that every publish advances, never off wall clocks, which differ across hosts.
         tick = self.advance_clock()
         self.put_progress({"phase": self.phase, "step": self.step,
-                           "idle_s": round(time.monotonic() - self.last_beat, 1), "tick": tick})
+                           "idle_s": round(time.monotonic() - self.last_beat, 1), "tick": tick, "pid": os.getpid()})
         self.own_ticks.append(tick)
 
     def poll(self) -> Ending | None:
@@ -130,6 +152,8 @@ class Watchdog(Watcher):
             return self._fire
         if asked:  # another rank's watchdog fired: give it this rank's stacks and dump, and keep watching
             self._answer()
+        elif self.exclude_hung and self.answered:  # a hang under in-job recovery: end a rank behind on this host
+            self._end_here(self.exclusion(), first=False)
         return None
 
     def store_failed(self, exc: Exception) -> None:
@@ -165,6 +189,8 @@ class Watchdog(Watcher):
             pass
 
     def _fire(self) -> None:
+        stopped = self.stopped  # set when in-job recovery follows the survivors' new store, or the job ends
+        plan: dict[str, Any] | None = None
         idle = time.monotonic() - self.last_beat
         lines = [f"mpiddp: hang watchdog: {self.label} made no progress for {idle:.0f} s "
                  f"(--hang-timeout {self.timeout_s:g}); it is in phase {self.phase!r} after step {self.step}"]
@@ -188,7 +214,13 @@ class Watchdog(Watcher):
                 quiet_since = self.own_ticks[0] if len(self.own_ticks) == self.own_ticks.maxlen else None
                 behind = ranks_behind(progress, self.world_size, quiet_since)
                 lines.append(describe_progress(progress, self.world_size))
-                self._record(progress, behind, hang_file)
+                plan = self._plan_exclusion(progress, behind)
+                if plan is None:  # under in-job recovery, recorded only if the hung ranks cannot be ended
+                    self._record(progress, behind, hang_file)
+                else:
+                    self.put_exclusion(plan)  # now: every watchdog learns the recovery's cause before the end
+                    self.excluded.update(map(int, plan["ranks"]))
+                    lines.append(describe_exclusion(plan))
         except Exception as exc:
             lines.append(f"(progress of the other ranks unavailable: {exc})")
         sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n{stacks}")
@@ -198,7 +230,73 @@ class Watchdog(Watcher):
         if first and hang_file is not None:
             self._write_hang_file(hang_file, lines, behind, deadline)
         time.sleep(max(0.0, deadline - time.monotonic()))
+        if self.exclude_hung and self._exclude(stopped, first, plan):
+            return  # the survivors recover in the job; this thread's watch is over
+        if plan is not None:  # the hung ranks were not ended in time: the job ends as without in-job recovery
+            self._record(progress, behind, hang_file)
         self.abort(EXIT_HANG)
+
+    def _plan_exclusion(self, progress: dict[int, dict[str, Any]], behind: list[int]) -> dict[str, Any] | None:
+        """Under in-job recovery: the ranks behind with their pids and hosts, to be ended; None where the job
+        ends as today (recovery off, every rank stuck alike, a rank that never said its pid)."""
+        if not self.exclude_hung or not behind or len(behind) >= self.world_size:
+            return None
+        ranks = {}
+        for rank in behind:
+            pid, host = progress.get(rank, {}).get("pid"), self.host_of_rank.get(rank)
+            if not isinstance(pid, int) or host is None:
+                return None
+            ranks[str(rank)] = {"pid": pid, "host": host}
+        return {"ranks": ranks, "end": False}
+
+    def _exclude(self, stopped: threading.Event, first: bool, plan: dict[str, Any] | None) -> bool:
+        """Under in-job recovery, once the hang file is written: end the ranks behind (the first watchdog says
+        when, in the store; a watchdog on the host of a rank behind ends it; where none is, launch is asked), then
+        wait for the recovery to begin. False when there is nothing to end or it did not happen in time."""
+        deadline = time.monotonic() + max(self.timeout_s, EXCLUDE_WAIT_MIN_S)
+        if first and plan is None:  # nothing to end (every rank stuck, a pid unknown): the job ends as today
+            return False
+        try:
+            if first:
+                plan = {**plan, "end": True}
+                self.put_exclusion(plan)
+            while not first and (plan is None or not plan.get("end")) and time.monotonic() < deadline:
+                plan = self.exclusion()
+                if plan is None:  # the first watchdog found nothing to end: the job ends as today
+                    return False
+                if not plan.get("end") and stopped.wait(min(self.interval, 0.5)):
+                    return True
+        except Exception:  # the store went away: a rank behind held it and was ended; the recovery is under way
+            if not self.recovering:
+                return stopped.wait(max(0.0, deadline - time.monotonic()))
+            return True
+        self._end_here(plan, first)
+        return stopped.wait(max(0.0, deadline - time.monotonic()))
+
+    def _end_here(self, plan: dict[str, Any] | None, first: bool) -> None:
+        """Learn the ranks a hang ends; once the plan says so, SIGKILL those on this rank's host (a stopped
+        process ignores SIGTERM), and (the first watchdog) ask launch to end those with no peer on their host."""
+        if plan is None:
+            return
+        ranks = {int(rank): where for rank, where in plan["ranks"].items()}
+        self.excluded.update(ranks)
+        if not plan.get("end"):
+            return
+        here = self.host_of_rank.get(self.rank)
+        for rank, where in ranks.items():
+            pid, host = int(where["pid"]), str(where["host"])
+            if host == here and pid not in self.ended:
+                self.ended.add(pid)
+                sys.stderr.write(f"mpiddp: hang watchdog: {self.label}: ending rank {rank} (pid {pid}) on {host} "
+                                 "with SIGKILL: in-job recovery leaves it behind\n")
+                sys.stderr.flush()
+                end_process(pid)
+            elif first and not any(h == host and r not in ranks for r, h in self.host_of_rank.items()) \
+                    and self.failure_dir is not None:
+                if ask_to_end(self.failure_dir, rank, host, pid):
+                    sys.stderr.write(f"mpiddp: hang watchdog: no other rank runs on {host}: asking launch to end "
+                                     f"rank {rank} (pid {pid})\n")
+                    sys.stderr.flush()
 
     def _write_hang_file(self, path: Path, lines: list[str], behind: list[int], deadline: float) -> None:
         """One file with the ranks behind, their hosts, and every rank's stacks, gathered through the store."""
@@ -283,6 +381,21 @@ def ranks_behind(progress: dict[int, dict[str, Any]], world_size: int, quiet_sin
         earliest = min(STEP_PHASES.index(phase) for phase in at_lowest.values())
         return sorted(rank for rank, phase in at_lowest.items() if STEP_PHASES.index(phase) == earliest)
     return sorted(at_lowest)
+
+
+def end_process(pid: int) -> None:
+    """SIGKILL: a stopped process (SIGSTOP) ignores SIGTERM until it is continued."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # gone already, or not ours to end
+        pass
+
+
+def describe_exclusion(plan: dict[str, Any]) -> str:
+    """The hang file's line on what in-job recovery does with the ranks behind."""
+    named = ", ".join(f"rank {rank} (pid {where['pid']}) on {where['host']}" for rank, where in plan["ranks"].items())
+    return (f"in-job recovery: {named} will be ended (SIGKILL) once this report is written; MPI then declares "
+            f"{'them' if len(plan['ranks']) > 1 else 'it'} failed and the other ranks go on")
 
 
 def describe_progress(progress: dict[int, dict[str, Any]], world_size: int | None = None) -> str:

@@ -8,6 +8,7 @@ placement.json), and the launcher's own output (its evidence lines, wherever the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV,
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
+from mpiddp.launch.ender import Ender, rsh_agent
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import Decision, blamed, decide, same_host, strike_lost_in_job
@@ -329,13 +331,20 @@ class Supervisor:
             return attempt, ""
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
-        status, output = self._follow(self.child, self._output_paths(number))
+        with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
+            status, output = self._follow(self.child, self._output_paths(number))
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()
         if attempt.in_job_recovery:
             attempt.status = status_under_fault_tolerance(attempt.status, failure.read_all(self.failure_file))
         return attempt, output
+
+    def _ender(self, attempt: Attempt) -> contextlib.AbstractContextManager[Any]:
+        """While the attempt runs under in-job recovery: ends the hung ranks the job names (mpiddp.launch.ender)."""
+        if not attempt.in_job_recovery:
+            return contextlib.nullcontext()
+        return Ender(self.failure_file, rsh_agent(self.plan.extra, self.env), say)
 
     def _finished(self, attempt: Attempt) -> bool:
         """Whether a 0 from the launcher means the job finished: always without MPI fault tolerance; with it (where

@@ -21,6 +21,9 @@ class Callback:
     def on_eval_start(self, step: int) -> None:
         """The evaluation at `step` has loaded its first batch."""
 
+    def on_save_start(self, step: int) -> None:
+        """A snapshot at `step` is about to be saved (collective: every rank is here)."""
+
     def on_recovered(self, rank: int) -> None:
         """In-job recovery: this process goes on as `rank` of the survivors (mpiddp.trainer.recovery)."""
 
@@ -50,6 +53,10 @@ class Callbacks(Callback):
     def on_eval_start(self, step: int) -> None:
         for callback in self.callbacks:
             callback.on_eval_start(step)
+
+    def on_save_start(self, step: int) -> None:
+        for callback in self.callbacks:
+            callback.on_save_start(step)
 
     def on_recovered(self, rank: int) -> None:
         for callback in self.callbacks:

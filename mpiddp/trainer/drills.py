@@ -44,7 +44,8 @@ def stop_drill(fault: FaultInjection | None, rank: int, step: int, phase: str) -
 
 def straggle(fault: FaultInjection | None, rank: int, step: int, phase: str) -> None:
     """A straggler drill (--inject-fault slow-data / slow-compute): from its step on, this rank's loader or
-    compute takes STRAGGLE_S longer, as a slow disk or a throttled GPU would."""
+    compute takes STRAGGLE_S longer, as a slow disk or a throttled GPU would. A stall (stall-data, stall-compute,
+    stall-eval, stall-save) blocks the rank in that phase at its step."""
     if fault is not None and fault.kind == f"slow-{phase}" and fault.rank in (rank, ALL_RANKS) and step >= fault.step:
         time.sleep(STRAGGLE_S)
     if fault is not None and fault.kind == f"stall-{phase}" and fault.hits(rank, step):
@@ -74,6 +75,10 @@ class Drills(Callback):
 
     def on_eval_start(self, step: int) -> None:
         stop_drill(self.fault, self.rank, step, "eval")
+        straggle(self.fault, self.rank, step, "eval")
+
+    def on_save_start(self, step: int) -> None:
+        straggle(self.fault, self.rank, step, "save")
 
     def on_recovered(self, rank: int) -> None:
         # The drill named a rank number, which now belongs to another process: it has fired; a straggler stays.

@@ -188,7 +188,9 @@ def restored_state(cfg: Any, current: Any, dist: Any, loaders: Any, datasets: An
     scheduler.load_state_dict(payload["scheduler"])
     scaler = torch.amp.GradScaler(dist.device.type, enabled=cfg.training.amp == "fp16")
     scaler.load_state_dict(payload["scaler"])
-    ddp, hook, wrapped = wrap(current, dist, model, members, payload["transport"])
+    # the survivors wrap again without DDP's broadcast (recovery._rewrap): this rank holds rank 0's weights already,
+    # and a broadcast on one side only would never match
+    ddp, hook, wrapped = wrap(current, dist, model, members, payload["transport"], replicas_agree=True)
     return TrainState(wrapped, ddp, model, optimizer, scheduler, scaler, hook, epoch=epoch, step=step,
                       batches_per_epoch=batches_per_epoch, pending_epoch=pending)
 

@@ -20,10 +20,11 @@ from typing import Any, TypeVar
 from mpiddp import recoveries
 from mpiddp.contract import MIN_NP_ENV
 from mpiddp.failure import records_dir
-from mpiddp.job.collective import Dist, MpiTransport
+from mpiddp.job.collective import Dist
 from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm, nccl_abort_available
-from mpiddp.job.survivors import (CONFIRM_S, bind_topology, end_without_finalize,  # noqa: F401 (run.py's)
-                                  mark_recovered, members_lost, rebind_survivors, recovered_in_this_process)
+from mpiddp.job.survivors import (CONFIRM_S, WatchedTransport, bind_topology,  # noqa: F401 (WatchedTransport:
+                                  end_without_finalize, mark_recovered, members_lost,  # tests; the others: run.py)
+                                  rebind_survivors, recovered_in_this_process)
 from mpiddp.trainer.recoverable import Regrown, Resplit, job_refusal, nccl_errors_env, refusal, resplit
 
 
@@ -46,6 +47,11 @@ def prepare_nccl(compression: str) -> None:
     failure ends the job, as torchrun's setting has it."""
     if compression != "powersgd" and nccl_abort_available() and check_ulfm() is None:
         os.environ.update(nccl_errors_env(os.environ))
+
+
+
+    def allreduce_inplace(self, values: object, sum_as: Any = None) -> None:
+        self._trusted(super().allreduce_inplace(values, sum_as))
 
 
 class NotRecovered(RuntimeError):
@@ -89,7 +95,7 @@ class InJobRecovery:
             return None
         members = Membership(dist.transport.comm, collective_timeout_s,  # type: ignore[attr-defined]
                              backend=dist.backend, device=dist.device if dist.backend == "nccl" else None)
-        transport = MpiTransport(members.comm)  # a revoke reaches a rank blocked in a metric reduction too
+        transport = WatchedTransport(members)  # a revoke reaches a rank blocked in a metric reduction too
         for each in [dist, *others]:
             each.rebind(each.topology, transport, None)
         min_size = max(1, int(os.environ.get(MIN_NP_ENV) or 1))
@@ -170,6 +176,7 @@ class InJobRecovery:
         if reason is not None:
             self.fall_back(reason, lost.ranks)
         in_step = self.in_step
+        hung = set(getattr(parts.watchdog, "excluded", ()))  # ranks the hang watchdog ended (before it follows)
         parts.watchdog.suspend()
         topology_before, world_before, step = dist.topology, dist.world_size, parts.state.step
         try:
@@ -196,7 +203,8 @@ class InJobRecovery:
                   "ddp": time.monotonic() - started, "first_step": None}
         hosts = list(dict.fromkeys(topology_before.host_of(rank) for rank in failed))
         self.records.append({
-            "cause": "process_failed", "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
+            "cause": "hang" if hung & set(failed) else "process_failed",
+            "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
             "steps_lost": 1 if in_step and not caught_up else 0,
             "world_before": world_before, "world_after": dist.world_size, "phases": phases,
         })
@@ -296,14 +304,16 @@ class InJobRecovery:
     def gathered(self, dist: Dist) -> list[dict[str, Any]]:
         """Collective: the recoveries, each phase the slowest survivor's (detect: the earliest notice); on rank 0,
         an empty list elsewhere."""
-        views = dist.gather([record["phases"] for record in self.records])
+        views = dist.gather([(record["phases"], record["cause"]) for record in self.records])
         if views is None:
             return []
         out = []
         for index, record in enumerate(self.records):
             phases = {}
             for name in record["phases"]:
-                values = [view[index][name] for view in views if view[index][name] is not None]
+                values = [view[index][0][name] for view in views if view[index][0][name] is not None]
                 phases[name] = (min if name == "detect" else max)(values) if values else None
-            out.append({**record, "phases": phases})
+            # a hang's end: any survivor whose watchdog learned of it in time says so
+            cause = "hang" if any(view[index][1] == "hang" for view in views) else record["cause"]
+            out.append({**record, "cause": cause, "phases": phases})
         return out

@@ -173,7 +173,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     state, loaders, restored, datasets = built
     resumed_at_step = state.step
     run_logger, wandb_run_id = start_logger(cfg, dist, run_dir, state, restored, job_started_at, startup)
-    watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, run_dir).start()
+    watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, run_dir, exclude_hung=recovery is not None).start()
     if guard is not None:  # a failure record carries the last completed step, and whether this job made progress
         guard.progress = lambda: (state.step, watchdog.progressed)
     # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).

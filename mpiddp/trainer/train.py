@@ -98,6 +98,7 @@ class Hooks:
 
     def save_now(self, state: TrainState) -> None:
         """Collective: save a snapshot, whatever the reason; the time-based interval counts from here."""
+        self.callbacks.on_save_start(state.step)
         self.save(state)
         self.save_clock.restart()
 

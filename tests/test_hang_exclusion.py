@@ -1,0 +1,173 @@
+"""A hung rank under in-job recovery, in-process: the hang watchdog writes the hang file, then ends the rank behind
+(a rank on its host does, else `launch` is asked through a file), and the job is not aborted; without in-job
+recovery, or when nothing ends it in time, the job ends as before. The end-to-end runs are in
+test_recovery_e2e.py (a peer on the host) and test_drill.py (launch)."""
+
+import json
+import threading
+
+import pytest
+
+import mpiddp.job.watchdog as watchdog_module
+from mpiddp import failure
+from mpiddp.errors import EXIT_HANG
+from mpiddp.job import storekeys
+from mpiddp.job.watchdog import Watchdog
+from mpiddp.launch.ender import Ender, end_command, rsh_agent
+from test_launch_record import DictStore
+from test_watch import wait_for
+
+STOPPED_PID = 424242  # the stopped rank's pid, as its last progress record says
+
+
+@pytest.fixture
+def ended(monkeypatch):
+    """The pids the watchdogs end (SIGKILL), recorded instead of sent."""
+    monkeypatch.setattr(watchdog_module, "GRACE_S", 0.1)
+    monkeypatch.setattr(watchdog_module, "EXCLUDE_WAIT_MIN_S", 0.5)
+    pids = []
+    monkeypatch.setattr(watchdog_module, "end_process", pids.append)
+    return pids
+
+
+def watchdogs_with_rank_1_stopped(tmp_path, hosts, exclude_hung=True, timeout_s=1):
+    """Three watchdogs on one store; rank 1 stopped (its watchdog went quiet) after publishing its pid."""
+    store, aborted = DictStore(), []
+    watchdogs = [Watchdog(timeout_s, rank, 3, f"rank {rank}/3", store, aborted.append, hosts,
+                          tmp_path / failure.FAILURES_DIR, tmp_path) for rank in range(3)]
+    for each in watchdogs:
+        each.exclude_hung = exclude_hung
+        each.beat("train", 7)
+        each._publish()
+    record = json.loads(store.get(storekeys.progress(1)))
+    store.set(storekeys.progress(1), json.dumps({**record, "pid": STOPPED_PID}))
+    for _ in range(watchdog_module.STALE_INTERVALS + 1):
+        watchdogs[0]._publish()
+        watchdogs[2]._publish()
+    return watchdogs, aborted
+
+
+def fire(watchdog):
+    thread = threading.Thread(target=watchdog._fire, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_stopped_rank_is_ended_by_the_rank_on_its_host_after_the_hang_file_and_the_job_goes_on(tmp_path, ended):
+    watchdogs, aborted = watchdogs_with_rank_1_stopped(tmp_path, {0: "hosta", 1: "hostb", 2: "hostb"})
+    first = fire(watchdogs[0])
+    peer = watchdogs[2]
+
+    def polled():  # a round of the peer's watchdog (its rank kept making progress, so it never fires itself)
+        peer.beat("train", 7)
+        return peer.poll() is None
+
+    assert wait_for(lambda: polled() and peer.hang_requested())
+    peer._answer()  # asked for its stacks, as its next poll would
+    assert wait_for(lambda: polled() and ended == [STOPPED_PID])  # the peer on hostb ends rank 1
+    (hang_file,) = tmp_path.glob("hang-*.txt")  # written before the end
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on hostb" in text
+    assert f"in-job recovery: rank 1 (pid {STOPPED_PID}) on hostb will be ended (SIGKILL)" in text
+    assert watchdogs[0].excluded == peer.excluded == {1}  # the recovery's cause: a hang
+    watchdogs[0].stopped.set()  # the survivors recovered: the watchdog follows them
+    first.join(30)
+    assert not first.is_alive() and aborted == []
+    assert failure.read_all(tmp_path / failure.FAILURES_DIR) == []  # a recovered job leaves no failure record
+    assert failure.to_end(tmp_path / failure.FAILURES_DIR) == []  # nothing for launch to do
+
+
+def test_a_stopped_rank_alone_on_its_host_is_left_to_launch(tmp_path, ended):
+    watchdogs, aborted = watchdogs_with_rank_1_stopped(tmp_path, {0: "hosta", 1: "hostb", 2: "hostc"})
+    first = fire(watchdogs[0])
+    directory = tmp_path / failure.FAILURES_DIR
+    assert wait_for(lambda: failure.to_end(directory))
+    ((name, asked),) = failure.to_end(directory)
+    assert (asked["host"], asked["pid"], asked["rank"]) == ("hostb", STOPPED_PID, 1) and ended == []
+    watchdogs[0].stopped.set()
+    first.join(30)
+    assert aborted == []
+
+
+def test_a_stopped_rank_not_ended_in_time_ends_the_job_as_before(tmp_path, ended):
+    watchdogs, aborted = watchdogs_with_rank_1_stopped(tmp_path, {0: "hosta", 1: "hostb", 2: "hostc"})
+    watchdogs[0]._fire()  # launch never ends it (plain mpirun): the wait runs out
+    assert aborted == [EXIT_HANG]
+    (record,) = failure.read_all(tmp_path / failure.FAILURES_DIR)
+    assert (record.kind, record.ranks, record.hosts) == ("hang", [1], ["hostb"])
+
+
+def test_without_in_job_recovery_a_hang_ends_the_job_and_nobody_is_killed(tmp_path, ended):
+    watchdogs, aborted = watchdogs_with_rank_1_stopped(tmp_path, {0: "hosta", 1: "hostb", 2: "hostb"},
+                                                       exclude_hung=False)
+    watchdogs[0]._fire()
+    assert aborted == [EXIT_HANG] and ended == []
+    assert not watchdogs[0].store.check([storekeys.HANG_EXCLUDE])
+    assert failure.to_end(tmp_path / failure.FAILURES_DIR) == []
+    (record,) = failure.read_all(tmp_path / failure.FAILURES_DIR)
+    assert (record.kind, record.ranks) == ("hang", [1])
+
+
+def test_launch_reaches_the_host_through_the_launchers_agent():
+    assert rsh_agent(["--mca", "btl", "tcp,self", "--mca", "plm_rsh_agent", "/x/agent.sh -q"], {}) == \
+        ["/x/agent.sh", "-q"]
+    assert rsh_agent([], {"PRTE_MCA_plm_rsh_agent": "rsh : ssh"}) == ["rsh"]
+    assert rsh_agent([], {}) == ["ssh"]
+    assert end_command(["ssh"], "nodeb", 77) == ["ssh", "nodeb", "kill -KILL 77"]
+    assert end_command(["ssh"], "localhost", 77) == ["kill", "-KILL", "77"]
+
+
+def test_launch_ends_each_process_the_job_asks_for_once(tmp_path):
+    directory = tmp_path / failure.FAILURES_DIR
+    assert failure.ask_to_end(directory, 1, "nodeb", 77)
+    ran, said = [], []
+    ender = Ender(directory, ["agent"], said.append, run=lambda command: ran.append(command) or 0)
+    ender.once()
+    ender.once()
+    assert ran == [["agent", "nodeb", "kill -KILL 77"]]
+    assert said == ["ending hung rank 1 (pid 77) on nodeb for in-job recovery: agent nodeb kill -KILL 77"]
+    failure.clear(directory)  # a new attempt: an earlier attempt's requests are gone
+    assert failure.to_end(directory) == []
+
+
+def test_a_collective_returning_after_mpi_reported_a_failure_is_not_trusted(monkeypatch):
+    """Under ULFM an Allreduce cut short by a failure returned on a survivor with its buffer never filled (the
+    stop agreement's garbage asked for a save, and the recovery then refused "a failure during a save"): the
+    survivors' transport raises MembersLost for any collective that returns once MPI has reported a failure."""
+    import numpy as np
+
+    from mpiddp.job.membership import MembersLost
+    from mpiddp.trainer.recovery import WatchedTransport
+
+    class Comm:
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 2
+
+        def Allreduce(self, values, out, op):
+            out[:] = 12345.0  # what an aborted schedule left in the buffer
+
+        def Get_failed(self):
+            raise NotImplementedError  # (MpiTransport.failed_ranks: nothing known)
+
+    class Members:
+        comm, _lost, lost = Comm(), 5.0, None
+
+        def failed(self):
+            return self.lost
+
+    monkeypatch.setattr("mpi4py.util.pkl5.Intracomm", lambda comm: comm)  # a fake communicator
+    members = Members()
+    transport = WatchedTransport(members)
+    assert transport.allreduce(np.zeros(2), "max").tolist() == [12345.0, 12345.0]  # no failure known: as before
+    members.lost = (1,)
+    with pytest.raises(MembersLost) as caught:
+        transport.allreduce(np.zeros(2), "max")
+    assert caught.value.ranks == (1,) and caught.value.detected_at == 5.0
+    members.lost = None  # the failure watch has not heard yet, but this communicator knows rank 1 failed
+    monkeypatch.setattr(WatchedTransport, "failed_ranks", lambda self: (1,))
+    with pytest.raises(MembersLost) as caught:
+        transport.allreduce(np.zeros(2), "max")
+    assert caught.value.ranks == (1,)
