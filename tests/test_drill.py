@@ -89,17 +89,19 @@ def test_1_a_rank_killed_with_loader_workers_is_left_behind_and_the_survivor_fin
     run_dir = tmp_path / "run"
     # 160 images, 16 per rank: 5 steps per epoch; rank 1 (nodeb) dies by SIGKILL at step 3 with 2 workers alive.
     # launch runs the job with MPI fault tolerance (this Open MPI has ULFM): the survivor goes on in the job, at
-    # the same global batch, its loader workers re-made for one rank, and nothing of nodeb's rank is left.
+    # the same global batch, its loader workers re-made for one rank, and nothing of nodeb's rank is left; then
+    # the job grows back onto the spare nodec, whose new rank (with loader workers of its own) ends with the job.
     job = launch_on(cluster, run_dir, ("--run-dir", str(run_dir), "--dataset", "cifar10", "--data-dir", str(data_dir),
                                        "--arch", "digits_cnn", "--num-classes", "10", "--batch-size", "16",
                                        "--num-workers", "2", "--epochs", "2", *FAST, "--inject-fault", "kill:1:3"))
     assert job.returncode == 0, job.output[-5000:]
     (attempt,) = attempts(run_dir)["attempts"]
     assert attempt["in_job_recovery"] and attempt["status"] == 0, attempt
-    (recovery,) = attempt["recoveries"]
+    recovery, grew = attempt["recoveries"]
     assert (recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_after"]) == ([1], ["nodeb"], 1), recovery
+    assert (grew["cause"], grew["hosts_added"], grew["world_after"]) == ("grew", ["nodec"], 2), grew
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["hosts"] == {"nodea": [0]}, summary  # the survivor, on its own
+    assert summary["hosts"] == SPARE_USED, summary  # the survivor, and the spare grown onto
 
 
 def test_1b_the_same_without_in_job_recovery_is_relaunched_on_the_spare(cluster, tmp_path, data_dir):  # noqa: F811
@@ -156,9 +158,10 @@ def test_2b_under_in_job_recovery_launch_ends_the_stopped_rank_and_the_survivor_
     assert "ranks behind: 1 on nodeb" in hang_file.read_text()
     (attempt,) = attempts(run_dir)["attempts"]
     assert attempt["in_job_recovery"] and attempt["status"] == 0, attempt
-    (recovery,) = attempt["recoveries"]
+    recovery, grew = attempt["recoveries"]  # then back onto the spare
     assert (recovery["cause"], recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_after"]) == \
         ("hang", [1], ["nodeb"], 1), recovery
+    assert (grew["cause"], grew["hosts_added"], grew["world_after"]) == ("grew", ["nodec"], 2), grew
 
 
 def test_3_every_rank_raising_blames_no_host(cluster, tmp_path):

@@ -3,6 +3,7 @@ line), what launch records of it per attempt, `check`'s line, and how `report` t
 
 import json
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -78,10 +79,10 @@ def test_open_mpi_5_is_asked_to_notice_a_silent_host_in_seconds_unless_the_user_
     assert node_loss_args("srun", "openmpi", OPEN_MPI_5, []) == ()
 
 
-def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0):
+def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False):
     """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
     launcher it writes a summary.json with one recovery into RUN_DIR (and, with `finishes`, the job's mark that it
-    finished) and exits `status`."""
+    finished) and exits `status` (with `lingers`, never: it sleeps)."""
     folder.mkdir()
     info = folder / "ompi_info"
     info.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'options:ft_mpi_support:{ft_line}'\n")
@@ -92,6 +93,7 @@ def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0):
         "run_dir = os.environ['MPIDDP_RUN_DIR']\n"
         f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{RECOVERY!r}]}}))\n"
         + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else "")
+        + ("import time\ntime.sleep(10**6)\n" if lingers else "")
         + f"sys.exit({status})\n")
     for program in (info, launcher):
         program.chmod(0o755)
@@ -282,6 +284,35 @@ def test_a_fault_tolerant_mpirun_that_fails_after_the_jobs_finished_mark_is_a_fi
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     assert (attempt["status"], attempt["decision"]) == (0, "finished"), attempt
     assert "the launcher exited 139 after the job marked its end" in capsys.readouterr().err
+
+
+def test_a_launcher_that_lingers_after_the_jobs_finished_mark_is_ended_and_the_job_finished(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A launcher (or a rank it waits for) that never exits after the job marked its end must not hold a run that
+    nobody watches: launch ends it FINISHED_LINGER_S later, says so, and takes the job as finished."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.5)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=True)
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"],
+                     {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert (attempt["status"], attempt["decision"]) == (0, "finished"), attempt
+    said = capsys.readouterr().err
+    assert "the launcher still runs 0.5 s after the job marked its end: ending it" in said, said
+    assert "the launcher exited 137 after the job marked its end" in said, said
+
+
+def test_a_launcher_without_the_mark_is_waited_for(tmp_path, monkeypatch):
+    """Without the job's mark (a job still training), launch never ends the launcher on its own."""
+    monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.0)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], start_new_session=True)
+    try:
+        assert supervisor_module._wait_unless_lingering(child, lambda: False) == 0
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_script_under_run_keeps_the_relaunch_path(tmp_path):

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -41,6 +42,9 @@ OUTPUT_TAIL_LINES = 400  # the launcher's last lines, kept with every evidence l
 # After the launcher exits, its output is passed on for at most this much longer (a process that left its
 # session may write on); what the relays have not passed on by then is still in the run dir's attemptN.out/.err.
 RELAY_DRAIN_S = 10.0
+# How long the launcher may outlive a job that marked its end (under MPI fault tolerance) before launch ends it:
+# a process that lingers after the job's results are written must not hold an unwatched run forever.
+FINISHED_LINGER_S = 60.0
 RELAY_POLL_S = 0.1  # how often a relay looks for new output
 
 
@@ -332,7 +336,7 @@ class Supervisor:
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
-            status, output = self._follow(self.child, self._output_paths(number))
+            status, output = self._follow(self.child, self._output_paths(number), lambda: self._marked(attempt))
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()
@@ -353,6 +357,11 @@ class Supervisor:
             return True
         return finished_since(self.plan.run_dir, attempt.started_at)
 
+    def _marked(self, attempt: Attempt) -> bool:
+        """Under MPI fault tolerance: whether training marked the end of this attempt's job."""
+        return attempt.in_job_recovery and self.plan.mode == "train" and finished_since(self.plan.run_dir,
+                                                                                         attempt.started_at)
+
     def _job_status(self, attempt: Attempt) -> int | None:
         """The attempt's status as the job's evidence tells it. Under MPI fault tolerance a 0 counts only with
         training's mark that it ended (mpirun --with-ft ulfm exits 0 when every rank was killed), and the mark
@@ -360,9 +369,7 @@ class Supervisor:
         after a job that grew back has finished)."""
         if attempt.status == 0 and not self._finished(attempt):
             return EXIT_CRASH
-        marked = attempt.in_job_recovery and self.plan.mode == "train" and finished_since(self.plan.run_dir,
-                                                                                           attempt.started_at)
-        if attempt.status not in (0, None) and not self.stop_signal and marked:
+        if attempt.status not in (0, None) and not self.stop_signal and self._marked(attempt):
             say(f"attempt {attempt.number}: the launcher exited {attempt.status} after the job marked its end "
                 f"(every rank finished and wrote its results): taken as finished")
             return 0
@@ -386,9 +393,11 @@ class Supervisor:
             return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     start_new_session=True, preexec_fn=supervision.launcher_preexec(self.child_stop))
 
-    def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path]) -> tuple[int, str]:
+    def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path],
+                marked: Callable[[], bool] = lambda: False) -> tuple[int, str]:
         """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
-        until the launcher itself exits; then kill what is left of its session, so nothing of the attempt stays.
+        until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (then it is ended);
+        then kill what is left of its session, so nothing of the attempt stays.
         (launcher's status, the last lines of its output)."""
         tail = OutputKeeper(OUTPUT_TAIL_LINES)  # evidence lines wherever they appear, and the last lines
         done = threading.Event()
@@ -396,7 +405,7 @@ class Supervisor:
                   for path, target in zip(paths, (sys.stdout, sys.stderr))]
         for relay in relays:
             relay.start()
-        status = child.wait()
+        status = _wait_unless_lingering(child, marked)
         end_session(child.pid)
         done.set()  # the relays read to the end of what was written, then stop
         deadline = time.monotonic() + RELAY_DRAIN_S
@@ -506,6 +515,23 @@ def _pass_on(line: str, target: TextIO, tail: OutputKeeper) -> None:
     except OSError:  # the terminal is gone (an ssh disconnect): keep supervising
         pass
     tail.append(line)
+
+
+def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], bool]) -> int:
+    """The launcher's status once it exits; if it is still running FINISHED_LINGER_S after the job marked its
+    end (a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return its -9."""
+    mark_seen: float | None = None
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if mark_seen is None:
+            mark_seen = time.monotonic() if marked() else None
+        elif time.monotonic() - mark_seen > FINISHED_LINGER_S:
+            say(f"the launcher still runs {FINISHED_LINGER_S:g} s after the job marked its end: ending it")
+            end_session(child.pid)
+            return child.wait()
 
 
 def end_session(session: int) -> None:

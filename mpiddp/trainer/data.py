@@ -422,6 +422,16 @@ def load_datasets(cfg: Config, model_channels_for: Any) -> Datasets:
     return Datasets(folders["train"], folders["val"], len(folders["train"].classes), channels)
 
 
+def stop_workers(loaders: Loaders) -> None:
+    """End the persistent worker processes of `loaders` now. They ignore SIGTERM (HelperSafeLoader), so a rank that
+    ends through Python's exit handlers with them alive would wait in multiprocessing's join forever; and a new
+    split's loaders replace these."""
+    for loader in (loaders.train, loaders.eval):
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
 def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
     """This rank's loaders: its shard of the training set (reshuffled per epoch) and of the eval set."""
     topo, device = dist.topology, dist.device

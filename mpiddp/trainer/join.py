@@ -160,6 +160,10 @@ class Joined:
         """Collective: as the bootstrap's teardown (every rank arrives, then the process group goes)."""
         import torch.distributed as tdist
 
+        from mpiddp.trainer.data import stop_workers
+
+        if hasattr(self, "loaders"):
+            stop_workers(self.loaders)  # they ignore SIGTERM: Python's exit would wait for them forever
         dist = self.recovery.dists[0] if hasattr(self, "recovery") else self.dist
         dist.barrier()
         if tdist.is_initialized():

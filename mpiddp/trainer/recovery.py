@@ -259,7 +259,7 @@ class InJobRecovery:
 
     def _rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
         """Collective: the same module in DDP on the new group, and the loaders re-split at the same sample."""
-        from mpiddp.trainer.data import build_loaders
+        from mpiddp.trainer.data import build_loaders, stop_workers
         from mpiddp.trainer.state import wrap
 
         parts = self.parts
@@ -270,10 +270,7 @@ class InJobRecovery:
         state.ddp, state.gradient_hook, state.model = wrap(
             new_cfg, dist, state.unwrapped, self.members, old_hook.transport if old_hook is not None else None,
             replicas_agree=True)  # _same_position made every survivor's weights the same
-        for loader in (loaders.train, loaders.eval):
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()  # persistent helpers of the old split
+        stop_workers(loaders)  # persistent helpers of the old split
         rebuilt = build_loaders(new_cfg, parts.datasets, dist)
         for name in ("train", "eval", "train_sampler", "batch_size"):
             setattr(loaders, name, getattr(rebuilt, name))
