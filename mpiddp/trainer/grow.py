@@ -87,7 +87,7 @@ class GrowBack:
 
     def stop_growing(self, dist: Any, reason: str) -> None:
         if dist.is_main:  # a local log line, no collective
-            log.warning("not growing back: %s; running at reduced size %d of the job's ranks", reason, dist.world_size)
+            log.warning("not growing back: %s; the job goes on with %d ranks", reason, dist.world_size)
         self.off = "said"
 
     def grow(self, recovery: Any, plan: mpigrow.GrowPlan, split: Resplit, cfg: Any) -> bool:
