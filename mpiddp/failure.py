@@ -21,7 +21,7 @@ FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that rec
 PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
 RECOVERIES_FILE = "recoveries.jsonl"  # in the same directory: one line per in-job recovery, as it happens
 # In-job recovery: a hung rank with no peer on its host to end it; launch ends it through its agent (ssh, the
-# rsh agent), and MPI then declares it failed. RUN_DIR/failures/end-pid-PID.json: {"host", "pid", "rank"}
+# rsh agent), and MPI then declares it failed. RUN_DIR/failures/end-pid-PID-HOST.json: {"host", "pid", "rank"}
 END_PREFIX = "end-pid-"
 ATTEMPTS_FILE = "attempts.json"  # written by the supervisor after each attempt; the job's summary includes it
 # exception: a rank raised; killed: a rank died by a signal (inferred by the supervisor from the launcher, since a
@@ -114,8 +114,9 @@ def write_rank(directory: Path, rank: int, record: FailureRecord) -> bool:
 def ask_to_end(directory: Path, rank: int, host: str, pid: int) -> bool:
     """Ask `launch` to end process `pid` (rank `rank`) on `host`: a hung rank that no peer on its host can end
     (in-job recovery). True when written; never raises."""
-    return _write_new(directory / f"{END_PREFIX}{pid}.json", {"host": host, "pid": pid, "rank": rank,
-                                                             "time": time.time()})
+    # the host in the name too: containers on different hosts give their processes the same pids
+    name = f"{END_PREFIX}{pid}-{host.replace('/', '_')}.json"
+    return _write_new(directory / name, {"host": host, "pid": pid, "rank": rank, "time": time.time()})
 
 
 def to_end(directory: Path) -> list[tuple[str, dict[str, Any]]]:

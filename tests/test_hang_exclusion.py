@@ -97,6 +97,26 @@ def test_a_stopped_rank_not_ended_in_time_ends_the_job_as_before(tmp_path, ended
     assert (record.kind, record.ranks, record.hosts) == ("hang", [1], ["hostb"])
 
 
+def test_a_watchdog_that_fired_and_wakes_after_the_recovery_followed_the_new_store_does_not_end_the_job(
+        tmp_path, ended):
+    """A peer's watchdog fired too, and is still in its grace period when the survivors recover and follow their
+    new store (where no exclusion plan is): it must see that its watch is over, not read the new store's empty
+    plan as "nothing to end" and abort the recovered job with the hang status."""
+    watchdogs, aborted = watchdogs_with_rank_1_stopped(tmp_path, {0: "hosta", 1: "hostb", 2: "hostc"})
+    first = fire(watchdogs[0])
+    assert wait_for(lambda: watchdogs[2].exclusion() is not None)  # the first watchdog's plan is in the store
+    peer = fire(watchdogs[2])  # it fired as well and waits out its grace period
+    assert wait_for(lambda: failure.to_end(tmp_path / failure.FAILURES_DIR))
+    for each in (watchdogs[0], watchdogs[2]):  # what follow() does: a new store (no plan in it), a new event
+        old_stopped = each.stopped
+        each.store = DictStore()
+        each.stopped = threading.Event()
+        old_stopped.set()
+    first.join(30)
+    peer.join(30)
+    assert not first.is_alive() and not peer.is_alive() and aborted == []
+
+
 def test_without_in_job_recovery_a_hang_ends_the_job_and_nobody_is_killed(tmp_path, ended):
     watchdogs, aborted = watchdogs_with_rank_1_stopped(tmp_path, {0: "hosta", 1: "hostb", 2: "hostb"},
                                                        exclude_hung=False)
@@ -120,12 +140,15 @@ def test_launch_reaches_the_host_through_the_launchers_agent():
 def test_launch_ends_each_process_the_job_asks_for_once(tmp_path):
     directory = tmp_path / failure.FAILURES_DIR
     assert failure.ask_to_end(directory, 1, "nodeb", 77)
+    assert failure.ask_to_end(directory, 2, "nodec", 77)  # containers: the same pid on another host
+    assert not failure.ask_to_end(directory, 1, "nodeb", 77)  # asked once
     ran, said = [], []
     ender = Ender(directory, ["agent"], said.append, run=lambda command: ran.append(command) or 0)
     ender.once()
     ender.once()
-    assert ran == [["agent", "nodeb", "kill -KILL 77"]]
-    assert said == ["ending hung rank 1 (pid 77) on nodeb for in-job recovery: agent nodeb kill -KILL 77"]
+    assert ran == [["agent", "nodeb", "kill -KILL 77"], ["agent", "nodec", "kill -KILL 77"]]
+    assert said == ["ending hung rank 1 (pid 77) on nodeb for in-job recovery: agent nodeb kill -KILL 77",
+                    "ending hung rank 2 (pid 77) on nodec for in-job recovery: agent nodec kill -KILL 77"]
     failure.clear(directory)  # a new attempt: an earlier attempt's requests are gone
     assert failure.to_end(directory) == []
 

@@ -70,6 +70,23 @@ def test_the_global_batch_is_kept_with_more_accumulation_and_the_position_conver
                                      "the job cannot keep its global batch on the survivors"
 
 
+def test_a_failure_after_an_epochs_last_step_leaves_nothing_of_the_epoch_to_train():
+    """1438 samples, 32 x 3 ranks: 15 batches each reach position 1440 (the last round padded with repeats). On 2
+    ranks (24 x 2 x 2) the epoch is over: the skip covers each survivor's whole shard, and the sampler is empty."""
+    from torch.utils.data import DistributedSampler
+
+    from mpiddp.trainer.data import SkippingSampler
+
+    split = resplit(32, 1, 3, 2, 15, epoch_samples=1438)
+    assert isinstance(split, Resplit) and (split.batch_size, split.grad_accum) == (24, 2)
+    sampler = SkippingSampler(DistributedSampler(range(1438), num_replicas=2, rank=1, shuffle=True, seed=0))
+    sampler.skip = split.batches_done * split.batch_size
+    assert len(sampler) == 0 and list(sampler) == []
+    # mid-epoch positions are converted as before, and a global batch that does not split is still refused
+    assert resplit(16, 1, 3, 2, 5, epoch_samples=1438) == Resplit(12, 2, 10)
+    assert isinstance(resplit(5, 1, 3, 2, 96, epoch_samples=1438), str)
+
+
 def test_a_batch_that_cannot_be_split_is_refused_in_one_line():
     reason = resplit(5, 1, 3, 2, 1)  # 15 samples per step do not split over 2 ranks
     assert isinstance(reason, str) and "15" in reason and "\n" not in reason

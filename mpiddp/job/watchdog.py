@@ -229,7 +229,8 @@ class Watchdog(Watcher):
         deadline = time.monotonic() + GRACE_S + self.interval
         if first and hang_file is not None:
             self._write_hang_file(hang_file, lines, behind, deadline)
-        time.sleep(max(0.0, deadline - time.monotonic()))
+        if stopped.wait(max(0.0, deadline - time.monotonic())):
+            return  # the survivors recovered meanwhile (or the job ended): this watch is over, its store replaced
         if self.exclude_hung and self._exclude(stopped, first, plan):
             return  # the survivors recover in the job; this thread's watch is over
         if plan is not None:  # the hung ranks were not ended in time: the job ends as without in-job recovery
@@ -261,6 +262,8 @@ class Watchdog(Watcher):
                 plan = {**plan, "end": True}
                 self.put_exclusion(plan)
             while not first and (plan is None or not plan.get("end")) and time.monotonic() < deadline:
+                if stopped.is_set():  # recovered already: `self` now reads the survivors' new store
+                    return True
                 plan = self.exclusion()
                 if plan is None:  # the first watchdog found nothing to end: the job ends as today
                     return False

@@ -98,7 +98,7 @@ class SkippingSampler(Sampler[tuple[int, int]]):
             yield index, _mix64(epoch_seed ^ (base.rank + position * base.num_replicas))  # sample_seed(...)
 
     def __len__(self) -> int:
-        return len(self.base) - self.skip
+        return max(0, len(self.base) - self.skip)  # a skip past the shard: the epoch's end (in-job recovery)
 
 
 def _seed_generators(seed: int) -> None:
@@ -198,6 +198,11 @@ class Loaders:
     num_eval: int
     num_classes: int
     batch_size: int
+
+    @property
+    def epoch_samples(self) -> int | None:
+        """The samples of one epoch of the whole job; None for synthetic batches (counted per rank)."""
+        return self.num_train if self.train_sampler is not None else None
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Reshuffle: every rank draws the same permutation for `epoch` and takes its own shard of it,

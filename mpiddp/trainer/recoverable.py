@@ -70,20 +70,24 @@ class Resplit:
 
 
 def resplit(batch_size: int, grad_accum: int, world_before: int, world_after: int,
-            batches_done: int, max_per_rank: int | None = None) -> Resplit | str:
+            batches_done: int, max_per_rank: int | None = None, epoch_samples: int | None = None) -> Resplit | str:
     """The same global batch and the same global sample position on `world_after` ranks, or one line why not.
     `max_per_rank`: the most samples a rank takes at once (default `batch_size`; a job growing back may return
-    to the per-rank batch it started with).
+    to the per-rank batch it started with). `epoch_samples`: the samples of an epoch (None: synthetic batches,
+    counted per rank).
 
     Ranks take the epoch's order interleaved (rank r's i-th sample is position r + i x W), so after
     `batches_done` micro-batches of `batch_size` on each of `world_before` ranks the job has trained exactly the
-    first batches_done x batch_size x world_before positions; the survivors continue at that position."""
+    first batches_done x batch_size x world_before positions; the survivors continue at that position. A position
+    at or past the epoch's samples (the last round is padded with repeats) is the epoch's end: no sample is left."""
     global_batch = batch_size * world_before * grad_accum
     try:
         per_rank, accumulation = split(global_batch, world_after, max_per_rank or batch_size)
     except GlobalBatchError as exc:
         return f"{exc}: the job cannot keep its global batch on the survivors"
     position = batches_done * batch_size * world_before
+    if epoch_samples is not None and position >= epoch_samples:  # skips every rank's whole shard: nothing left
+        return Resplit(per_rank, accumulation, -(-position // (per_rank * world_after)))
     if position % (per_rank * world_after):
         return (f"the data position {position} does not fall on a batch of {per_rank} x {world_after} ranks: "
                 "the survivors cannot continue at the same sample")

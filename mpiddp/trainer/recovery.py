@@ -49,11 +49,6 @@ def prepare_nccl(compression: str) -> None:
         os.environ.update(nccl_errors_env(os.environ))
 
 
-
-    def allreduce_inplace(self, values: object, sum_as: Any = None) -> None:
-        self._trusted(super().allreduce_inplace(values, sum_as))
-
-
 class NotRecovered(RuntimeError):
     """A failure in-job recovery does not cover: FailFast ends the job (the message names the lost peers in MPI's
     words, so `launch` reads this rank's record as a witness, not as the failed rank)."""
@@ -189,7 +184,8 @@ class InJobRecovery:
         started = time.monotonic()
         try:
             caught_up = self._same_position(parts.state, dist)
-            split = resplit(cfg.training.batch_size, cfg.training.grad_accum, world_before, dist.world_size, parts.state.batches_done)
+            split = resplit(cfg.training.batch_size, cfg.training.grad_accum, world_before, dist.world_size,
+                            parts.state.batches_done, epoch_samples=parts.loaders.epoch_samples)
             if isinstance(split, str):
                 self.fall_back(split, failed)
             self._rewrap(cfg, split, dist)
@@ -201,7 +197,9 @@ class InJobRecovery:
         self._take_over_logging(dist)
         phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
                   "ddp": time.monotonic() - started, "first_step": None}
-        hosts = list(dict.fromkeys(topology_before.host_of(rank) for rank in failed))
+        # a rank that was joining (a grow cut short) is not in the topology before: named by its rank only
+        hosts = list(dict.fromkeys(topology_before.host_of(rank) if rank < world_before else f"joining rank {rank}"
+                                   for rank in failed))
         self.records.append({
             "cause": "hang" if hung & set(failed) else "process_failed",
             "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,

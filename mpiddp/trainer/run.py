@@ -158,7 +158,6 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     `guard` learns the step a failure happens after."""
     from mpiddp.job.watchdog import Watchdog
     from mpiddp.trainer import checkpoint
-    from mpiddp.trainer.data import stop_workers
     from mpiddp.trainer.saveclock import SaveClock
     from mpiddp.trainer.train import Hooks, train
 
@@ -190,7 +189,6 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     finally:
         watchdog.stop()
         run_logger.close()
-    stop_workers(loaders)  # not left to garbage collection: in-job recovery's records hold the loaders
     if cfg.checkpoint.model_filename:
         checkpoint.save_weights(checkpoint_dir / cfg.checkpoint.model_filename, state.unwrapped.state_dict(), dist)
     summary = summarise(cfg, dist, outcome, loaders, job_started_at, startup)

@@ -20,7 +20,7 @@ from mpiddp.job.log import make_progress, progress_wanted
 from mpiddp.job.stopping import Stopped, StopRequest
 from mpiddp.trainer.callbacks import Callback, Callbacks
 from mpiddp.trainer.config import Config, TrainingSettings
-from mpiddp.trainer.data import Loaders
+from mpiddp.trainer.data import Loaders, stop_workers
 from mpiddp.trainer.drills import drills_for
 from mpiddp.trainer.metrics import RunLogger
 from mpiddp.trainer.saveclock import SaveClock
@@ -438,12 +438,16 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
             hooks.callbacks = Callbacks([hooks.callbacks])
         hooks.callbacks.add(*drills)  # in place: in-job recovery's copy of the hooks tells them it recovered
     try:
-        return _train(cfg, state, loaders, dist, hooks, joined)
+        outcome = _train(cfg, state, loaders, dist, hooks, joined)
     except RuntimeError as exc:
         explained = nondeterministic_op(exc, cfg.data.model_name, dist.device) if cfg.training.deterministic else None
         if explained is None:
             raise
         raise explained from None
+    # now, not at garbage collection (in-job recovery's records hold the loaders): workers ignore SIGTERM, and a
+    # rank's exit handlers would wait for them forever
+    stop_workers(loaders)
+    return outcome
 
 
 def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, joined: bool = False) -> TrainOutcome:
