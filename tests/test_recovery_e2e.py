@@ -317,6 +317,22 @@ def test_a_rank_killed_during_the_evaluation_the_survivors_evaluate_again_on_the
     assert summary["eval_accuracy"] > 0.8, summary
 
 
+def test_a_rank_killed_after_an_epochs_last_step_the_survivors_go_on_to_its_evaluation(hosts, tmp_path):
+    """Rank 1 dies right after step 30, epoch 1's last (30 batches of 16 on each of 3 ranks reach position 1440,
+    past the 1438 samples: the last round is padded). On 2 ranks nothing of the epoch is left to train: the
+    survivors evaluate it and train epoch 2 on the new split, every step once."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "kill:1:30")
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-5000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    (recovery,) = summary["recoveries"]
+    assert (recovery["step"], recovery["world_after"]) == (30, 2), recovery
+    records = metrics(job.run_dir)
+    assert [r["step"] for r in records if r["kind"] == "epoch"] == [30, 60], records
+    assert summary["steps"] == 60 and summary["eval_accuracy"] > 0.8, summary
+
+
 def test_a_rank_killed_during_a_save_falls_back_saying_why_and_the_earlier_snapshot_stays(hosts, tmp_path):
     """Rank 1 killed while the others save epoch 2's snapshot: a failure during a save is not recovered in the
     job (the snapshot may be incomplete). One line says why, the job ends non-zero (so `launch` relaunches it),
