@@ -42,7 +42,7 @@ from mpiddp.contract import MIN_NP_ENV
 from mpiddp.job.collective import Dist, MpiTransport, current
 from mpiddp.job.log import chosen_level
 from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
-from mpiddp.job.survivors import hosts_of, mark_recovered, members_lost, rebind_survivors
+from mpiddp.job.survivors import WatchedTransport, hosts_of, mark_recovered, members_lost, rebind_survivors
 
 if TYPE_CHECKING:
     import torch
@@ -267,7 +267,9 @@ class ScriptRecovery:
             return None
         assert job is not None and job.dists[0] is dist
         members = Membership(dist.transport.comm, job.collective_timeout_s)  # type: ignore[attr-defined]
-        transport = MpiTransport(members.comm)  # a revoke reaches a rank blocked in the script's dist.reduce too
+        # a revoke reaches a rank blocked in the script's dist.reduce too; a reduction that returns after MPI
+        # reported a failure is not trusted (as the trainer's and every rebind's)
+        transport = WatchedTransport(members)
         for each in job.dists:
             each.rebind(each.topology, transport, None)
         min_size = max(1, min_world_size or int(os.environ.get(MIN_NP_ENV) or 1))
