@@ -23,20 +23,14 @@ def main(argv: list[str] | None = None, stop: Any = None) -> int:
         from mpiddp.job.script import main as run_script
 
         return run_script(args)
-    if command == "train":
-        from mpiddp.job.grow import joining
-
-        if joining():  # spawned by a job growing back after a recovery (mpiddp.trainer.grow)
-            from mpiddp.trainer.join import main as join
-
-            return join(args, stop)
-    from mpiddp.trainer.run import main as train
-
     if command == "check":
         from mpiddp.tools.check import run_check
+        from mpiddp.trainer.run import main as train
 
         return train(args, check=run_check)
-    return train(args, stop)
+    from mpiddp.trainer.entry import main as train_or_join
+
+    return train_or_join(args, stop)
 
 
 def main_cli(stop: Any = None) -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from mpiddp.job.membership import old_group_plan, shrunk_topology
 from mpiddp.job.topology import RankRecord, build_topology
-from mpiddp.trainer.recoverable import Resplit, job_refusal, nccl_errors_env, refusal, resplit
+from mpiddp.job.recoverability import job_refusal, nccl_errors_env, refusal
+from mpiddp.trainer.recoverable import Resplit, resplit
 
 
 def test_a_failure_in_training_or_evaluation_after_the_first_step_is_recoverable():

@@ -168,20 +168,11 @@ def own_host() -> str:
 
 
 def regrown_topology(template: Any, hostnames: Sequence[str], rank: int) -> Any:
-    """The Topology of rank `rank` in a job whose ranks run on `hostnames` (in rank order): hosts and local ranks
-    numbered as at start-up, the launcher's settings taken from `template` (rank 0's topology)."""
-    import dataclasses
+    """The Topology of rank `rank` in the grown job, whose ranks run on `hostnames` (in rank order), the
+    launcher's settings taken from `template` (rank 0's topology)."""
+    from mpiddp.job.membership import topology_over
 
-    from mpiddp.job.topology import RankRecord, build_topology
-
-    records = []
-    for index, host in enumerate(hostnames):
-        peers = [r for r, h in enumerate(hostnames) if h == host]
-        records.append(RankRecord(index, host, peers[0], peers.index(index), len(peers)))
-    topology = build_topology(rank, records, template.mpi_library)
-    return dataclasses.replace(topology, mpi_settings=template.mpi_settings, restarts=template.restarts,
-                               failure_file=template.failure_file, launch_id=template.launch_id,
-                               launch_run_dir=template.launch_run_dir, job_record=template.job_record)
+    return topology_over(template, hostnames, rank)
 
 
 def spare_hosts_here(env: Mapping[str, str] | None = None) -> list[tuple[str, int]] | str:

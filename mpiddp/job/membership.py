@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -105,19 +105,24 @@ def recovery_refusal(old_size: int, failed: tuple[int, ...] | list[int], min_siz
 def shrunk_topology(old: Any, alive: tuple[int, ...], new_rank: int) -> Any:
     """The Topology of survivor `new_rank` in a job shrunk to the old ranks `alive` (in new-rank order): hosts and
     local ranks renumbered among the survivors, the launcher's settings kept."""
+    return topology_over(old, [old.host_of(rank) for rank in alive], new_rank)
+
+
+def topology_over(template: Any, hostnames: Sequence[str], rank: int) -> Any:
+    """The Topology of rank `rank` in a job whose ranks run on `hostnames` (in rank order): hosts and local ranks
+    numbered as at start-up, the launcher's settings taken from `template` (a topology of the same job)."""
     import dataclasses
 
     from mpiddp.job.topology import RankRecord, build_topology
 
-    hosts = [old.host_of(rank) for rank in alive]
     records = []
-    for new, host in enumerate(hosts):
-        peers = [r for r, h in enumerate(hosts) if h == host]
-        records.append(RankRecord(new, host, peers[0], peers.index(new), len(peers)))
-    topology = build_topology(new_rank, records, old.mpi_library)
-    return dataclasses.replace(topology, mpi_settings=old.mpi_settings, restarts=old.restarts,
-                               failure_file=old.failure_file, launch_id=old.launch_id,
-                               launch_run_dir=old.launch_run_dir, job_record=old.job_record)
+    for index, host in enumerate(hostnames):
+        peers = [r for r, h in enumerate(hostnames) if h == host]
+        records.append(RankRecord(index, host, peers[0], peers.index(index), len(peers)))
+    topology = build_topology(rank, records, template.mpi_library)
+    return dataclasses.replace(topology, mpi_settings=template.mpi_settings, restarts=template.restarts,
+                               failure_file=template.failure_file, launch_id=template.launch_id,
+                               launch_run_dir=template.launch_run_dir, job_record=template.job_record)
 
 
 def store_address(env: Mapping[str, str], interfaces: list[tuple[str, str]]) -> str:
@@ -346,7 +351,7 @@ class Membership:
         """NCCL: abort every communicator of the old groups (ncclCommAbort), which ends their kernels still
         waiting on the dead peer, so the GPU stream and nothing after it blocks on them; torch forgets the
         groups (the same tables destroy_process_group clears). Needs TORCH_NCCL_ASYNC_ERROR_HANDLING 0 or 2,
-        or torch's own watchdog may end this survivor first (recoverable.job_refusal)."""
+        or torch's own watchdog may end this survivor first (recoverability.job_refusal)."""
         from torch.distributed import distributed_c10d as c10d
 
         c10d._abort_process_group()
@@ -382,7 +387,7 @@ def old_group_plan(backend: str, can_abort: bool) -> str:
     """How the survivors let go of the old default group: "abort" its NCCL communicators (torch's
     _abort_process_group; a NCCL group cannot be left waiting: its kernel holds the GPU stream), else "forget"
     it (gloo: kept alive, never destroyed, see _retire_default_group). A NCCL job on a torch that cannot abort
-    is refused up front (recoverable.job_refusal), so "forget" on NCCL is never reached in a recovery."""
+    is refused up front (recoverability.job_refusal), so "forget" on NCCL is never reached in a recovery."""
     return "abort" if backend == "nccl" and can_abort else "forget"
 
 

@@ -18,9 +18,9 @@ import numpy as np
 from mpiddp.job import preflight
 from mpiddp.job.membership import nccl_abort_available, ulfm_refusal
 from mpiddp.job.collective import Dist
+from mpiddp.job.recoverability import job_refusal
 from mpiddp.job.topology import Topology
 from mpiddp.trainer.config import Config, OutputSettings, wandb_mode
-from mpiddp.trainer.recoverable import job_refusal
 
 ALLREDUCE_SIZES = tuple(4 ** k * 1024 for k in range(0, 7))  # bytes per rank: 1 KiB .. 4 MiB
 MPI_BANDWIDTH_BYTES = 4 * 1024 * 1024
@@ -122,7 +122,7 @@ def settings_refusal(cfg: Config, dist: Dist) -> str | None:
 
 def in_job_recovery_line(env: Mapping[str, str] | None = None, settings: str | None = None) -> str:
     """`check`'s one line on in-job recovery, for this process (every rank of a job gives the same answer).
-    `settings`: why this job's own settings rule it out (recoverable.job_refusal), None when they do not."""
+    `settings`: why this job's own settings rule it out (recoverability.job_refusal), None when they do not."""
     import mpi4py
     import torch
     from mpi4py import MPI

@@ -3,7 +3,7 @@ tolerance (ULFM), shrink the job, rebuild the torch process group on a new store
 again (optimizer state untouched), re-split the global batch and the epoch's data over the survivors, and redo
 the interrupted step. Nothing is read from disk.
 
-The loop runs its epochs through `InJobRecovery.attempt`; where recovery cannot work (recoverable.refusal, too
+The loop runs its epochs through `InJobRecovery.attempt`; where recovery cannot work (recoverability.refusal, too
 few survivors, a second failure while recovering, a batch that does not split) one line says why and the job
 takes today's fail-fast path: it ends, and `launch` relaunches it.
 """
@@ -25,7 +25,8 @@ from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check
 from mpiddp.job.survivors import (CONFIRM_S, WatchedTransport, bind_topology,  # noqa: F401 (WatchedTransport:
                                   end_without_finalize, mark_recovered, members_lost,  # tests; the others: run.py)
                                   rebind_survivors, recovered_in_this_process)
-from mpiddp.trainer.recoverable import Regrown, Resplit, job_refusal, nccl_errors_env, refusal, resplit
+from mpiddp.job.recoverability import job_refusal, nccl_errors_env, refusal
+from mpiddp.trainer.recoverable import Regrown, Resplit, resplit
 
 
 log = logging.getLogger("mpiddp")
@@ -34,7 +35,7 @@ T = TypeVar("T")
 
 
 def settings_refusal(device_type: str, backend: str, compression: str) -> str | None:
-    """recoverable.job_refusal for this process: its torch, its environment."""
+    """recoverability.job_refusal for this process: its torch, its environment."""
     import torch
 
     return job_refusal(device_type, backend, compression, nccl_abort_available(), torch.__version__, os.environ)
@@ -42,7 +43,7 @@ def settings_refusal(device_type: str, backend: str, compression: str) -> str | 
 
 def prepare_nccl(compression: str) -> None:
     """Before the process group starts, in a job that may recover in the job (MPI fault tolerance on): torch's
-    NCCL watchdog must not end a survivor when a peer dies (recoverable.nccl_errors_env). Only NCCL reads it.
+    NCCL watchdog must not end a survivor when a peer dies (recoverability.nccl_errors_env). Only NCCL reads it.
     Left as it is where recovery on NCCL is refused anyway (PowerSGD, a torch that cannot abort NCCL): there a
     failure ends the job, as torchrun's setting has it."""
     if compression != "powersgd" and nccl_abort_available() and check_ulfm() is None:
@@ -78,7 +79,7 @@ class InJobRecovery:
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
                ) -> InJobRecovery | None:
         """Collective: in-job recovery when this MPI can do it (mpirun --with-ft ulfm) and this job could go on
-        after a failure (recoverable.job_refusal: not with PowerSGD; on GPUs, a torch that can abort NCCL), else
+        after a failure (recoverability.job_refusal: not with PowerSGD; on GPUs, a torch that can abort NCCL), else
         None and one line on rank 0 saying why (a failure then ends the job, as without it)."""
         reason = check_ulfm()
         never = settings_refusal(dist.device_type, dist.backend, compression)
