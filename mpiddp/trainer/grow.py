@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 import time
 from typing import Any
 
 from mpiddp.job import grow as mpigrow
+from mpiddp.job.membership import MembersLost
 from mpiddp.trainer.recoverable import Regrown, Resplit, resplit
 
 log = logging.getLogger("mpiddp")
@@ -92,7 +94,8 @@ class GrowBack:
 
     def grow(self, recovery: Any, plan: mpigrow.GrowPlan, split: Resplit, cfg: Any) -> bool:
         """Collective over the survivors: spawn, merge, rebuild, send the state, wrap DDP, re-split. False (one
-        line on rank 0) when the spawn fails: the job goes on at reduced size."""
+        line on rank 0) when the spawn fails: the job goes on at reduced size. A new rank that fails while joining
+        ends the job (fall_back: one line, then fail fast; `launch` relaunches)."""
         members, dist, parts = recovery.members, recovery.dists[0], recovery.parts
         before, step = dist.world_size, parts.state.step
         parts.watchdog.suspend()
@@ -102,6 +105,27 @@ class GrowBack:
             parts.watchdog.follow(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
             return False
+        try:
+            self._join(recovery, merged, split, cfg, phases)
+        except (members._mpi.Exception, MembersLost, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+            # a new rank died while joining: a reduction over the merged job can even return garbage (ULFM)
+            joining = tuple(range(before, before + plan.count))
+            recovery.fall_back(f"a new rank failed while joining on {', '.join(plan.hosts)} "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", joining)
+        parts.watchdog.follow(dist)
+        for host in plan.hosts:
+            self.used[host] = self.used.get(host, 0) + 1
+        added = list(range(before, dist.world_size))
+        recovery.records.append(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases))
+        recovery._recovered_at = time.monotonic()
+        say_grown(dist, recovery, added, plan, split, phases)
+        return True
+
+    @staticmethod
+    def _join(recovery: Any, merged: Any, split: Resplit, cfg: Any, phases: dict[str, float]) -> None:
+        """Collective over the merged job (the survivors' half of trainer.join.Joined.enter): hello, the process
+        group, the state, the topology, DDP."""
+        members, dist = recovery.members, recovery.dists[0]
         hello = merged.bcast(hello_of(dist, recovery, cfg) if dist.is_main else None, root=0)
         hostnames = merged.allgather(dist.topology.hostname)
         phases["process_group"] = members.adopt(merged)
@@ -112,14 +136,6 @@ class GrowBack:
         started = time.monotonic()
         recovery._rewrap(cfg, split, dist)
         phases["ddp"] = time.monotonic() - started
-        parts.watchdog.follow(dist)
-        for host in plan.hosts:
-            self.used[host] = self.used.get(host, 0) + 1
-        added = list(range(before, dist.world_size))
-        recovery.records.append(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases))
-        recovery._recovered_at = time.monotonic()
-        say_grown(dist, recovery, added, plan, split, phases)
-        return True
 
 
 def say_grown(dist: Any, recovery: Any, added: list[int], plan: mpigrow.GrowPlan, split: Resplit,
