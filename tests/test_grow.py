@@ -68,3 +68,37 @@ def test_a_grow_is_recorded_and_told_next_to_the_recoveries():
     assert line.startswith("grew at step 6: rank 2 on noded added, 2 -> 3 ranks"), line
     assert "spawn 0.20" in line and "down 2.38 s" in line, line
     assert count_line([record]) == "1 grow (rank 2 on noded added, down 2.38 s)"
+
+
+def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatch):
+    """The spawn and merge worked, then the new rank died: a reduction over the merged job may fail or return
+    garbage (ULFM). The survivors fall back, naming the host the rank was joining on, and record no grow."""
+    import pickle
+
+    from mpiddp.trainer import grow as trainer_grow
+    from mpiddp.trainer.grow import GrowBack
+
+    class MpiError(Exception):
+        pass
+
+    said = []
+
+    def fall_back(reason, ranks):
+        said.append((reason, ranks))
+        raise RuntimeError("fell back")
+
+    dist = SimpleNamespace(world_size=2, is_main=True)
+    recovery = SimpleNamespace(members=SimpleNamespace(_mpi=SimpleNamespace(Exception=MpiError), comm=None),
+                               dists=[dist], parts=SimpleNamespace(state=SimpleNamespace(step=7),
+                                                                   watchdog=SimpleNamespace(suspend=lambda: None)),
+                               records=[], fall_back=fall_back)
+    monkeypatch.setattr(trainer_grow.mpigrow, "spawn_and_merge", lambda comm, plan: (object(), {"spawn": 0.1}))
+    for error in (MpiError("MPI_ERR_PROC_FAILED: Process Failure"), pickle.UnpicklingError("invalid load key")):
+        def join(*args, error=error):
+            raise error
+        monkeypatch.setattr(GrowBack, "_join", staticmethod(join))
+        with pytest.raises(RuntimeError, match="fell back"):
+            GrowBack([("noded", 1)]).grow(recovery, GrowPlan(("noded",)), Resplit(16, 1, 5), cfg=None)
+        reason, ranks = said.pop()
+        assert reason.startswith("a new rank failed while joining on noded (") and ranks == (2,), reason
+        assert "\n" not in reason and recovery.records == []
