@@ -223,7 +223,4 @@ def test_6_a_killed_supervisor_stops_the_job_with_a_snapshot_and_the_same_comman
     assert again.summary["resumed_from"] and again.summary["epochs"] == 3, again.output[-5000:]
     starts = [r for r in again.metrics if r["kind"] == "start"]
     assert starts[-1]["step"] == found.step, starts  # resumed where the supervisor's death stopped it
-    statuses = [a["status"] for a in attempts(run_dir)["attempts"]]
-    # Open MPI's launcher fails now and then before it starts any rank (status 213: conftest.LAUNCHER_NEVER_STARTED,
-    # a PMIx start-up race); launch relaunches such an attempt like any other, so one may stand in between
-    assert statuses[0] == 3 and statuses[-1] == 0 and set(statuses[1:-1]) <= {213}, statuses
+    assert [a["status"] for a in attempts(run_dir)["attempts"]] == [3, 0]

@@ -20,8 +20,22 @@ def launch_command(*args):
     return [sys.executable, "-m", "mpiddp", "launch", *args]
 
 
+# Open MPI 5's launcher fails now and then before it starts any rank (conftest.LAUNCHER_NEVER_STARTED: "The PMIx
+# server's listener thread failed to start", or a daemon that "failed to report back"; prterun exits 213). launch
+# relaunches such an attempt as it should; the tests here read the attempts without it, as conftest.run_command
+# launches a plain mpirun again.
+LAUNCHER_NEVER_STARTED_STATUS = 213
+
+
+def never_started(attempt):
+    return (attempt.get("status") == LAUNCHER_NEVER_STARTED_STATUS and attempt.get("cause") == "exit"
+            and not attempt.get("failed_hosts") and not attempt.get("failed_ranks"))
+
+
 def attempts(run_dir):
-    return json.loads((run_dir / "attempts.json").read_text())
+    record = json.loads((run_dir / "attempts.json").read_text())
+    record["attempts"] = [a for a in record["attempts"] if not never_started(a)]
+    return record
 
 
 def assert_downtime(attempt):
