@@ -6,12 +6,11 @@ finishes on 3 ranks at the same global batch, every step once.
 The victim is held with `--inject-fault stall-data:1:5` (see tests/test_recovery_e2e.py), then killed."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, find_mpirun
+from conftest import find_mpirun
 from fakehosts import FakeHosts, running_fake_hosts
 from test_leftovers import marked_env
 from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, survivors_pids
@@ -39,9 +38,9 @@ class GrowJob(Job):
         env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
         command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", HOSTS,
                    sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env,
-                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        self.start = lambda: self._start(hosts.command_on("nodea", command), env)
+        self.start()
+        self.restarted = False
 
 
 @pytest.mark.parametrize("transport", ["gloo", "mpi"])

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, find_mpirun, rank_pids
+from conftest import LAUNCHER_NEVER_STARTED, REPO, find_mpirun, rank_pids
 from mpiddp import recoveries
 from fakehosts import FakeHosts, running_fake_hosts
 from test_leftovers import assert_nothing_left, marked_env
@@ -56,12 +56,21 @@ class Job:
         env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
         command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", layout,
                    sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
+        self.start = lambda: self._start(hosts.command_on("nodea", command), env)
+        self.start()
+        self.restarted = False
+
+    def _start(self, command: list[str], env: dict[str, str]) -> None:
         with self.log.open("w") as out:
-            self.process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env,
-                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                            stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def _launcher_never_started(self) -> bool:
+        text = self.output()
+        return "mpiddp" not in text and (LAUNCHER_NEVER_STARTED in text or "failed to report back" in text)
 
     def wait_for(self, what: str, predicate, deadline_s: float = 180):
         deadline = time.monotonic() + deadline_s
@@ -70,6 +79,9 @@ class Job:
             if found:
                 return found
             time.sleep(0.1)  # polling a condition with a deadline, not synchronising
+            if self.process.poll() is not None and self._launcher_never_started() and not self.restarted:
+                self.restarted = True  # Open MPI's start-up race, before any rank ran: launched again once
+                self.start()
         self.process.kill()
         assert_nothing_left(self.mark)
         pytest.fail(f"never saw {what}:\n{self.output()[-5000:]}")
