@@ -22,6 +22,12 @@ def find_mpirun() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpirun")
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a job that imports this checkout, keeping the caller's entries (the GPU kit brings its
+    mpi4py that way)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

