@@ -31,6 +31,18 @@ def test_check_reports_a_healthy_job(mpirun, tmp_path):
     assert "in-job recovery: no: in-job recovery needs mpirun --with-ft ulfm" in job.output
 
 
+def test_check_on_one_rank_still_runs_the_backends_all_reduce(mpirun, tmp_path):
+    """A one-GPU user's check must exercise NCCL (its errors often show only at the first collective): on one
+    rank the all-reduce still runs, said to cross no link."""
+    command = [mpirun, "-np", "1", sys.executable, "-m", "mpiddp", "check", "--runs-root", str(tmp_path / "runs"),
+               "--wandb", "disabled"]
+    job = run_command(command, tmp_path, timeout=120)
+    assert job.returncode == 0, job.output[-3000:]
+    assert "gloo all-reduce (float32, 1 ranks): one rank, no link crossed" in job.output
+    assert " 4194304 " in job.output and "busbw GB/s" in job.output  # the largest size was measured
+    assert "MPI rank 0 <-> rank" not in job.output  # a ping-pong needs two ranks
+
+
 def test_check_says_a_job_started_with_fault_tolerance_can_recover_in_the_job(mpirun, tmp_path):
     command = [mpirun, "--with-ft", "ulfm", "-np", "2", sys.executable, "-m", "mpiddp", "check", "--runs-root",
                str(tmp_path / "runs"), "--wandb", "disabled"]

@@ -444,6 +444,8 @@ def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
         size = cfg.data.image_size or 32
         generator = torch.Generator(device=device).manual_seed(cfg.training.seed + topo.rank)
         inputs = torch.rand((cfg.training.batch_size, datasets.channels, size, size), generator=generator, device=device)
+        if cfg.training.channels_last:  # laid out once, so the step's conversion is a no-op
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
         labels = torch.randint(0, datasets.num_classes, (cfg.training.batch_size,), generator=generator, device=device)
         # --steps-per-epoch counts optimizer steps: a split with more accumulation (--min-np, in-job recovery)
         # takes as many steps an epoch, each of more micro-batches

