@@ -94,8 +94,8 @@ class Failed(Exception):
 class Kit:
     """Runs the parts in order, each inside min(its own limit, what is left of the budget), and keeps the record."""
 
-    def __init__(self, out: Path, budget_s: float, limits: dict[str, float]) -> None:
-        self.out, self.limits = out, limits
+    def __init__(self, out: Path, budget_s: float, limits: dict[str, float], wheels: Path = WHEELS) -> None:
+        self.out, self.limits, self.wheels = out, limits, wheels
         self.started = time.monotonic()
         self.deadline = self.started + budget_s
         self.part_deadline = self.deadline
@@ -204,9 +204,9 @@ def needs_gpu(kit: Kit) -> None:
 
 
 def install(kit: Kit) -> dict[str, Any]:
-    wheels = sorted(WHEELS.glob("*.whl"))
+    wheels = sorted(kit.wheels.glob("*.whl"))
     if not wheels:
-        raise Skipped(f"no wheels in {WHEELS.relative_to(REPO)}/ (bash run/gpu/fetch-wheels.sh brings them): this "
+        raise Skipped(f"no wheels in {kit.wheels}/ (bash run/gpu/fetch-wheels.sh brings them): this "
                       f"machine's own mpirun and mpi4py are used")
     prefix = Path(tempfile.gettempdir()) / "mpiddp-gpu-kit"
     status, output = kit.run([PYTHON, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
@@ -422,11 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The GPU kit: prove mpiddp's GPU path in one command.")
     parser.add_argument("out", type=Path, help="the output folder (gpu-kit.json, tier.log, parts.log)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for the whole kit ({BUDGET_S:.0f})")
+    parser.add_argument("--wheels", type=Path, default=WHEELS, help="the folder of wheels to install (run/gpu/wheels)")
     parser.add_argument("--only", nargs="+", choices=[name for name, _ in PARTS],
                         help="run these parts only (install and machine always run)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    kit = Kit(args.out, args.budget, LIMITS_S)
+    kit = Kit(args.out, args.budget, LIMITS_S, args.wheels)
     for name, body in PARTS:
         if args.only and name not in args.only and name not in ("install", "machine"):
             continue
