@@ -31,7 +31,7 @@ from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV,
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
-from mpiddp.launch.ender import Ender, rsh_agent
+from mpiddp.launch.ender import Ender, host_agent
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import Decision, blamed, decide, same_host, strike_lost_in_job
@@ -348,7 +348,7 @@ class Supervisor:
         """While the attempt runs under in-job recovery: ends the hung ranks the job names (mpiddp.launch.ender)."""
         if not attempt.in_job_recovery:
             return contextlib.nullcontext()
-        return Ender(self.failure_file, rsh_agent(self.plan.extra, self.env), say)
+        return Ender(self.failure_file, host_agent(self.plan.extra, self.env), say)
 
     def _finished(self, attempt: Attempt) -> bool:
         """Whether a 0 from the launcher means the job finished: always without MPI fault tolerance; with it (where
