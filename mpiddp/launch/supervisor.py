@@ -34,7 +34,8 @@ from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
 from mpiddp.launch.ender import Ender, host_agent
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
-from mpiddp.launch.policy import Decision, blamed, decide, same_host, strike_lost_in_job
+from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
+                                  strike_lost_in_job)
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -258,7 +259,7 @@ class Supervisor:
             found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
             progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
             attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
-            decision = self._decide(attempt, found, placement, hosts_now, excluded, strikes)
+            decision = self._decide(attempt, found, placement, hosts_now, excluded, strikes, records)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.ranks_recorded, attempt.witness_ranks = found.recorded, list(found.witnesses)
@@ -275,18 +276,22 @@ class Supervisor:
         raise AssertionError("the policy stops once --max-restarts is spent")
 
     def _decide(self, attempt: Attempt, found: Failure, placement: dict[int, str], hosts_now: list[Host],
-                excluded: list[str], strikes: dict[str, int]) -> Decision:
+                excluded: list[str], strikes: dict[str, int], records: list[failure.FailureRecord]) -> Decision:
         """The policy's decision on a failed attempt. A host the job lost and recovered from in the job before the
-        failure that ended it failed too: the same evidence, so it is left out as well (per --host-strikes)."""
-        lost, strikes = strike_lost_in_job(attempt.recoveries, self.plan.hosts, excluded, strikes,
+        failure that ended it failed too: the same evidence, so it is left out as well (per --host-strikes),
+        unless the job's failure records contradict that recovery (it came after the end was decided)."""
+        standing, contradicted = contradicted_by_records(attempt.recoveries, records)
+        lost, strikes = strike_lost_in_job(standing, self.plan.hosts, excluded, strikes,
                                            self.plan.host_strikes, hosts_now)
         decision = decide(found, self.plan.hosts, [*excluded, *lost], attempt.number, self.plan.max_restarts,
                           self.plan.num_ranks, hosts_now, self.plan.min_np, self.plan.global_batch, strikes,
                           self.plan.host_strikes, placement)
-        if not lost:
-            return decision
-        return replace(decision, reason=f"{decision.reason}; without {', '.join(lost)} too (lost in the job "
-                                        "earlier, recovered from in the job)")
+        reason = decision.reason
+        if lost:
+            reason += f"; without {', '.join(lost)} too (lost in the job earlier, recovered from in the job)"
+        if contradicted:
+            reason += f"; not held against any host: {'; '.join(contradicted)}"
+        return replace(decision, reason=reason)
 
     def _diagnose(self, attempt: Attempt, output: str, hosts_now: list[Host],
                   metrics: list[dict[str, Any]]) -> tuple[Failure, dict[int, str], list[failure.FailureRecord]]:
