@@ -178,7 +178,8 @@ def mark_spawning(directory: Path | None, hosts: list[str]) -> None:
 
 
 def spawned(directory: Path | None) -> None:
-    """Rank 0, once the spawn ended (the new ranks joined, or MPI refused it): no spawn under way; never raises."""
+    """Rank 0, once the new ranks joined: no spawn under way; never raises. A spawn MPI refused keeps its mark
+    (a launcher that lost the spawn's daemon refuses it, then ends the job)."""
     if directory is not None:
         try:
             (directory / SPAWNING_FILE).unlink(missing_ok=True)

@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -100,3 +102,42 @@ def test_a_job_that_ends_itself_on_a_hang_leaves_no_recovery_record(hosts, tmp_p
     (first,) = attempts(run_dir)
     assert (first["cause"], first["blamed_hosts"]) == ("hang", ["nodeb"]), first
     assert first["recoveries"] == [] and "nodea" not in first["excluded_hosts"], first
+
+
+def test_a_launcher_that_loses_the_spare_during_the_spawn_does_not_lose_the_run(hosts, tmp_path):
+    """Rank 1 (nodeb) killed; the survivor recovers in the job and grows back onto the spare nodec. Just as the
+    spawn begins (the job's spawn mark), nodec's processes die, as when Open MPI 5.0.11's prterun crashes during
+    MPI_Comm_spawn and reports "lost communication with a remote daemon ... on node nodec". That is no evidence
+    against nodec: launch relaunches on nodea and nodec and the run finishes (before: "cannot relaunch without
+    nodeb, nodec", exit 1)."""
+    run_dir = tmp_path / "run"
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    command = [sys.executable, "-m", "mpiddp", "launch", "-H", "nodea:1,nodeb:1,nodec:1", "-np", "2",
+               "--max-restarts", "2", "--launcher-args", " ".join(hosts.transport_args()),
+               "--run-dir", str(run_dir), "--",  # launch's own: the job's records are there as it runs
+               "--epochs", "3", *FAST, "--inject-fault", "kill:1:30"]
+    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(process.stdout), daemon=True)
+    reader.start()
+    mark = run_dir / FAILURES_DIR / "spawning.json"
+    try:
+        deadline = time.monotonic() + 240
+        while not mark.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the mark: the spawn it announces takes about a second
+        assert mark.exists(), "".join(seen)[-4000:]
+        hosts.kill_host("nodec")  # its daemon and the rank being spawned there
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    reader.join(30)
+    output = "".join(seen)
+    assert process.returncode == 0, output[-6000:]
+    every = attempts(run_dir)
+    assert all("nodec" not in attempt["excluded_hosts"] and "nodea" not in attempt["excluded_hosts"]
+               for attempt in every), every
+    assert every[-1]["hosts"] == ["nodea", "nodec"] and every[-1]["status"] == 0, every
+

@@ -106,8 +106,7 @@ class GrowBack:
         failure.mark_spawning(records, list(plan.hosts))
         try:
             merged, phases = mpigrow.spawn_and_merge(members.comm, plan)
-        except members._mpi.Exception as exc:
-            failure.spawned(records)
+        except members._mpi.Exception as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             parts.watchdog.follow(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
             return False
