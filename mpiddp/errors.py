@@ -30,6 +30,16 @@ class AgreedError(UserError):
         self.faulty_ranks = faulty_ranks
 
 
+class EndDecided(Exception):
+    """A peer decided the end of the job (its failure record is on file: a fatal failure, a hang, a stop) before
+    this rank recovered from that peer's exit: the peer left on purpose, so this rank recovers nothing, records
+    nothing (the deciding record stands alone) and leaves with `status`."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class HelpRequested(Exception):
     """`--help` or `--version`: rank 0 prints the text, every rank exits 0."""
 

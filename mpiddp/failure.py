@@ -20,6 +20,9 @@ from mpiddp.atomicfile import write_new, write_text_atomic
 FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that recorded a failure
 PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
 RECOVERIES_FILE = "recoveries.jsonl"  # in the same directory: one line per in-job recovery, as it happens
+# in the same directory while the job grows back: {"hosts": [...], "time"} (rank 0 writes it before MPI_Comm_spawn
+# and removes it once the new ranks joined): a launcher that fails meanwhile failed during the spawn
+SPAWNING_FILE = "spawning.json"
 # In-job recovery: a hung rank with no peer on its host to end it; launch ends it through its agent (ssh, the
 # rsh agent), and MPI then declares it failed. RUN_DIR/failures/end-pid-PID-HOST.json: {"host", "pid", "rank"}
 END_PREFIX = "end-pid-"
@@ -75,7 +78,7 @@ def clear(directory: Path) -> None:
     never raises: a stale record is read with its time, and a clear that fails must not stop a job."""
     try:
         for path in directory.iterdir():
-            if path.name.startswith(("rank-", ".rank-", END_PREFIX)) or path.name in (PLACEMENT_FILE, RECOVERIES_FILE):
+            if path.name.startswith(("rank-", ".rank-", END_PREFIX)) or path.name in (PLACEMENT_FILE, RECOVERIES_FILE, SPAWNING_FILE):
                 path.unlink(missing_ok=True)
     except OSError:
         pass
@@ -152,6 +155,45 @@ def read_all(directory: Path) -> list[FailureRecord]:
         return []
     records = [record for path in paths if (record := read(path)) is not None]
     return sorted(records, key=lambda r: r.time)
+
+
+def end_decided(directory: Path | None) -> FailureRecord | None:
+    """The record by which a rank decided the end of this job (the oldest in `directory`), or None. Records are
+    cleared as each attempt and job starts, and a rank writes one only as it ends the job (never for a failure
+    it recovers from), so any record means the job is ending: a peer that leaves now left on purpose."""
+    if directory is None:
+        return None
+    records = read_all(directory)
+    return records[0] if records else None
+
+
+def mark_spawning(directory: Path | None, hosts: list[str]) -> None:
+    """Rank 0, just before the job spawns new ranks onto `hosts` (growing back); never raises."""
+    if directory is not None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(directory / SPAWNING_FILE, json.dumps({"hosts": hosts, "time": time.time()}))
+        except OSError:
+            pass
+
+
+def spawned(directory: Path | None) -> None:
+    """Rank 0, once the new ranks joined: no spawn under way; never raises. A spawn MPI refused keeps its mark
+    (a launcher that lost the spawn's daemon refuses it, then ends the job)."""
+    if directory is not None:
+        try:
+            (directory / SPAWNING_FILE).unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def spawning(directory: Path) -> tuple[list[str], float] | None:
+    """(the hosts, when it began) of a spawn that had not ended when the job stopped, or None."""
+    try:
+        data = json.loads((directory / SPAWNING_FILE).read_text())
+        return [str(host) for host in data["hosts"]], float(data["time"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def write_placement(directory: Path, hosts: list[tuple[str, list[int]]]) -> bool:

@@ -89,3 +89,21 @@ def test_before_mpi_is_up_the_failure_is_still_reported():
     guard = FailFast()
     code, text = guard.decide(UserError("mpi4py missing"))
     assert code == EXIT_USER_ERROR and "error on rank 0 on" in text
+
+
+def test_once_a_rank_recorded_the_end_of_the_job_no_survivor_recovers_or_records_anything(tmp_path):
+    """A rank that leaves on purpose (its record: a fatal failure, the hang fallback, a stop) is never recovered
+    from: the survivor leaves with the decided status and writes no record of its own (the deciding one stands)."""
+    from mpiddp.errors import EndDecided
+    from mpiddp.failure import FailureRecord, read_all, write_rank
+    from mpiddp.job.survivors import unless_end_decided
+
+    unless_end_decided(tmp_path, [0])  # nothing recorded: a peer that died (SIGKILL) is recovered from
+    write_rank(tmp_path, 0, FailureRecord("hang", [1], ["nodeb"], "no progress for 8 s", rank=0, status=4))
+    with pytest.raises(EndDecided) as decided:
+        unless_end_decided(tmp_path, [0])
+    assert decided.value.status == 4 and "rank 0 recorded the end of the job (hang" in str(decided.value)
+    guard = FailFast()
+    assert guard.record(decided.value, 4) is None
+    assert guard.decide(decided.value)[0] == 4
+    assert [r.rank for r in read_all(tmp_path)] == [0]

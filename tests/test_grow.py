@@ -87,9 +87,9 @@ def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatc
         said.append((reason, ranks))
         raise RuntimeError("fell back")
 
-    dist = SimpleNamespace(world_size=2, is_main=True)
+    dist = SimpleNamespace(world_size=2, is_main=True, topology=SimpleNamespace(failure_file=""))
     recovery = SimpleNamespace(members=SimpleNamespace(_mpi=SimpleNamespace(Exception=MpiError), comm=None),
-                               dists=[dist], parts=SimpleNamespace(state=SimpleNamespace(step=7),
+                               dists=[dist], parts=SimpleNamespace(state=SimpleNamespace(step=7), run_dir=None,
                                                                    watchdog=SimpleNamespace(suspend=lambda: None)),
                                records=[], fall_back=fall_back)
     monkeypatch.setattr(trainer_grow.mpigrow, "spawn_and_merge", lambda comm, plan: (object(), {"spawn": 0.1}))

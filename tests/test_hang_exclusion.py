@@ -13,7 +13,7 @@ from mpiddp import failure
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job import storekeys
 from mpiddp.job.watchdog import Watchdog
-from mpiddp.launch.ender import Ender, end_command, rsh_agent
+from mpiddp.launch.ender import Ender, end_command, host_agent
 from test_launch_record import DictStore
 from test_watch import wait_for
 
@@ -128,11 +128,26 @@ def test_without_in_job_recovery_a_hang_ends_the_job_and_nobody_is_killed(tmp_pa
     assert (record.kind, record.ranks) == ("hang", [1])
 
 
+@pytest.mark.parametrize("args, env", [
+    (["--mca", "btl", "tcp,self", "--mca", "plm_rsh_agent", "/x/agent.sh -q"], {}),  # Open MPI 4 (5 reads it too)
+    (["--mca", "plm_ssh_agent", "/x/agent.sh -q"], {}),  # the name Open MPI 5 documents
+    (["--prtemca", "plm_ssh_agent", "/x/agent.sh -q"], {}),
+    (["--prtemca", "plm_rsh_agent", "/x/agent.sh -q : ssh"], {}),  # a list: its first
+    ([], {"PRTE_MCA_plm_ssh_agent": "/x/agent.sh -q"}),  # Open MPI 5 reads this, not OMPI_MCA_plm_rsh_agent
+    ([], {"PRTE_MCA_plm_rsh_agent": "/x/agent.sh -q : ssh"}),
+    ([], {"OMPI_MCA_plm_rsh_agent": "/x/agent.sh -q"}),
+    (["-launcher", "ssh", "-launcher-exec", "/x/agent.sh -q"], {}),  # MPICH's Hydra
+    (["-launcher-exec=/x/agent.sh -q"], {}),
+    ([], {"HYDRA_LAUNCHER_EXEC": "/x/agent.sh -q"}),
+    (["--mca", "plm_ssh_agent", "/x/agent.sh -q"], {"PRTE_MCA_plm_ssh_agent": "ssh"}),  # the command line wins
+])
+def test_launch_reaches_the_host_through_the_agent_however_it_is_named(args, env):
+    assert host_agent(args, env) == ["/x/agent.sh", "-q"]
+
+
 def test_launch_reaches_the_host_through_the_launchers_agent():
-    assert rsh_agent(["--mca", "btl", "tcp,self", "--mca", "plm_rsh_agent", "/x/agent.sh -q"], {}) == \
-        ["/x/agent.sh", "-q"]
-    assert rsh_agent([], {"PRTE_MCA_plm_rsh_agent": "rsh : ssh"}) == ["rsh"]
-    assert rsh_agent([], {}) == ["ssh"]
+    assert host_agent(["--mca", "btl", "tcp,self"], {"PRTE_MCA_plm_ssh_agent": " "}) == ["ssh"]
+    assert host_agent([], {}) == ["ssh"]
     assert end_command(["ssh"], "nodeb", 77) == ["ssh", "nodeb", "kill -KILL 77"]
     assert end_command(["ssh"], "localhost", 77) == ["kill", "-KILL", "77"]
 
@@ -194,3 +209,12 @@ def test_a_collective_returning_after_mpi_reported_a_failure_is_not_trusted(monk
     with pytest.raises(MembersLost) as caught:
         transport.allreduce(np.zeros(2), "max")
     assert caught.value.ranks == (1,)
+
+
+def test_a_host_launch_cannot_reach_is_said_in_one_line_and_the_jobs_fallback_stands(tmp_path):
+    directory = tmp_path / failure.FAILURES_DIR
+    assert failure.ask_to_end(directory, 1, "nodeb", 77)
+    said = []
+    Ender(directory, ["agent"], said.append, run=lambda command: 255).once()
+    assert said == ["ending hung rank 1 (pid 77) on nodeb for in-job recovery: agent nodeb kill -KILL 77 (exit "
+                    "status 255: cannot end it through agent; the job's hang fallback ends the job)"]

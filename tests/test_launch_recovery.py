@@ -434,3 +434,87 @@ def test_the_spare_hosts_go_to_mpirun_and_to_the_job_where_it_can_grow_back(tmp_
     command = attempt["command"]
     assert command[command.index("-H") + 1] == hosts and command[command.index("-np") + 1] == "2", command
     assert seen["exports"].get("MPIDDP_SPARE_HOSTS") == spares
+
+
+@pytest.mark.parametrize("recovery_time", ["after the record", "not recorded"])
+def test_a_recovery_that_the_failure_records_contradict_leaves_the_healthy_host_in(tmp_path, monkeypatch, capsys,
+                                                                                    recovery_time):
+    """Issue 33's run: rank 1 (nodeb) stopped; rank 0's watchdog recorded the hang (naming rank 1) and ended the
+    job; mpirun's teardown resumed rank 1, which "recovered" from rank 0 and recorded nodea as lost. The records
+    contradict that recovery (it came after the end was decided; the rank it lost recorded its own end): launch
+    keeps nodea, says why, and relaunches on nodea and the spare nodec."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "ompi_info").write_text("#!/bin/sh\necho 'options:ft_mpi_support:yes'\n")
+    woken = {**RECOVERY, "cause": "process_failed", "ranks_lost": [0], "hosts_lost": ["nodea"], "world_before": 2,
+             "world_after": 1}
+    launcher = folder / "mpirun"
+    launcher.write_text(
+        f"#!{sys.executable}\nimport json, os, sys, time\nfrom pathlib import Path\n"
+        "from mpiddp import recoveries\nfrom mpiddp.failure import FailureRecord, write_placement, write_rank\n"
+        "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
+        "run_dir, failures = Path(os.environ['MPIDDP_RUN_DIR']), Path(os.environ['MPIDDP_FAILURE_FILE'])\n"
+        "if os.environ['MPIDDP_RESTART_COUNT'] != '0':\n"
+        "    (run_dir / 'summary.json').write_text('{}')\n    (run_dir / 'finished').write_text('1')\n    sys.exit(0)\n"
+        "write_placement(failures, [('nodea', [0]), ('nodeb', [1])])\n"
+        "hang = FailureRecord('hang', [1], ['nodeb'], 'no progress for 8 s (--hang-timeout) on rank(s) 1', step=60,"
+        " rank=0, status=4)\n"
+        "write_rank(failures, 0, hang)\n"
+        f"woken = {woken!r}\n"
+        + ("woken['time'] = hang.time + 0.5\n" if recovery_time == "after the record" else "")
+        + "recoveries.record(failures, woken)\nsys.exit(4)\n")
+    for program in (folder / "ompi_info", launcher):
+        program.chmod(0o755)
+    run_dir = tmp_path / "run"
+    plan = make_plan(["-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher-path", str(launcher),
+                      "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}).run() == 0, capsys.readouterr().err
+    first, second = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert (first["cause"], first["excluded_hosts"]) == ("hang", ["nodeb"]), first
+    assert second["hosts"] == ["nodea", "nodec"], second
+    said = capsys.readouterr().err
+    assert "not held against any host: the in-job recovery that lost nodea" in said, said
+    assert "without nodea" not in said, said
+
+
+def test_a_launcher_that_fails_during_the_jobs_spawn_is_not_evidence_against_the_host_spawned_onto(
+        tmp_path, monkeypatch, capsys):
+    """Issue 33's grow: nodeb's rank lost and recovered from in the job; while the survivor spawned onto the spare
+    nodec, Open MPI 5.0.11's prterun failed ("PMIX ERROR ... pmix_server_dyn.c", then "lost communication with a
+    remote daemon ... on node nodec"). The job's spawn mark says a spawn was under way: nodec is kept and the run
+    relaunches on nodea and nodec (before: "cannot relaunch without nodeb, nodec"); the crash is counted."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "ompi_info").write_text("#!/bin/sh\necho 'options:ft_mpi_support:yes'\n")
+    lost = {**RECOVERY, "ranks_lost": [1], "hosts_lost": ["nodeb"], "world_before": 2, "world_after": 1}
+    launcher = folder / "mpirun"
+    launcher.write_text(
+        f"#!{sys.executable}\nimport json, os, sys, time\nfrom pathlib import Path\n"
+        "from mpiddp import recoveries\nfrom mpiddp.failure import write_placement\n"
+        "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
+        "run_dir, failures = Path(os.environ['MPIDDP_RUN_DIR']), Path(os.environ['MPIDDP_FAILURE_FILE'])\n"
+        "if os.environ['MPIDDP_RESTART_COUNT'] != '0':\n"
+        "    (run_dir / 'summary.json').write_text('{}')\n    (run_dir / 'finished').write_text('1')\n    sys.exit(0)\n"
+        "write_placement(failures, [('nodea', [0]), ('nodeb', [1])])\n"
+        f"recoveries.record(failures, {{**{lost!r}, 'time': time.time()}})\n"
+        "write_placement(failures, [('nodea', [0])])\n"
+        "(failures / 'spawning.json').write_text(json.dumps({'hosts': ['nodec'], 'time': time.time()}))\n"
+        "print('[nodea:01234] PMIX ERROR: UNREACHABLE in file server/pmix_server_dyn.c at line 1113')\n"
+        "print('PRTE has lost communication with a remote daemon.\\n\\n  HNP daemon   : [prterun-nodea-1@0,0] on "
+        "node nodea\\n  Remote daemon: [prterun-nodea-1@0,2] on node nodec\\n\\nThis is usually due to either a "
+        "failure of the TCP network\\nconnection to the node, or possibly an internal failure of\\nthe daemon "
+        "itself. We cannot recover from this failure, and\\ntherefore will terminate the job.', file=sys.stderr)\n"
+        "sys.exit(1)\n")
+    for program in (folder / "ompi_info", launcher):
+        program.chmod(0o755)
+    run_dir = tmp_path / "run"
+    plan = make_plan(["-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher-path", str(launcher),
+                      "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}).run() == 0, capsys.readouterr().err
+    first, second = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert first["excluded_hosts"] == ["nodeb"] and first["blamed_hosts"] == [], first
+    assert first["launcher_crash"] == "during the job's spawn onto nodec", first
+    assert second["hosts"] == ["nodea", "nodec"], second
+    assert "a launcher's failure during a spawn is not held against nodec" in capsys.readouterr().err

@@ -39,10 +39,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from mpiddp.contract import MIN_NP_ENV
+from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist, MpiTransport, current
 from mpiddp.job.log import chosen_level
 from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
-from mpiddp.job.survivors import WatchedTransport, hosts_of, mark_recovered, members_lost, rebind_survivors
+from mpiddp.job.survivors import (WatchedTransport, hosts_of, mark_recovered, members_lost, rebind_survivors,
+                                  unless_end_decided)
 
 if TYPE_CHECKING:
     import torch
@@ -297,6 +299,7 @@ class ScriptRecovery:
         ends) where it cannot."""
         dist = self.dists[0]
         before = dist.topology
+        unless_end_decided(records_dir(before.failure_file, None), lost.ranks)
         try:
             recovered = self.members.recover(self.min_size)
         except RecoveryFailed as exc:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 # The exit statuses are re-exported here, where callers have always found them.
 from mpiddp.errors import (EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR,  # noqa: F401
-                           AgreedError, ScriptError, ScriptExit, UserError)
+                           AgreedError, EndDecided, ScriptError, ScriptExit, UserError)
 from mpiddp.failure import FailureRecord, records_dir, write_rank
 from mpiddp.job.log import flush_logs
 from mpiddp.job.topology import LauncherMismatch
@@ -66,6 +66,13 @@ class FailFast:
         written = self.write_record(exc, code)
         if text:
             _report(text, to_stdout=isinstance(exc, AgreedError) and exc.to_stdout)
+        if isinstance(exc, EndDecided):
+            # the deciding rank's abort (or its exit) ends the job; a second MPI_Abort racing it can make Open
+            # MPI's mpirun --with-ft ulfm exit 0, and MPI_Finalize could hang after a peer's exit
+            flush_logs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         if not isinstance(exc, (AgreedError, LauncherMismatch)) and self.dist is not None and self.dist.world_size > 1:
             if written:
                 self._await_peer_records(self.dist.world_size)
@@ -91,6 +98,8 @@ class FailFast:
             # Each process is alone in its world: let the launcher's rank 0 alone explain.
             return EXIT_USER_ERROR, f"mpiddp: error: {exc}" if exc.launcher_rank == 0 else ""
         where = self.dist.label if self.dist is not None else f"rank {rank} on {socket.gethostname()}"
+        if isinstance(exc, EndDecided):
+            return exc.status, f"mpiddp: {where}: {exc}"
         if isinstance(exc, UserError):
             return EXIT_USER_ERROR, f"mpiddp: error on {where}: {exc}"
         if isinstance(exc, ScriptExit):
@@ -113,6 +122,8 @@ class FailFast:
     def record(self, exc: BaseException, code: int) -> FailureRecord | None:
         """The failure record this rank would leave, or None (help, or an agreed error off rank 0). Pure apart
         from asking the loop where it is."""
+        if isinstance(exc, EndDecided):  # a peer's record decided the end: it stands alone
+            return None
         rank = 0 if self.dist is None else self.dist.rank
         host = self.dist.topology.hostname if self.dist is not None else socket.gethostname()
         message = (str(exc).strip() or type(exc).__name__).splitlines()[0][:500]

@@ -14,7 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from mpiddp.failure import replace_placement
+from mpiddp.errors import EXIT_CRASH, EndDecided
+from mpiddp.failure import end_decided, replace_placement
 from mpiddp.job import storekeys
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
 from mpiddp.job.log import setup_logging
@@ -31,6 +32,20 @@ CONFIRM_S = 2.0  # a torch error on a rank: how long MPI gets to report a failed
 REPORT_CLAIM_S = 2.0
 
 _recovered = False  # this process went through an in-job recovery (its MPI world has failed members)
+
+
+def unless_end_decided(directory: Path | None, lost: Sequence[int]) -> None:
+    """Before a recovery starts, and before it is put on record: EndDecided when a rank already recorded the end
+    of the job (a fatal failure, the hang fallback, a stop). The peers that left then left on purpose, or will be
+    torn down with the rest (mpirun resumes a stopped rank with SIGCONT before its SIGTERM, and that rank must not
+    "recover" from the rank that ended the job): nobody is lost, and nothing is recovered or recorded."""
+    decided = end_decided(directory)
+    if decided is None:
+        return
+    said = decided.message.splitlines()[0] if decided.message else decided.kind
+    raise EndDecided(f"rank {decided.rank if decided.rank is not None else '?'} recorded the end of the job "
+                     f"({decided.kind}: {said}); not recovering from the exit of rank(s) "
+                     f"{', '.join(map(str, lost)) or '?'}: leaving with the job", decided.status or EXIT_CRASH)
 
 
 def mark_recovered() -> None:

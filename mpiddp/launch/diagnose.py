@@ -221,6 +221,25 @@ def from_records(records: list[FailureRecord], status: int, world_size: int,
     return Failure(kind, ranks=ranks, hosts=hosts, message=message, step=primary.step, **common)
 
 
+def during_spawn(found: Failure, spawning: list[str]) -> tuple[Failure, str]:
+    """(the failure, what the launcher crashed during or ''): a launcher that reports it lost (or saw die) only
+    hosts the job was spawning onto when it stopped (the job's spawn mark, mpiddp.failure.SPAWNING_FILE) failed in
+    its own bookkeeping of the spawn (Open MPI 5.0.11's prterun: "PMIX ERROR ... pmix_server_dyn.c", then "lost
+    communication with a remote daemon ... on node nodec"), which is no evidence against those hosts: the failure
+    then blames no host. A host that is really down fails the relaunch's start ("daemon failed to report back")."""
+    if not spawning or found.source != "launcher output" or found.kind not in ("unreachable", "killed"):
+        return found, ""
+    short = {name.split(".", 1)[0] for name in spawning}
+    if not found.hosts or any(host.split(".", 1)[0] not in short for host in found.hosts):
+        return found, ""
+    hosts = ", ".join(found.hosts)
+    crash = f"during the job's spawn onto {hosts}"
+    message = (f"the launcher failed {crash} ({found.message}); a launcher's failure during a spawn is not held "
+               f"against {hosts}")
+    return Failure("exit", found.status, message=message, step=found.step, source="launcher output",
+                   recorded=found.recorded, witnesses=found.witnesses), crash
+
+
 def diagnose(status: int, record: FailureRecord | list[FailureRecord] | None, output: str, world_size: int = 0,
              host_of: dict[int, str] | None = None) -> Failure:
     """Combine the exit status, every rank's record and the launcher's output into one Failure (see the module

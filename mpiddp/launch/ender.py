@@ -3,8 +3,9 @@
 Under in-job recovery the hang watchdog ends a rank that stopped answering (SIGKILL), so that MPI declares it
 failed and the survivors go on; a rank on the same host does it. Where no other rank runs on that host, the
 watchdog asks `launch` instead, with a file in the failures directory naming the host and the pid
-(mpiddp.failure.ask_to_end). `launch` reaches the host the way the launcher does: Open MPI's rsh agent where one
-is set (`--mca plm_rsh_agent`, OMPI_MCA_/PRTE_MCA_plm_rsh_agent), else ssh, and runs `kill -KILL PID` there.
+(mpiddp.failure.ask_to_end). `launch` reaches the host the way the launcher does: through the agent the user
+named for it, however it was named (host_agent), else ssh, and runs `kill -KILL PID` there. Where that fails
+(the host cannot be reached), one line says so, and the job's own fallback stands: the watchdog ends the job.
 """
 
 from __future__ import annotations
@@ -18,22 +19,32 @@ from pathlib import Path
 
 from mpiddp import failure
 
-AGENT_PARAM = "plm_rsh_agent"
-AGENT_ENV = ("OMPI_MCA_plm_rsh_agent", "PRTE_MCA_plm_rsh_agent")
-MCA_FLAGS = ("--mca", "-mca", "--prtemca", "--omca")
+# Every name under which Open MPI (4: ORTE's plm_rsh_agent; 5: PRRTE's plm_ssh_agent, with plm_rsh_agent kept as
+# its alias) and MPICH's Hydra (-launcher-exec, formerly -bootstrap-exec) take the program that reaches a host.
+# The launcher's command line wins over the environment, as it does for the launchers themselves.
+AGENT_PARAMS = ("plm_ssh_agent", "plm_rsh_agent")
+MCA_FLAGS = ("--mca", "-mca", "--prtemca", "-prtemca", "--omca", "-omca", "--gmca", "-gmca")
+HYDRA_FLAGS = ("-launcher-exec", "--launcher-exec", "-bootstrap-exec", "--bootstrap-exec")
+AGENT_ENV = ("PRTE_MCA_plm_ssh_agent", "PRTE_MCA_plm_rsh_agent", "OMPI_MCA_plm_ssh_agent", "OMPI_MCA_plm_rsh_agent",
+             "HYDRA_LAUNCHER_EXEC", "HYDRA_BOOTSTRAP_EXEC")
 POLL_S = 0.5  # how often the failures directory is looked at while the job runs (a listing: cheap)
 END_TIMEOUT_S = 30.0  # the most one `kill` through the agent may take (an unreachable host: the hang stands)
 
 
-def rsh_agent(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    """The command that runs a command on another host, as the launcher does: the rsh agent on the launcher's
-    command line, else in the environment, else ssh (Open MPI's "ssh : rsh" list: its first)."""
+def host_agent(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """The command that runs a command on another host, as the launcher does: the agent named on the launcher's
+    command line (`--mca`/`--prtemca plm_ssh_agent|plm_rsh_agent X`, `-launcher-exec X`; the last one given),
+    else in the environment (AGENT_ENV, in that order), else ssh. Open MPI takes a list (`ssh : rsh`): its first."""
     agent = ""
-    for index, arg in enumerate(launcher_args[:-2]):
-        if arg in MCA_FLAGS and launcher_args[index + 1] == AGENT_PARAM:
-            agent = launcher_args[index + 2]
+    args = list(launcher_args)
+    for index, arg in enumerate(args):
+        name, _, inline = arg.partition("=")
+        if name in HYDRA_FLAGS and (inline or index + 1 < len(args)):
+            agent = inline or args[index + 1]
+        elif arg in MCA_FLAGS and index + 2 < len(args) and args[index + 1] in AGENT_PARAMS:
+            agent = args[index + 2]
     if not agent:
-        agent = next((env[name] for name in AGENT_ENV if env.get(name)), "ssh")
+        agent = next((env[name] for name in AGENT_ENV if env.get(name, "").strip()), "ssh")
     return shlex.split(agent.split(":")[0].strip()) or ["ssh"]
 
 
@@ -77,8 +88,12 @@ class Ender:
             self.done.add(name)
             command = end_command(self.agent, asked["host"], asked["pid"])
             status = self.run(command)
-            self.say(f"ending hung rank {asked.get('rank', '?')} (pid {asked['pid']}) on {asked['host']} for in-job "
-                     f"recovery: {' '.join(command)}" + ("" if status == 0 else f" (exit status {status})"))
+            said = (f"ending hung rank {asked.get('rank', '?')} (pid {asked['pid']}) on {asked['host']} for in-job "
+                    f"recovery: {' '.join(command)}")
+            if status != 0:  # the job's watchdog waits for the rank to go, then ends the job itself
+                said += (f" (exit status {status}: cannot end it through {command[0]}; the job's hang fallback "
+                         "ends the job)")
+            self.say(said)
 
 
 def _run(command: list[str]) -> int:

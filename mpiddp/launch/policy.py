@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpiddp.failure import FailureRecord
 from mpiddp.globalbatch import GlobalBatchError, split
 from mpiddp.launch.diagnose import Failure
 from mpiddp.launch.hosts import Host, HostListError, place
@@ -78,6 +79,43 @@ def ranks_lost_at_start(recoveries: list[dict[str, Any]]) -> tuple[int, ...] | N
     except (KeyError, IndexError, TypeError, ValueError):
         return None
     return tuple(lost)
+
+
+def contradicted_by_records(recoveries: list[dict[str, Any]], records: list[FailureRecord],
+                            spawn_failed_at: float | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the in-job recoveries the job's failure records leave standing, why each other one does not stand).
+
+    A rank records a failure only as it ends the job (a fatal error, the hang fallback, a stop), so a recovery
+    from its exit is a consequence of that end, not a host's fault: mpirun's teardown resumes a stopped rank
+    (SIGCONT, then SIGTERM), which then "recovers" from the rank that ended the job. Such a recovery is
+    contradicted when it came at or after the oldest record (its `time`), or when a rank it lost wrote a record
+    itself (the first recovery only: later ones number the survivors' world; records without times). Likewise
+    a recovery at or after `spawn_failed_at`, when a spawn began that the launcher failed during: the launcher's
+    crash took that rank."""
+    if not recoveries or (not records and spawn_failed_at is None):
+        return list(recoveries), []
+    decided = min(records, key=lambda r: r.time) if records else None
+    recorders = {r.rank: r for r in records if r.rank is not None}
+    kept, why = [], []
+    for index, item in enumerate(recoveries):
+        if item.get("cause") == "grew":
+            kept.append(item)
+            continue
+        at = item.get("time")
+        lost = [r for r in item.get("ranks_lost") or [] if isinstance(r, int)]
+        own = [recorders[r] for r in lost if r in recorders and index == 0]
+        said = f"the in-job recovery that lost {', '.join(map(str, item.get('hosts_lost') or [])) or 'a host'}"
+        timed = isinstance(at, (int, float))
+        if decided is not None and timed and at >= decided.time:
+            who = f"rank {decided.rank if decided.rank is not None else '?'}"
+            why.append(f"{said} came after {who} recorded the end of the job ({decided.kind})")
+        elif own:
+            why.append(f"{said} lost rank {own[0].rank}, which recorded its own end ({own[0].kind}): it left on purpose")
+        elif spawn_failed_at is not None and timed and at >= spawn_failed_at:
+            why.append(f"{said} came during the spawn the launcher failed in")
+        else:
+            kept.append(item)
+    return kept, why
 
 
 def strike_lost_in_job(recoveries: list[dict[str, Any]], hosts: list[Host], excluded: list[str],

@@ -31,10 +31,11 @@ from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV,
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
-from mpiddp.launch.ender import Ender, rsh_agent
-from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
+from mpiddp.launch.ender import Ender, host_agent
+from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose, during_spawn
 from mpiddp.launch.hosts import Host, place
-from mpiddp.launch.policy import Decision, blamed, decide, same_host, strike_lost_in_job
+from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
+                                  strike_lost_in_job)
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -100,6 +101,7 @@ class Attempt:
     in_job_recovery: bool = False  # the job ran with MPI fault tolerance (its survivors may recover in the job)
     in_job_recovery_off: str = ""  # why not, in one line, when off
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # in-job recoveries (the job's summary.json)
+    launcher_crash: str = ""  # when the launcher itself failed: during a spawn, or after the job marked its end
 
 
 def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
@@ -256,9 +258,12 @@ class Supervisor:
                     + (f" after {within}" if within else ""))
                 return attempt.status or 0
             found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
+            spawn = failure.spawning(self.failure_file)
+            found, attempt.launcher_crash = during_spawn(found, spawn[0] if spawn else [])
+            spawn_failed_at = spawn[1] if spawn and attempt.launcher_crash else None
             progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
             attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
-            decision = self._decide(attempt, found, placement, hosts_now, excluded, strikes)
+            decision = self._decide(attempt, found, placement, hosts_now, excluded, strikes, records, spawn_failed_at)
             attempt.cause, attempt.cause_source, attempt.message = found.kind, found.source, found.message
             attempt.failed_ranks, attempt.failed_hosts = list(found.ranks), list(found.hosts)
             attempt.ranks_recorded, attempt.witness_ranks = found.recorded, list(found.witnesses)
@@ -275,18 +280,23 @@ class Supervisor:
         raise AssertionError("the policy stops once --max-restarts is spent")
 
     def _decide(self, attempt: Attempt, found: Failure, placement: dict[int, str], hosts_now: list[Host],
-                excluded: list[str], strikes: dict[str, int]) -> Decision:
+                excluded: list[str], strikes: dict[str, int], records: list[failure.FailureRecord],
+                spawn_failed_at: float | None = None) -> Decision:
         """The policy's decision on a failed attempt. A host the job lost and recovered from in the job before the
-        failure that ended it failed too: the same evidence, so it is left out as well (per --host-strikes)."""
-        lost, strikes = strike_lost_in_job(attempt.recoveries, self.plan.hosts, excluded, strikes,
+        failure that ended it failed too: the same evidence, so it is left out as well (per --host-strikes),
+        unless the job's failure records contradict that recovery (it came after the end was decided)."""
+        standing, contradicted = contradicted_by_records(attempt.recoveries, records, spawn_failed_at)
+        lost, strikes = strike_lost_in_job(standing, self.plan.hosts, excluded, strikes,
                                            self.plan.host_strikes, hosts_now)
         decision = decide(found, self.plan.hosts, [*excluded, *lost], attempt.number, self.plan.max_restarts,
                           self.plan.num_ranks, hosts_now, self.plan.min_np, self.plan.global_batch, strikes,
                           self.plan.host_strikes, placement)
-        if not lost:
-            return decision
-        return replace(decision, reason=f"{decision.reason}; without {', '.join(lost)} too (lost in the job "
-                                        "earlier, recovered from in the job)")
+        reason = decision.reason
+        if lost:
+            reason += f"; without {', '.join(lost)} too (lost in the job earlier, recovered from in the job)"
+        if contradicted:
+            reason += f"; not held against any host: {'; '.join(contradicted)}"
+        return replace(decision, reason=reason)
 
     def _diagnose(self, attempt: Attempt, output: str, hosts_now: list[Host],
                   metrics: list[dict[str, Any]]) -> tuple[Failure, dict[int, str], list[failure.FailureRecord]]:
@@ -348,7 +358,7 @@ class Supervisor:
         """While the attempt runs under in-job recovery: ends the hung ranks the job names (mpiddp.launch.ender)."""
         if not attempt.in_job_recovery:
             return contextlib.nullcontext()
-        return Ender(self.failure_file, rsh_agent(self.plan.extra, self.env), say)
+        return Ender(self.failure_file, host_agent(self.plan.extra, self.env), say)
 
     def _finished(self, attempt: Attempt) -> bool:
         """Whether a 0 from the launcher means the job finished: always without MPI fault tolerance; with it (where
@@ -370,6 +380,7 @@ class Supervisor:
         if attempt.status == 0 and not self._finished(attempt):
             return EXIT_CRASH
         if attempt.status not in (0, None) and not self.stop_signal and self._marked(attempt):
+            attempt.launcher_crash = f"after the job marked its end (exit status {attempt.status})"
             say(f"attempt {attempt.number}: the launcher exited {attempt.status} after the job marked its end "
                 f"(every rank finished and wrote its results): taken as finished")
             return 0

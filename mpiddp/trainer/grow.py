@@ -20,6 +20,7 @@ import pickle
 import time
 from typing import Any
 
+from mpiddp import failure
 from mpiddp.job import grow as mpigrow
 from mpiddp.job.membership import MembersLost
 from mpiddp.trainer.recoverable import Regrown, Resplit, resplit
@@ -99,12 +100,17 @@ class GrowBack:
         members, dist, parts = recovery.members, recovery.dists[0], recovery.parts
         before, step = dist.world_size, parts.state.step
         parts.watchdog.suspend()
+        # launch's evidence that a launcher failing now failed during the spawn (Open MPI 5.0.11's prterun can
+        # crash in MPI_Comm_spawn), which says nothing against the hosts spawned onto
+        records = failure.records_dir(dist.topology.failure_file, parts.run_dir) if dist.is_main else None
+        failure.mark_spawning(records, list(plan.hosts))
         try:
             merged, phases = mpigrow.spawn_and_merge(members.comm, plan)
-        except members._mpi.Exception as exc:
+        except members._mpi.Exception as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             parts.watchdog.follow(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
             return False
+        failure.spawned(records)
         try:
             self._join(recovery, merged, split, cfg, phases)
         except (members._mpi.Exception, MembersLost, RuntimeError, pickle.UnpicklingError, EOFError) as exc:

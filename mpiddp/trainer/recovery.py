@@ -24,7 +24,7 @@ from mpiddp.job.collective import Dist
 from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm, nccl_abort_available
 from mpiddp.job.survivors import (CONFIRM_S, WatchedTransport, bind_topology,  # noqa: F401 (WatchedTransport:
                                   end_without_finalize, mark_recovered, members_lost,  # tests; the others: run.py)
-                                  rebind_survivors, recovered_in_this_process)
+                                  rebind_survivors, recovered_in_this_process, unless_end_decided)
 from mpiddp.job.recoverability import job_refusal, nccl_errors_env, refusal
 from mpiddp.trainer.recoverable import Regrown, Resplit, resplit
 
@@ -168,6 +168,8 @@ class InJobRecovery:
         # detect: from this rank's last sign of life of the job (its last step, or the start of the gradient
         # all-reduce that failed) to MPI's report: an upper bound on the detection latency
         waited_from = max(self.members.waiting_since or 0.0, self._stepped_at) or lost.detected_at
+        directory = records_dir(dist.topology.failure_file, parts.run_dir)
+        unless_end_decided(directory, lost.ranks)
         reason = refusal("save" if self.saving else where, self.stepped, dist.device_type, cfg.training.grad_compression)
         if reason is not None:
             self.fall_back(reason, lost.ranks)
@@ -201,7 +203,9 @@ class InJobRecovery:
         # a rank that was joining (a grow cut short) is not in the topology before: named by its rank only
         hosts = list(dict.fromkeys(topology_before.host_of(rank) if rank < world_before else f"joining rank {rank}"
                                    for rank in failed))
+        unless_end_decided(directory, failed)  # decided during the shrink: nothing goes on record
         self.records.append({
+            "time": time.time(),  # launch weighs it against the failure records' times (the end decided before it?)
             "cause": "hang" if hung & set(failed) else "process_failed",
             "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
             "steps_lost": 1 if in_step and not caught_up else 0,

@@ -1,0 +1,143 @@
+"""One stopped rank under launch's defaults (in-job recovery, a spare host): the hung rank is ended through the
+agent however the user named it, the healthy host is never blamed, and a job that ends itself leaves no
+recovery record (fake hosts, real processes)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import REPO, job_env, rank_pid
+from fakehosts import SUBNET, FakeHosts, running_fake_hosts
+from mpiddp import recoveries
+from mpiddp.failure import FAILURES_DIR
+
+pytestmark = pytest.mark.mpi
+FAST = ("--no-progress", "--wandb", "disabled")
+# the watchdog must speak before the healthy rank's gloo timeout (launch raises --collective-timeout anyway)
+HANG = ("--hang-timeout", "8", "--collective-timeout", "8", "--grad-transport", "gloo")
+
+
+@pytest.fixture
+def hosts(tmp_path, mpirun):
+    (tmp_path / "fakehosts").mkdir()
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec"], tmp_path / "fakehosts")) as cluster:
+        yield cluster
+
+
+def stop_rank_1_and_wait(hosts, command, env, run_dir, timeout=300):
+    """Run launch on nodea; once the epoch-2 snapshot is saved, SIGSTOP rank 1 (nodeb): alive and silent, as a
+    wedged GPU or NFS. Returns (launch's status, its output)."""
+    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in process.stdout:
+            seen.append(line)
+            if "saved " in line and "snapshot-epoch0002.pt" in line:
+                break
+        os.kill(rank_pid(run_dir, 1), signal.SIGSTOP)
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, "".join(seen) + output
+
+
+def attempts(run_dir):
+    return json.loads((run_dir / "attempts.json").read_text())["attempts"]
+
+
+@pytest.mark.parametrize("named", ["PRTE_MCA_plm_ssh_agent", "--prtemca plm_ssh_agent"])
+def test_a_stopped_rank_is_ended_through_the_agent_as_open_mpi_5_reads_it_and_the_healthy_host_is_kept(
+        hosts, tmp_path, named):
+    """The agent given only the way Open MPI 5 reads it (not as plm_rsh_agent): launch ends the hung rank through
+    it, the survivor recovers, and the run finishes with nodea (healthy) never left out."""
+    run_dir = tmp_path / "run"
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+    transport = f"--mca btl_tcp_if_include {SUBNET}.0/24"
+    if named.startswith("PRTE"):
+        env[named] = str(hosts.agent)
+    else:
+        transport += f" {named} {hosts.agent}"
+    command = [sys.executable, "-m", "mpiddp", "launch", "-H", "nodea:1,nodeb:1,nodec:1", "-np", "2",
+               "--max-restarts", "2", "--launcher-args", transport, "--",
+               "--run-dir", str(run_dir), "--epochs", "6", *FAST, *HANG]
+    status, output = stop_rank_1_and_wait(hosts, command, env, run_dir)
+    assert status == 0, output[-6000:]
+    assert f"ending hung rank 1 (pid " in output and f"on nodeb for in-job recovery: {hosts.agent} nodeb kill -KILL" \
+        in output, output[-6000:]
+    assert "cannot end it through" not in output, output[-6000:]
+    every = attempts(run_dir)
+    assert all("nodea" not in attempt["excluded_hosts"] for attempt in every), every
+    assert "nodea" in json.loads((run_dir / "summary.json").read_text())["hosts"]
+    lost = [host for item in recoveries.recorded(run_dir / FAILURES_DIR) for host in item.get("hosts_lost", [])]
+    assert "nodea" not in lost, lost
+
+
+def test_a_job_that_ends_itself_on_a_hang_leaves_no_recovery_record(hosts, tmp_path):
+    """launch cannot end the hung rank (its agent refuses `kill`): the watchdog's fallback ends the job with
+    status 4. mpirun's teardown resumes the stopped rank (SIGCONT, then SIGTERM, which training takes as a stop):
+    it must not "recover" from rank 0, whose hang record decided the end; nodea is not blamed."""
+    run_dir = tmp_path / "run"
+    refusing = tmp_path / "refuses-kill.sh"
+    refusing.write_text(f'#!/bin/sh\ncase "$*" in *"kill -KILL"*) echo "ssh: connect to host $1 port 22: '
+                        f'Connection refused" >&2; exit 255;; esac\nexec {hosts.agent} "$@"\n')
+    refusing.chmod(0o755)
+    env = job_env(PRTE_MCA_plm_ssh_agent=str(refusing))
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    command = [sys.executable, "-m", "mpiddp", "launch", "-H", "nodea:1,nodeb:1,nodec:1", "-np", "2",
+               "--max-restarts", "0", "--launcher-args", f"--mca btl_tcp_if_include {SUBNET}.0/24", "--",
+               "--run-dir", str(run_dir), "--epochs", "6", *FAST, *HANG]
+    status, output = stop_rank_1_and_wait(hosts, command, env, run_dir)
+    assert status == 4, output[-6000:]
+    assert "(exit status 255: cannot end it through" in output, output[-6000:]
+    assert recoveries.recorded(run_dir / FAILURES_DIR) == [], output[-6000:]
+    (first,) = attempts(run_dir)
+    assert (first["cause"], first["blamed_hosts"]) == ("hang", ["nodeb"]), first
+    assert first["recoveries"] == [] and "nodea" not in first["excluded_hosts"], first
+
+
+def test_a_launcher_that_loses_the_spare_during_the_spawn_does_not_lose_the_run(hosts, tmp_path):
+    """Rank 1 (nodeb) killed; the survivor recovers in the job and grows back onto the spare nodec. Just as the
+    spawn begins (the job's spawn mark), nodec's processes die, as when Open MPI 5.0.11's prterun crashes during
+    MPI_Comm_spawn and reports "lost communication with a remote daemon ... on node nodec". That is no evidence
+    against nodec: launch relaunches on nodea and nodec and the run finishes (before: "cannot relaunch without
+    nodeb, nodec", exit 1)."""
+    run_dir = tmp_path / "run"
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    command = [sys.executable, "-m", "mpiddp", "launch", "-H", "nodea:1,nodeb:1,nodec:1", "-np", "2",
+               "--max-restarts", "2", "--launcher-args", " ".join(hosts.transport_args()),
+               "--run-dir", str(run_dir), "--",  # launch's own: the job's records are there as it runs
+               "--epochs", "3", *FAST, "--inject-fault", "kill:1:30"]
+    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(process.stdout), daemon=True)
+    reader.start()
+    mark = run_dir / FAILURES_DIR / "spawning.json"
+    try:
+        deadline = time.monotonic() + 240
+        while not mark.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the mark: the spawn it announces takes about a second
+        assert mark.exists(), "".join(seen)[-4000:]
+        hosts.kill_host("nodec")  # its daemon and the rank being spawned there
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    reader.join(30)
+    output = "".join(seen)
+    assert process.returncode == 0, output[-6000:]
+    every = attempts(run_dir)
+    assert all("nodec" not in attempt["excluded_hosts"] and "nodea" not in attempt["excluded_hosts"]
+               for attempt in every), every
+    assert every[-1]["hosts"] == ["nodea", "nodec"] and every[-1]["status"] == 0, every
+
