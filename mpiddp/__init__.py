@@ -21,7 +21,7 @@ from mpiddp.version import __version__
 
 if TYPE_CHECKING:
     from mpiddp.job.api import init
-    from mpiddp.job.elastic import (MembershipChange, State, on_membership_change, run_recoverable, wait,
+    from mpiddp.elastic.api import (MembershipChange, State, on_membership_change, run_recoverable, wait,
                                     watch_gradients)
     from mpiddp.job.collective import Dist, Rendezvous
     from mpiddp.job.topology import Topology
@@ -35,7 +35,7 @@ __all__ = ["AgreedError", "Dist", "MembershipChange", "Rendezvous", "State", "To
 _LAZY = {"init": "mpiddp.job.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
          "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport",
          **dict.fromkeys(["MembershipChange", "State", "on_membership_change", "run_recoverable", "wait",
-                          "watch_gradients"], "mpiddp.job.elastic")}
+                          "watch_gradients"], "mpiddp.elastic.api")}
 
 
 def __getattr__(name: str) -> Any:

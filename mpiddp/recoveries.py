@@ -19,7 +19,7 @@ from mpiddp.failure import RECOVERIES_FILE
 
 SUMMARY_FILE = "summary.json"
 RECOVERY_PHASES = ("detect", "agree_and_shrink", "process_group", "ddp", "first_step")
-# a grow back to full size (cause "grew", with ranks_added and hosts_added): mpiddp.trainer.grow
+# a grow back to full size (cause "grew", with ranks_added and hosts_added): mpiddp.elastic.grow
 GROW_PHASES = ("spawn", "merge", "process_group", "state_transfer", "ddp", "first_step")
 PHASE_NAMES = {"detect": "detect", "agree_and_shrink": "agree and shrink", "process_group": "process group",
                "ddp": "DDP", "first_step": "first step", "spawn": "spawn", "merge": "merge",

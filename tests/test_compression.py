@@ -160,7 +160,7 @@ class LosingMembers(WatchingMembers):
     """A Membership stand-in whose peer has failed: every wait says so, as MPI would."""
 
     def wait(self, work):
-        from mpiddp.job.membership import MembersLost
+        from mpiddp.elastic.membership import MembersLost
 
         self.waited += 1
         raise MembersLost((1,), 0.0)
@@ -183,7 +183,7 @@ def test_gpu_buckets_are_handed_to_ddp_unwaited_and_settled_on_the_main_thread(k
 
 
 def test_a_peer_lost_during_a_gpu_step_is_raised_by_settle_and_the_next_step_starts_afresh():
-    from mpiddp.job.membership import MembersLost
+    from mpiddp.elastic.membership import MembersLost
 
     hook = compression.GradientHook("none", [], on_ready=lambda: None, members=LosingMembers())
     hook._deferred(Bucket(0, 2))

@@ -1,4 +1,4 @@
-"""In-job recovery for scripts (mpiddp.job.elastic), in-process: the State's commit and restore, which survivor the
+"""In-job recovery for scripts (mpiddp.elastic.api), in-process: the State's commit and restore, which survivor the
 others take their state from, the sync itself over a fake three-rank communicator, where recovery refuses, and
 the API without a recovering job. The runs on fake hosts are in test_script_recovery_e2e.py."""
 
@@ -8,8 +8,11 @@ import threading
 import pytest
 import torch
 
-from mpiddp.job import collective, elastic
-from mpiddp.job.elastic import State, furthest, refusal, sync
+from mpiddp.elastic import api as elastic
+from mpiddp.elastic.api import State, sync
+from mpiddp.elastic.decide import furthest
+from mpiddp.elastic.decide import script_refusal as refusal
+from mpiddp.job import collective
 
 
 def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -96,7 +96,7 @@ def test_once_a_rank_recorded_the_end_of_the_job_no_survivor_recovers_or_records
     from: the survivor leaves with the decided status and writes no record of its own (the deciding one stands)."""
     from mpiddp.errors import EndDecided
     from mpiddp.failure import FailureRecord, read_all, write_rank
-    from mpiddp.job.survivors import unless_end_decided
+    from mpiddp.elastic.survivors import unless_end_decided
 
     unless_end_decided(tmp_path, [0])  # nothing recorded: a peer that died (SIGKILL) is recovered from
     write_rank(tmp_path, 0, FailureRecord("hang", [1], ["nodeb"], "no progress for 8 s", rank=0, status=4))

@@ -4,10 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpiddp.job.grow import GrowPlan, format_spare_hosts, grow_due, parse_spare_hosts, plan_growth
+from mpiddp.elastic.decide import GrowPlan, format_spare_hosts, grow_due, parse_spare_hosts, plan_growth
 from mpiddp.recoveries import count_line, describe
-from mpiddp.trainer.grow import GROW_PHASES, grow_record, split_for_growth
-from mpiddp.trainer.recoverable import Resplit, resplit
+from mpiddp.elastic.decide import GROW_PHASES, grow_record, split_for_growth
+from mpiddp.elastic.decide import Resplit, resplit
 
 
 def test_spare_hosts_are_read_with_their_slots():
@@ -75,8 +75,8 @@ def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatc
     garbage (ULFM). The survivors fall back, naming the host the rank was joining on, and record no grow."""
     import pickle
 
-    from mpiddp.trainer import grow as trainer_grow
-    from mpiddp.trainer.grow import GrowBack
+    from mpiddp.elastic import grow as trainer_grow
+    from mpiddp.elastic.grow import GrowBack
 
     class MpiError(Exception):
         pass

@@ -174,8 +174,8 @@ def test_a_collective_returning_after_mpi_reported_a_failure_is_not_trusted(monk
     survivors' transport raises MembersLost for any collective that returns once MPI has reported a failure."""
     import numpy as np
 
-    from mpiddp.job.membership import MembersLost
-    from mpiddp.trainer.recovery import WatchedTransport
+    from mpiddp.elastic.membership import MembersLost
+    from mpiddp.elastic.membership import WatchedTransport
 
     class Comm:
         def Get_rank(self):

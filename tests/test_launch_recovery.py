@@ -205,7 +205,7 @@ def test_a_summary_older_than_the_attempt_is_not_its_recoveries(tmp_path):
     ("Open MPI v5.0.11, package: ...", {"OMPI_MCA_mpi_ft_enable": "1"}, True, False, "cannot rebuild torch 2.4.0's"),
 ])
 def test_checks_verdict_on_in_job_recovery(library, env, has_api, can_regroup, says):
-    from mpiddp.tools.check import in_job_recovery_refusal
+    from mpiddp.elastic.decide import in_job_recovery_refusal
 
     refusal = in_job_recovery_refusal(library, env, has_api, "2.4.0", can_regroup)
     assert refusal is None if says is None else says in refusal and "\n" not in refusal, refusal

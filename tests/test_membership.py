@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, find_mpirun, job_env, mpich_env, repo_pythonpath
-from mpiddp.job import membership
-from mpiddp.job.membership import (MembersLost, Membership, new_rank_of, recovery_refusal, store_address,
-                                   survivors, ulfm_refusal)
+from mpiddp.elastic import membership
+from mpiddp.elastic.decide import new_rank_of, recovery_refusal, store_address, survivors, ulfm_refusal
+from mpiddp.elastic.membership import MembersLost, Membership
 
 PROGRAM = REPO / "tests" / "programs" / "membership_loop.py"
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"

@@ -6,10 +6,12 @@ import itertools
 
 import pytest
 
-from mpiddp.job.membership import old_group_plan, shrunk_topology
+from mpiddp.elastic.decide import old_group_plan
+from mpiddp.elastic.survivors import shrunk_topology
 from mpiddp.job.topology import RankRecord, build_topology
-from mpiddp.job.recoverability import job_refusal, nccl_errors_env, refusal
-from mpiddp.trainer.recoverable import Resplit, resplit
+from mpiddp.elastic.decide import failure_refusal as refusal
+from mpiddp.elastic.decide import job_refusal, nccl_errors_env
+from mpiddp.elastic.decide import Resplit, resplit
 
 
 def test_a_failure_in_training_or_evaluation_after_the_first_step_is_recoverable():

@@ -90,7 +90,7 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     global _initialised
     if _initialised is not None:
         return _initialised
-    from mpiddp.job import elastic
+    from mpiddp.elastic import api as elastic
     from mpiddp.job.bootstrap import start_process_group
 
     settings = InitSettings(DistSettings(device, backend, master_addr=os.environ.get(MASTER_ADDR_ENV),
@@ -155,7 +155,7 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
     in a collective); otherwise this rank waits, asleep and never in a blocking collective, until every rank
     ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
     from mpiddp.job.bootstrap import teardown
-    from mpiddp.job.survivors import end_without_finalize, recovered_in_this_process
+    from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
 
     if exit_status.status != 0 and dist.world_size > 1:
         script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"

@@ -203,7 +203,7 @@ class GradientHook:
         self._pending_q: ParamState = {}
         assert mpi is None or powersgd is None, "PowerSGD stays on the process group"
         self.mpi = mpi  # set: MPI carries the all-reduce
-        # set (mpiddp.job.membership.Membership, in-job recovery): the process group's all-reduce is waited for
+        # set (in-job recovery's Membership): the process group's all-reduce is waited for
         # here, polling MPI's failure notice, so a peer's death ends the wait (DDP's own wait would not end)
         self.members = members
         self._in_flight: list[tuple[Any, torch.Tensor, torch.Tensor, torch.futures.Future]] = []  # watched buckets

@@ -98,7 +98,7 @@ def init_mpi() -> tuple[Any, str]:
             adjusted = f"btl={SKIP_OFI_BTL}"
     # Only the main thread calls MPI; MPI_THREAD_MULTIPLE disables fast transports in some MPIs.
     MPI.Init_thread(MPI.THREAD_FUNNELED)
-    _initialised_with = adjusted  # a second call (after mpiddp.job.grow.joining) says the same
+    _initialised_with = adjusted  # a second call (after growing back's check for an MPI parent) says the same
     return MPI.COMM_WORLD, adjusted
 
 

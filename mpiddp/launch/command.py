@@ -159,7 +159,7 @@ def choose_launcher(requested: str, env: Mapping[str, str], flavour: str) -> str
 
 
 def growth_hosts(known: list[Host], used: list[Host], excluded: list[str], recovery_on: bool) -> list[Host]:
-    """The spare hosts a job may grow back onto after an in-job recovery (mpiddp.job.grow): every known host
+    """The spare hosts a job may grow back onto after an in-job recovery (mpiddp.elastic.grow): every known host
     neither in use nor left out, with its slots; none when in-job recovery is off. They go into mpirun's host
     list after the hosts in use (so its daemons run there and MPI_Comm_spawn can reach them; `--map-by slot`
     with -np still places every rank on the hosts in use) and into MPIDDP_SPARE_HOSTS."""

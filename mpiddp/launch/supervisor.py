@@ -322,7 +322,7 @@ class Supervisor:
         num_ranks = self.num_ranks
         exports = {**job_exports(self.plan, number, self.launch_id), supervision.SUPERVISOR_ENV: supervision.identity()}
         spares = growth_hosts(self.plan.hosts, hosts, excluded, self.plan.in_job_recovery.on)
-        if spares:  # where the job grows back after an in-job recovery (mpiddp.job.grow)
+        if spares:  # where the job grows back after an in-job recovery (mpiddp.elastic.grow)
             exports[SPARE_HOSTS_ENV] = ",".join(f"{h.name}:{h.slots}" for h in spares)
         env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, [*hosts, *spares], num_ranks,

@@ -7,7 +7,6 @@ on every host, and wandb. Every rank takes part; rank 0 prints one report; every
 from __future__ import annotations
 
 import os
-import re
 import socket
 import tempfile
 import time
@@ -15,10 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 import numpy as np
 
+from mpiddp.elastic.decide import in_job_recovery_refusal, job_refusal
+from mpiddp.elastic.membership import mpi_facts, nccl_abort_available
 from mpiddp.job import preflight
-from mpiddp.job.membership import nccl_abort_available, ulfm_refusal
 from mpiddp.job.collective import Dist
-from mpiddp.job.recoverability import job_refusal
 from mpiddp.job.topology import Topology
 from mpiddp.trainer.config import Config, OutputSettings, wandb_mode
 
@@ -94,24 +93,6 @@ def device_names(dist: Dist) -> str:
     return f"{dist.device} {props.name} GPU-{props.uuid}"
 
 
-def in_job_recovery_refusal(library_version: str, env: Mapping[str, str], has_api: bool, torch_version: str,
-                            torch_can_regroup: bool) -> str | None:
-    """None when this job can recover in the job (a failed rank's survivors carry on), else one line why not:
-    the MPI library's ULFM support, whether the job was started with it, mpi4py's Comm.Shrink/Revoke/Agree
-    (membership.ulfm_refusal), and whether this torch lets a new default process group replace the old one."""
-    older = re.match(r"Open MPI v(\d+)\.", library_version)
-    if older and int(older.group(1)) < 5:
-        return (f"in-job recovery needs Open MPI 5 or newer (ULFM fault tolerance); this job runs Open MPI "
-                f"v{older.group(1)}: a failure ends the job and `launch` relaunches it")
-    refusal = ulfm_refusal(library_version, env, has_api)
-    if refusal is not None:
-        return refusal
-    if not torch_can_regroup:
-        return (f"in-job recovery cannot rebuild torch {torch_version}'s process group over the survivors (it lacks "
-                "distributed_c10d._update_default_pg): a failure ends the job and `launch` relaunches it")
-    return None
-
-
 def settings_refusal(cfg: Config, dist: Dist) -> str | None:
     """Why this job's settings rule out in-job recovery (PowerSGD; on GPUs, torch or its NCCL error handling)."""
     import torch
@@ -122,21 +103,19 @@ def settings_refusal(cfg: Config, dist: Dist) -> str | None:
 
 def in_job_recovery_line(env: Mapping[str, str] | None = None, settings: str | None = None) -> str:
     """`check`'s one line on in-job recovery, for this process (every rank of a job gives the same answer).
-    `settings`: why this job's own settings rule it out (recoverability.job_refusal), None when they do not."""
-    import mpi4py
+    `settings`: why this job's own settings rule it out (decide.job_refusal), None when they do not."""
     import torch
-    from mpi4py import MPI
     from torch.distributed import distributed_c10d
 
-    library = MPI.Get_library_version()
-    refusal = in_job_recovery_refusal(library, os.environ if env is None else env, hasattr(MPI.Comm, "Shrink"),
+    library, has_api, mpi4py_version = mpi_facts()
+    refusal = in_job_recovery_refusal(library, os.environ if env is None else env, has_api,
                                       torch.__version__, hasattr(distributed_c10d, "_update_default_pg"))
     if refusal is None and settings is not None:
         refusal = f"{settings}: a failure ends the job and `launch` relaunches it"
     if refusal is not None:
         return f"in-job recovery: no: {refusal}"
     return (f"in-job recovery: yes ({library.split(',')[0]} with ULFM, started with --with-ft ulfm; mpi4py "
-            f"{mpi4py.__version__}; torch {torch.__version__})")
+            f"{mpi4py_version}; torch {torch.__version__})")
 
 
 def run_check(cfg: Config, dist: Dist, run_root: Path) -> tuple[int, str]:

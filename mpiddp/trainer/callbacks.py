@@ -25,7 +25,7 @@ class Callback:
         """A snapshot at `step` is about to be saved (collective: every rank is here)."""
 
     def on_recovered(self, rank: int) -> None:
-        """In-job recovery: this process goes on as `rank` of the survivors (mpiddp.trainer.recovery)."""
+        """In-job recovery: this process goes on as `rank` of the survivors (mpiddp.trainer.elastic_policy)."""
 
 
 class Callbacks(Callback):

@@ -8,9 +8,9 @@ from typing import Any
 
 def main(args: list[str], stop: Any = None) -> int:
     """The rank's exit status. `stop`: training's stop request when `python -m mpiddp` installed it already."""
-    from mpiddp.job.grow import joining
+    from mpiddp.elastic.grow import joining
 
-    if joining():  # it has an MPI parent: spawned by a job growing back after a recovery (mpiddp.trainer.grow)
+    if joining():  # it has an MPI parent: spawned by a job growing back after a recovery (mpiddp.elastic.grow)
         from mpiddp.trainer.join import main as join
 
         return join(args, stop)

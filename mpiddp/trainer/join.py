@@ -1,9 +1,11 @@
-"""Growing back, the new ranks' side: a process spawned by a job that grows back after a recovery
-(mpiddp.trainer.grow) joins the job, takes the state from a survivor's memory and trains to the end with it.
-`python -m mpiddp` starts here (mpiddp.main) when this process has an MPI parent."""
+"""Growing back, the trainer's new ranks: a process spawned by a job that grows back after a recovery joins the
+job (mpiddp.elastic.grow.join), takes the state from a survivor's memory (what the trainer's elastic policy hands
+over) and trains to the end with it. `python -m mpiddp` starts here (mpiddp.trainer.entry) when this process has
+an MPI parent."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -11,9 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from mpiddp.job import grow as mpigrow
+from mpiddp.elastic import grow
+from mpiddp.elastic.decide import grow_record
 from mpiddp.job.stopping import StopRequest
-from mpiddp.trainer.grow import GrowBack, grow_record, own_rng, send_state
 
 log = logging.getLogger("mpiddp")
 
@@ -35,8 +37,7 @@ def join_main(args: list[str], stop: Any) -> int:
     from mpiddp.trainer.metrics import process_start_time
 
     startup = StartupClock(process_start_time())
-    merged = mpigrow.merge_with_parent()
-    joined = Joined.enter(merged, args)
+    joined = Joined.enter(args)
     try:
         outcome = joined.train(stop)
     except Stopped:
@@ -51,27 +52,14 @@ class Joined:
     """A new rank inside the job: its Dist, config, state, loaders and in-job recovery."""
 
     @classmethod
-    def enter(cls, merged: Any, args: list[str]) -> Joined:
+    def enter(cls, args: list[str]) -> Joined:
         """Collective over the merged job: the new rank's half of GrowBack.grow."""
-        from mpiddp.job.membership import Membership
-
-        hello = merged.bcast(None, root=0)
-        hostnames = merged.allgather(mpigrow.own_host())
-        point_gloo_at(hello["interface_per_host"], hello["topology"].hostname)
-        started = time.monotonic()
-        members = Membership(merged, hello["collective_timeout_s"])
-        members.start_process_group()
-        phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
+        joining = grow.join()
         joined = cls()
-        joined.members, joined.hello = members, hello
-        topology = mpigrow.regrown_topology(hello["topology"], hostnames, members.comm.Get_rank())
-        before = hello["topology"].world_size
-        joined.added = (list(range(before, len(hostnames))), list(hostnames[before:]), before, len(hostnames))
-        joined.prepare(args, topology)
-        started = time.monotonic()
-        payload = send_state(members, None)
-        phases["state_transfer"] = time.monotonic() - started
-        joined.build(payload, phases)
+        joined.members, joined.hello, joined.added = joining.members, joining.hello, joining.added
+        joined.prepare(args, joining.topology)
+        payload = grow.receive(joining)
+        joined.build(payload, joining.phases)
         return joined
 
     def prepare(self, args: list[str], topology: Any) -> None:
@@ -88,7 +76,7 @@ class Joined:
         self.cfg, _ = cfg.replace(inject_fault=None).ordered_timeouts()  # drills name ranks of the first job
         setup_logging(topology, self.cfg.outputs.log_level)
         address, port = members.endpoint or ("", 0)
-        rendezvous = Rendezvous(address, port, hello["interface_per_host"], SimpleNamespace(store=members._store))
+        rendezvous = Rendezvous(address, port, hello["interface_per_host"], SimpleNamespace(store=members.store))
         threads = set_threads(self.cfg.dist, topology)
         self.dist = Dist(topology, MpiTransport(members.comm), "cpu", None, hello["backend"], rendezvous, threads)
         export_environment(topology, address, port)
@@ -117,7 +105,7 @@ class Joined:
         """Collective: the rest of the run, entered at the survivors' epoch and batch."""
         from mpiddp.job.watchdog import Watchdog
         from mpiddp.trainer.metrics import NullLogger
-        from mpiddp.trainer.recovery import InJobRecovery
+        from mpiddp.trainer.elastic_policy import InJobRecovery
         from mpiddp.trainer.run import Saver, checkpoint_dir_of
         from mpiddp.trainer.saveclock import SaveClock
         from mpiddp.trainer.train import Hooks, train
@@ -132,8 +120,8 @@ class Joined:
         self.recovery = recovery = InJobRecovery(self.members, [dist], self.hello["min_size"])
         recovery.initial_world, recovery.records, recovery.cfg, recovery.stepped = \
             self.hello["initial_world"], self.records, self.current, True
-        recovery._recovered_at = time.monotonic()  # the grow's first step is this rank's too
-        recovery.grower = GrowBack.from_env()
+        recovery.changed_size()  # the grow's first step is this rank's too
+        recovery.grower = grow.GrowBack.from_env()
         recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=self.loaders, datasets=self.datasets,
                                          watchdog=self.watchdog, guard=None, run_dir=self.run_dir, saver=saver)
         try:
@@ -168,7 +156,7 @@ class Joined:
         dist.barrier()
         if tdist.is_initialized():
             tdist.destroy_process_group()
-        mpigrow.release(self.members)  # before MPI_Finalize, which would wait for the survivors (gone by then)
+        self.members.release()  # before MPI_Finalize, which would wait for the survivors (gone by then)
 
 
 def restored_state(cfg: Any, current: Any, dist: Any, loaders: Any, datasets: Any, payload: dict[str, Any],
@@ -199,11 +187,9 @@ def restored_state(cfg: Any, current: Any, dist: Any, loaders: Any, datasets: An
                       batches_per_epoch=batches_per_epoch, pending_epoch=pending)
 
 
-def point_gloo_at(interface_per_host: dict[str, str], main_host: str) -> None:
-    """gloo on this new host uses the interface the job's rendezvous uses (by name, as on rank 0's host), unless
-    the user chose one."""
-    from mpiddp.job.netif import local_interfaces
+def own_rng(survivor_state: Any, rank: int) -> None:
+    """This new rank's RNG stream for augmentation and dropout: derived from the survivor's, its own per rank."""
+    import torch
 
-    wanted = interface_per_host.get(main_host)
-    if wanted and "GLOO_SOCKET_IFNAME" not in os.environ and any(i.name == wanted for i in local_interfaces()):
-        os.environ["GLOO_SOCKET_IFNAME"] = wanted
+    digest = hashlib.sha256(bytes(survivor_state.numpy()) + rank.to_bytes(4, "little")).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))

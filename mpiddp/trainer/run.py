@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from mpiddp import failure, supervision
 from mpiddp.contract import JobRecord, default_checkpoint_dir, mark_finished, write_job_record
+from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
 from mpiddp.errors import UserError
 from mpiddp.failure import read_attempts
 from mpiddp.job import preflight
@@ -23,7 +24,7 @@ from mpiddp.job.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import (DEFAULT_RUNS_ROOT, CheckpointSettings, Config, OutputSettings, TrainingSettings,
                                     parse_args)
-from mpiddp.trainer.recovery import InJobRecovery, end_without_finalize, prepare_nccl, recovered_in_this_process
+from mpiddp.trainer.elastic_policy import InJobRecovery, prepare_nccl
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 

@@ -92,7 +92,7 @@ class Hooks:
     phase: Callable[[str], None] = lambda phase: None
     # called at fixed points of each step (the --inject-fault drills are one, added by `train`)
     callbacks: Callback = field(default_factory=Callbacks)
-    # in-job recovery (mpiddp.trainer.recovery): runs body(config) and, after the survivors recovered from a failed
+    # in-job recovery (mpiddp.trainer.elastic_policy): runs body(config) and, after the survivors recovered from a failed
     # rank, again with their config; `where` is train or eval. Without it: body(config), once.
     in_job: Callable[[Callable[[Config], Any], Config, str], Any] = lambda body, cfg, where: body(cfg)
 
@@ -453,7 +453,7 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
 def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, joined: bool = False) -> TrainOutcome:
     timing = RankTiming(cfg.outputs.throughput_warmup_steps)
     history: list[dict[str, Any]] = []
-    # A rank that joined a running job (mpiddp.trainer.grow) enters at the survivors' step: no start-up agreement.
+    # A rank that joined a running job (mpiddp.trainer.join) enters at the survivors' step: no start-up agreement.
     signum = 0 if joined else hooks.stop.agreed(dist)
     if signum:  # a stop during start-up: nothing was trained since the last snapshot, which stays as it is
         raise Stopped(signal.Signals(signum).name, state.step, saved=False)

@@ -1,4 +1,4 @@
-"""In-job recovery (mpiddp/job/membership.py) on one host: a rank SIGKILLed while its peers wait in a gloo
+"""In-job recovery (mpiddp/elastic/membership.py) on one host: a rank SIGKILLed while its peers wait in a gloo
 all-reduce, timed from the kill to the first all-reduce completed on the shrunk group, with its phases; and
 what the failure watch costs when nothing fails (async all-reduce + polling against plain blocking ones,
 interleaved). Writes run/bench/results/only-recovery.json.

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
+from mpiddp.elastic.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
 from mpiddp.job.mpistart import init_mpi
 
 out_dir, steps, victim, at_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -39,7 +39,7 @@ if reason is not None:
     sys.exit(0)
 device = torch.device("cpu")
 if backend == "nccl":
-    from mpiddp.trainer.recovery import prepare_nccl
+    from mpiddp.trainer.elastic_policy import prepare_nccl
 
     prepare_nccl("none")  # what the trainer does: torch's NCCL watchdog must not end a survivor
     device = torch.device("cuda", start_rank % torch.cuda.device_count())

@@ -12,7 +12,7 @@ commit (in DDP every replica holds the same ones, so a survivor already has them
 back to the last commit but on from the furthest survivor. What a commit copies is the plain values (epoch, data
 position, any picklable counter), so a step that failed half-way leaves no trace in them.
 
-After a failure, MPI's fault tolerance (ULFM, mpiddp.job.membership) agrees on who failed and shrinks the job;
+After a failure, MPI's fault tolerance (ULFM, mpiddp.elastic.membership) agrees on who failed and shrinks the job;
 torch's process group is rebuilt on a new store (the death of rank 0 and its store included); the values go back
 to this rank's last commit; the survivor with the most commits (the lowest rank among equals) gives every other
 survivor its objects and values when they differ (a collective can complete on some ranks only); gradients left
@@ -39,12 +39,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from mpiddp.contract import MIN_NP_ENV
+from mpiddp.elastic.decide import furthest, script_refusal
+from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, WatchedTransport, check_ulfm,
+                                       members_lost, mpi_error_of)
+from mpiddp.elastic.survivors import hosts_of, mark_recovered, rebind_survivors, unless_end_decided
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist, MpiTransport, current
 from mpiddp.job.log import chosen_level
-from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm
-from mpiddp.job.survivors import (WatchedTransport, hosts_of, mark_recovered, members_lost, rebind_survivors,
-                                  unless_end_decided)
 
 if TYPE_CHECKING:
     import torch
@@ -164,14 +165,6 @@ class Comm(Protocol):
     def bcast(self, value: Any, root: int) -> Any: ...
 
 
-def furthest(positions: list[tuple[int, str]]) -> int | None:
-    """The rank whose state every survivor takes: the most commits, the lowest rank among equals; None when all
-    hold the same (nothing to send)."""
-    if len(set(positions)) <= 1:
-        return None
-    return max(range(len(positions)), key=lambda rank: (positions[rank][0], -rank))
-
-
 def sync(state: State, comm: Comm) -> int | None:
     """Collective over the survivors: back to this rank's last commit, then every survivor takes the state of the
     furthest one when they differ. Returns that rank, or None."""
@@ -232,20 +225,6 @@ def adopt(job: OwnJob | None) -> None:
     _own = job
 
 
-def refusal(own_job: bool, ulfm: str | None, device_type: str, backend: str) -> str | None:
-    """None when a script's job can recover in the job, else one line why not. Pure (tested in-process)."""
-    if not own_job:
-        return ("in-job recovery for scripts needs a plain `mpirun --with-ft ulfm python script.py` (not `mpiddp "
-                "run`): a failure ends the job and `launch` relaunches it")
-    if ulfm is not None:
-        return ulfm
-    if device_type != "cpu":
-        return f"in-job recovery on {device_type} (NCCL) is not built yet: a failure ends the job"
-    if backend != "gloo":
-        return f"in-job recovery rebuilds a gloo process group, and this job's is {backend}: a failure ends the job"
-    return None
-
-
 class ScriptRecovery:
     """One per process, made by the first `run_recoverable` (collective); every method named collective is called
     by every survivor at the same point."""
@@ -262,7 +241,7 @@ class ScriptRecovery:
     def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
         """Collective: in-job recovery when this job can do it, else None and one line on rank 0 saying why."""
         job = _own
-        reason = refusal(job is not None, check_ulfm() if job is not None else None, dist.device_type, dist.backend)
+        reason = script_refusal(job is not None, check_ulfm() if job is not None else None, dist.device_type, dist.backend)
         if reason is not None:
             if dist.is_main:  # a local log line, no collective
                 log.warning("%s", reason)
@@ -312,7 +291,7 @@ class ScriptRecovery:
         _drop_old_wrappers()
         try:
             leader = sync(state, _DistComm(dist))
-        except (RuntimeError, self.members._mpi.Exception) as exc:
+        except (RuntimeError, mpi_error_of(self.members)) as exc:
             self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], recovered.failed_ranks)
         waited_from = max(self.members.waiting_since or 0.0, waited_from)
         phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,

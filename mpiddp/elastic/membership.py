@@ -18,15 +18,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+from mpiddp.elastic.decide import GrowPlan, old_group_plan, recovery_refusal, store_address, ulfm_refusal
+from mpiddp.job.collective import MpiTransport
 
 log = logging.getLogger(__name__)
 
 WATCH_TAG = 27_182  # carried by no message: the watch receive completes only when a member fails
 GLOO_ERROR_GRACE_S = 30.0  # gloo saw a peer vanish: how long MPI gets to confirm it before the error is the answer
+CONFIRM_S = 2.0  # a torch error on a rank: how long MPI gets to report a failed peer before the error stands
 
 
 class MembersLost(Exception):
@@ -59,81 +64,6 @@ class Recovered:
     @property
     def world_size(self) -> int:
         return self.comm.Get_size()
-
-
-# ---- pure decisions (tested in-process) ----------------------------------------------------------------------
-
-def ulfm_refusal(library_version: str, env: Mapping[str, str], has_api: bool) -> str | None:
-    """None when in-job recovery can work with this MPI, else one line why not. `library_version` is
-    MPI_Get_library_version's text, `env` the rank's environment, `has_api` whether mpi4py has Comm.Shrink."""
-    first = library_version.strip().splitlines()[0] if library_version.strip() else "an unknown MPI"
-    if not has_api:
-        return "in-job recovery needs mpi4py 4 or newer (Comm.Revoke/Shrink/Agree): this one lacks them"
-    if not library_version.startswith("Open MPI"):
-        return (f"in-job recovery needs an MPI with ULFM fault tolerance (Open MPI 5 with --with-ft ulfm); "
-                f"this job runs {first.split(',')[0]}: a failure ends the job and `launch` relaunches it")
-    if env.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "t", "y"):
-        return ("in-job recovery needs mpirun --with-ft ulfm (Open MPI's fault tolerance is off in this job): "
-                "a failure ends the job and `launch` relaunches it")
-    return None
-
-
-def survivors(old_size: int, failed: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    """Old ranks that are left, in the order of their new ranks (Shrink keeps the old order)."""
-    gone = set(failed)
-    return tuple(rank for rank in range(old_size) if rank not in gone)
-
-
-def new_rank_of(old_size: int, failed: tuple[int, ...] | list[int]) -> dict[int, int]:
-    """Old rank -> new rank of each survivor."""
-    return {old: new for new, old in enumerate(survivors(old_size, failed))}
-
-
-def recovery_refusal(old_size: int, failed: tuple[int, ...] | list[int], min_size: int) -> str | None:
-    """None when the job can go on without `failed`, else one line why not."""
-    if not failed:
-        return "no rank failed"
-    if any(rank < 0 or rank >= old_size for rank in failed):
-        return f"failed ranks {sorted(failed)} are not ranks of a {old_size}-rank job"
-    left = old_size - len(set(failed))
-    if left < max(1, min_size):
-        return (f"{left} of {old_size} ranks are left, fewer than the {max(1, min_size)} the job needs "
-                f"(--min-np): the job ends and `launch` relaunches it")
-    return None
-
-
-def shrunk_topology(old: Any, alive: tuple[int, ...], new_rank: int) -> Any:
-    """The Topology of survivor `new_rank` in a job shrunk to the old ranks `alive` (in new-rank order): hosts and
-    local ranks renumbered among the survivors, the launcher's settings kept."""
-    return topology_over(old, [old.host_of(rank) for rank in alive], new_rank)
-
-
-def topology_over(template: Any, hostnames: Sequence[str], rank: int) -> Any:
-    """The Topology of rank `rank` in a job whose ranks run on `hostnames` (in rank order): hosts and local ranks
-    numbered as at start-up, the launcher's settings taken from `template` (a topology of the same job)."""
-    import dataclasses
-
-    from mpiddp.job.topology import RankRecord, build_topology
-
-    records = []
-    for index, host in enumerate(hostnames):
-        peers = [r for r, h in enumerate(hostnames) if h == host]
-        records.append(RankRecord(index, host, peers[0], peers.index(index), len(peers)))
-    topology = build_topology(rank, records, template.mpi_library)
-    return dataclasses.replace(topology, mpi_settings=template.mpi_settings, restarts=template.restarts,
-                               failure_file=template.failure_file, launch_id=template.launch_id,
-                               launch_run_dir=template.launch_run_dir, job_record=template.job_record)
-
-
-def store_address(env: Mapping[str, str], interfaces: list[tuple[str, str]]) -> str:
-    """The address this host's new rendezvous store listens on: the interface gloo uses (GLOO_SOCKET_IFNAME,
-    set by mpiddp's rendezvous), else the first non-loopback one, else loopback. `interfaces`: (name, address)."""
-    chosen = env.get("GLOO_SOCKET_IFNAME")
-    for name, address in interfaces:
-        if chosen and name == chosen:
-            return address
-    outside = [address for _, address in interfaces if not address.startswith("127.")]
-    return outside[0] if outside else "127.0.0.1"
 
 
 # ---- the membership layer over MPI ---------------------------------------------------------------------------
@@ -183,6 +113,21 @@ class Membership:
     def check_ulfm(self) -> str | None:
         """None when in-job recovery can work here, else one line why not."""
         return check_ulfm()
+
+    @property
+    def store(self) -> Any:
+        """This rank's rendezvous store since the last recovery or grow (the server on rank 0), None before."""
+        return self._store
+
+    @property
+    def lost_at(self) -> float | None:
+        """time.time() when the failure watch reported a failure (None until then, and again once recovered)."""
+        return self._lost
+
+    @property
+    def mpi_error(self) -> type[Exception]:
+        """MPI's exception class (mpi4py's MPI.Exception): what a collective raises when MPI fails it."""
+        return self._mpi.Exception
 
     # -- noticing a failure --
 
@@ -304,7 +249,7 @@ class Membership:
                 pass  # a revoked communicator may refuse: it is dropped either way
 
     def adopt(self, comm: Any) -> float:
-        """Collective over `comm` (the survivors and the ranks that joined them, mpiddp.job.grow): watch and
+        """Collective over `comm` (the survivors and the ranks that joined them, mpiddp.elastic.grow): watch and
         recover over it from now on, with torch's default group rebuilt over it. Returns the process group's
         seconds. A joining rank constructs a Membership on `comm` instead (the same collectives)."""
         try:
@@ -351,7 +296,7 @@ class Membership:
         """NCCL: abort every communicator of the old groups (ncclCommAbort), which ends their kernels still
         waiting on the dead peer, so the GPU stream and nothing after it blocks on them; torch forgets the
         groups (the same tables destroy_process_group clears). Needs TORCH_NCCL_ASYNC_ERROR_HANDLING 0 or 2,
-        or torch's own watchdog may end this survivor first (recoverability.job_refusal)."""
+        or torch's own watchdog may end this survivor first (decide.job_refusal)."""
         from torch.distributed import distributed_c10d as c10d
 
         c10d._abort_process_group()
@@ -373,6 +318,32 @@ class Membership:
         if hasattr(c10d, "_unregister_all_process_groups"):  # the by-name registry of functional collectives
             c10d._unregister_all_process_groups()
 
+    def release(self) -> None:
+        """A spawned rank at its very end (after the teardown's barrier), before MPI_Finalize: cancel the failure
+        watch and free every communicator that spans both jobs except the parent's. Measured with Open MPI 5.0.11
+        under ULFM after a shrink: MPI_Comm_disconnect hangs in PMIx_Fence on every side, and MPI_Finalize with
+        these still held waits forever in ompi_dpm_dyn_finalize for survivors that ended with os._exit. The
+        survivors do nothing (they end without MPI_Finalize, as after any recovery)."""
+        if not _spanning:
+            return
+        try:
+            self._watch.Cancel()
+            self._watch.Wait()
+        except self._mpi.Exception:
+            pass  # completed already (with an error): nothing pending on it
+        for comm in (self._watch_comm, self.comm, *reversed(_spanning[1:])):
+            try:
+                comm.Free()
+            except self._mpi.Exception:
+                pass  # revoked or freed already
+        _spanning.clear()
+
+    def bcast_large(self, value: Any, root: int = 0) -> Any:
+        """Collective over `comm`: `value` from `root` to every rank, pickles of any size (pkl5)."""
+        from mpi4py.util import pkl5
+
+        return pkl5.Intracomm(self.comm).bcast(value, root=root)
+
     def close(self) -> None:
         """Cancel the watch and free the duplicates (every rank; not collective)."""
         try:
@@ -381,14 +352,6 @@ class Membership:
         except self._mpi.Exception:
             pass
         self._disarm()
-
-
-def old_group_plan(backend: str, can_abort: bool) -> str:
-    """How the survivors let go of the old default group: "abort" its NCCL communicators (torch's
-    _abort_process_group; a NCCL group cannot be left waiting: its kernel holds the GPU stream), else "forget"
-    it (gloo: kept alive, never destroyed, see _retire_default_group). A NCCL job on a torch that cannot abort
-    is refused up front (recoverability.job_refusal), so "forget" on NCCL is never reached in a recovery."""
-    return "abort" if backend == "nccl" and can_abort else "forget"
 
 
 def nccl_abort_available() -> bool:
@@ -409,3 +372,134 @@ def _default_address() -> str:
     from mpiddp.job.netif import local_interfaces
 
     return store_address(os.environ, [(i.name, i.address) for i in local_interfaces()])
+
+
+def mpi_facts() -> tuple[str, bool, str]:
+    """(MPI_Get_library_version's text, whether mpi4py has Comm.Shrink, mpi4py's version): what `check` says of
+    in-job recovery in this process."""
+    import mpi4py
+    from mpi4py import MPI
+
+    return MPI.Get_library_version(), hasattr(MPI.Comm, "Shrink"), mpi4py.__version__
+
+
+def members_lost(members: Membership, exc: BaseException, confirm_s: float = CONFIRM_S) -> MembersLost | None:
+    """The failure behind `exc` when MPI reports failed members, else None (the error stands). MPI's own failure
+    classes, and a torch RuntimeError (a gloo peer that vanished, DDP's wrapping of the hook's MembersLost) once
+    MPI confirms a failed peer within `confirm_s`."""
+    if isinstance(exc, MembersLost):
+        return exc
+    mpi = members._mpi
+    if isinstance(exc, mpi.Exception):
+        if exc.Get_error_class() not in (mpi.ERR_PROC_FAILED, mpi.ERR_PROC_FAILED_PENDING, mpi.ERR_REVOKED):
+            return None
+    elif not isinstance(exc, RuntimeError):
+        return None
+    ranks = members.confirm(confirm_s)
+    return None if ranks is None else MembersLost(ranks, time.time())
+
+
+def mpi_error_of(members: Any) -> type[Exception]:
+    """MPI's exception class as `members` (a Membership) raises it."""
+    return members._mpi.Exception
+
+
+class WatchedTransport(MpiTransport):
+    """MPI over the Membership's communicator, trusting no collective that returns after MPI reported a failed
+    member: under ULFM a collective interrupted by a failure can return on some ranks without an error and with
+    its buffer never filled (seen: an Allreduce of the stop agreement after Open MPI aborted its schedule, whose
+    garbage asked for a save). It raises MembersLost instead; the survivors recover, and the one that got further
+    gives the others its state. One MPI_Test and one MPI_Comm_get_failed (local) per collective."""
+
+    def __init__(self, members: Membership) -> None:
+        super().__init__(members.comm)
+        self.members = members
+
+    def _trusted(self, value: Any) -> Any:
+        lost = self.members.failed()
+        if lost is not None:
+            raise MembersLost(lost, self.members._lost or time.time())
+        # the aborted schedule knew before the failure watch (another communicator) heard: MPI_Comm_get_failed
+        failed = self.failed_ranks()
+        if failed:
+            raise MembersLost(failed, time.time())
+        return value
+
+    def allgather(self, value: Any) -> Any:
+        return self._trusted(super().allgather(value))
+
+    def gather(self, value: Any) -> Any:
+        return self._trusted(super().gather(value))
+
+    def bcast(self, value: Any) -> Any:
+        return self._trusted(super().bcast(value))
+
+    def scatter(self, values: Any) -> Any:
+        return self._trusted(super().scatter(values))
+
+    def allreduce(self, values: Any, op: str) -> Any:
+        return self._trusted(super().allreduce(values, op))
+
+    def barrier(self) -> None:
+        self._trusted(super().barrier())
+
+    def idle_barrier(self, poll_s: float) -> None:
+        self._trusted(super().idle_barrier(poll_s))
+
+
+# ---- growing back: MPI's dynamic processes (mpiddp.elastic.grow) ------------------------------------------------
+
+# Communicators that span the first job and the spawned one, in the order both sides made them: a spawned rank's
+# MPI_Finalize disconnects from every process it is still connected to, and waits forever for survivors that
+# end with os._exit (measured: stuck in ompi_dpm_dyn_finalize), so every side disconnects them at the end.
+_spanning: list[Any] = []
+
+
+def spawn_command() -> tuple[str, list[str]]:
+    """The command a new rank runs: this rank's own `python -m mpiddp ...` (the same training flags)."""
+    return sys.executable, ["-m", "mpiddp", *sys.argv[1:]]
+
+
+def spawn_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
+    """Collective over the survivors' `comm`: start plan.count new ranks on plan.hosts and merge them in after
+    the survivors. Returns (the merged intracommunicator, {spawn, merge} seconds); MPI.Exception when the
+    spawn fails (every survivor gets it: MPI_Comm_spawn is collective)."""
+    from mpi4py import MPI
+
+    command, args = spawn_command()
+    info = MPI.Info.Create()
+    try:
+        info.Set("host", ",".join(plan.hosts))
+        info.Set("wdir", os.getcwd())  # `-m mpiddp` must find the same package (a checkout, a venv)
+        started = time.monotonic()
+        inter = comm.Spawn(command, args=args, maxprocs=plan.count, info=info, root=0)
+    finally:
+        info.Free()
+    spawned = time.monotonic()
+    inter.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    _spanning.extend([inter, merged])
+    return merged, {"spawn": spawned - started, "merge": time.monotonic() - spawned}
+
+
+def joining() -> bool:
+    """Whether this process was spawned by a job growing back (it has an MPI parent). Initialises MPI."""
+    from mpiddp.job.mpistart import init_mpi
+
+    init_mpi()
+    from mpi4py import MPI
+
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def merge_with_parent() -> Any:
+    """A spawned rank's side of spawn_and_merge: the merged intracommunicator (this rank after the survivors)."""
+    from mpi4py import MPI
+
+    parent = MPI.Comm.Get_parent()
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    _spanning.extend([parent, merged])
+    return merged

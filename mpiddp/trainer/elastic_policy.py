@@ -3,7 +3,7 @@ tolerance (ULFM), shrink the job, rebuild the torch process group on a new store
 again (optimizer state untouched), re-split the global batch and the epoch's data over the survivors, and redo
 the interrupted step. Nothing is read from disk.
 
-The loop runs its epochs through `InJobRecovery.attempt`; where recovery cannot work (recoverability.refusal, too
+The loop runs its epochs through `InJobRecovery.attempt`; where recovery cannot work (decide.failure_refusal, too
 few survivors, a second failure while recovering, a batch that does not split) one line says why and the job
 takes today's fail-fast path: it ends, and `launch` relaunches it.
 """
@@ -19,15 +19,13 @@ from typing import Any, TypeVar
 
 from mpiddp import recoveries
 from mpiddp.contract import MIN_NP_ENV
+from mpiddp.elastic.decide import Resplit, failure_refusal, furthest, job_refusal, nccl_errors_env, resplit
+from mpiddp.elastic.grow import GrowBack, Regrown
+from mpiddp.elastic.membership import (CONFIRM_S, MembersLost, Membership, RecoveryFailed, WatchedTransport,
+                                       check_ulfm, members_lost, mpi_error_of, nccl_abort_available)
+from mpiddp.elastic.survivors import bind_topology, mark_recovered, rebind_survivors, unless_end_decided
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist
-from mpiddp.job.membership import MembersLost, Membership, RecoveryFailed, check_ulfm, nccl_abort_available
-from mpiddp.job.survivors import (CONFIRM_S, WatchedTransport, bind_topology,  # noqa: F401 (WatchedTransport:
-                                  end_without_finalize, mark_recovered, members_lost,  # tests; the others: run.py)
-                                  rebind_survivors, recovered_in_this_process, unless_end_decided)
-from mpiddp.job.recoverability import job_refusal, nccl_errors_env, refusal
-from mpiddp.trainer.recoverable import Regrown, Resplit, resplit
-
 
 log = logging.getLogger("mpiddp")
 
@@ -35,7 +33,7 @@ T = TypeVar("T")
 
 
 def settings_refusal(device_type: str, backend: str, compression: str) -> str | None:
-    """recoverability.job_refusal for this process: its torch, its environment."""
+    """decide.job_refusal for this process: its torch, its environment."""
     import torch
 
     return job_refusal(device_type, backend, compression, nccl_abort_available(), torch.__version__, os.environ)
@@ -43,7 +41,7 @@ def settings_refusal(device_type: str, backend: str, compression: str) -> str | 
 
 def prepare_nccl(compression: str) -> None:
     """Before the process group starts, in a job that may recover in the job (MPI fault tolerance on): torch's
-    NCCL watchdog must not end a survivor when a peer dies (recoverability.nccl_errors_env). Only NCCL reads it.
+    NCCL watchdog must not end a survivor when a peer dies (decide.nccl_errors_env). Only NCCL reads it.
     Left as it is where recovery on NCCL is refused anyway (PowerSGD, a torch that cannot abort NCCL): there a
     failure ends the job, as torchrun's setting has it."""
     if compression != "powersgd" and nccl_abort_available() and check_ulfm() is None:
@@ -73,13 +71,13 @@ class InJobRecovery:
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
         self.where = ""  # what `attempt` runs now: train or eval
-        self.grower: Any = None  # mpiddp.trainer.grow.GrowBack: back to full size after a recovery (None: never)
+        self.grower: Any = None  # mpiddp.elastic.grow.GrowBack: back to full size after a recovery (None: never)
 
     @classmethod
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
                ) -> InJobRecovery | None:
         """Collective: in-job recovery when this MPI can do it (mpirun --with-ft ulfm) and this job could go on
-        after a failure (recoverability.job_refusal: not with PowerSGD; on GPUs, a torch that can abort NCCL), else
+        after a failure (decide.job_refusal: not with PowerSGD; on GPUs, a torch that can abort NCCL), else
         None and one line on rank 0 saying why (a failure then ends the job, as without it)."""
         reason = check_ulfm()
         never = settings_refusal(dist.device_type, dist.backend, compression)
@@ -98,8 +96,6 @@ class InJobRecovery:
         if dist.is_main:
             log.info("in-job recovery is on (MPI fault tolerance): a failed rank is left behind and the job goes on "
                      "with at least %d ranks", min_size)
-        from mpiddp.trainer.grow import GrowBack
-
         recovery = cls(members, [dist, *others], min_size)
         recovery.grower = GrowBack.from_env()
         return recovery
@@ -170,7 +166,7 @@ class InJobRecovery:
         waited_from = max(self.members.waiting_since or 0.0, self._stepped_at) or lost.detected_at
         directory = records_dir(dist.topology.failure_file, parts.run_dir)
         unless_end_decided(directory, lost.ranks)
-        reason = refusal("save" if self.saving else where, self.stepped, dist.device_type, cfg.training.grad_compression)
+        reason = failure_refusal("save" if self.saving else where, self.stepped, dist.device_type, cfg.training.grad_compression)
         if reason is not None:
             self.fall_back(reason, lost.ranks)
         in_step = self.in_step
@@ -191,8 +187,8 @@ class InJobRecovery:
                             parts.state.batches_done, epoch_samples=parts.loaders.epoch_samples)
             if isinstance(split, str):
                 self.fall_back(split, failed)
-            self._rewrap(cfg, split, dist)
-        except (RuntimeError, self.members._mpi.Exception) as exc:
+            self.rewrap(cfg, split, dist)
+        except (RuntimeError, mpi_error_of(self.members)) as exc:
             if isinstance(exc, NotRecovered):
                 raise
             self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], failed)
@@ -220,8 +216,8 @@ class InJobRecovery:
         rebind_survivors(self.dists, self.members, before, recovered, self.parts.guard,
                          self.parts.cfg.outputs.log_level)
 
-    def _bind(self, topology: Any, verb: str = "goes on") -> None:
-        """Every holder of the job's Dist now sees `topology` (after a grow: mpiddp.trainer.grow)."""
+    def bind(self, topology: Any, verb: str = "goes on") -> None:
+        """Every holder of the job's Dist now sees `topology` (after a grow: mpiddp.elastic.grow)."""
         bind_topology(self.dists, self.members, topology, self.parts.guard, self.parts.cfg.outputs.log_level, verb)
 
     def _put_on_record(self, dist: Dist) -> None:
@@ -243,9 +239,9 @@ class InJobRecovery:
         complete on some ranks only) gives its state to the others, so every survivor continues from the same
         step. True when some survivor had finished it."""
         positions = dist.allgather((state.step, state.epoch, state.batches_done))
-        if len(set(positions)) == 1:
+        leader = furthest(positions)
+        if leader is None:
             return False
-        leader = max(range(len(positions)), key=lambda rank: (positions[rank][0], -rank))
         payload = None
         if dist.rank == leader:
             payload = {"model": state.unwrapped.state_dict(), "optimizer": state.optimizer.state_dict(),
@@ -260,7 +256,7 @@ class InJobRecovery:
             state.step, state.epoch, state.batches_done = payload["position"]
         return True
 
-    def _rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
+    def rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
         """Collective: the same module in DDP on the new group, and the loaders re-split at the same sample."""
         from mpiddp.trainer.data import build_loaders, stop_workers
         from mpiddp.trainer.state import wrap
@@ -283,6 +279,35 @@ class InJobRecovery:
             parts.saver.cfg = new_cfg
         # A test drill names a rank number, which now belongs to another process: it has fired (stragglers stay).
         self._hooks.callbacks.on_recovered(dist.rank)
+
+    # -- what a grow shares with a recovery (mpiddp.elastic.grow) ------------------------------------------------
+
+    @property
+    def stepped_since_change(self) -> bool:
+        """A training step completed since the last change of size (its first step recorded)."""
+        return self.stepped and self._recovered_at is None
+
+    def changed_size(self) -> None:
+        """The job just changed size: the next training step ends that change's `first_step` phase."""
+        self._recovered_at = time.monotonic()
+
+    def handover(self, split: Resplit) -> dict[str, Any]:
+        """Rank 0's state for the new ranks of a grow: what a snapshot holds, from memory (mpiddp.trainer.join
+        takes it)."""
+        import torch
+
+        parts = self.parts
+        state, saver = parts.state, getattr(parts, "saver", None)
+        hook = state.gradient_hook
+        return {
+            "model": state.unwrapped.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
+            "rng": torch.get_rng_state(), "split": split,
+            "position": (state.step, state.epoch, state.batches_per_epoch, state.pending_epoch),
+            "records": [dict(record) for record in self.records], "run_dir": str(parts.run_dir),
+            "transport": hook.transport if hook is not None else None,
+            "saver": (str(saver.parent) if saver and saver.parent else None, saver.wandb_run_id if saver else None),
+        }
 
     def fall_back(self, reason: str, ranks: tuple[int, ...]) -> None:
         """One line why, then today's fail-fast path (FailFast aborts the job; `launch` relaunches it)."""

@@ -1,6 +1,7 @@
 """What every survivor of an in-job recovery does, whoever drives the recovery (the built-in trainer, or a script's
-`mpiddp.run_recoverable`): tell a failed peer from any other error, follow the shrunk job (rank, communicator,
-store, logging, environment, failure reporting) and end without MPI_Finalize.
+`mpiddp.run_recoverable`): follow the shrunk (or grown) job (rank, communicator, store, topology, logging,
+environment, failure reporting), stop where a rank already recorded the end of the job, and end without
+MPI_Finalize.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from mpiddp.errors import EXIT_CRASH, EndDecided
 from mpiddp.failure import end_decided, replace_placement
 from mpiddp.job import storekeys
-from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
+from mpiddp.elastic.membership import Membership, Recovered, WatchedTransport
+from mpiddp.job.collective import Dist, Rendezvous
 from mpiddp.job.log import setup_logging
-from mpiddp.job.membership import MembersLost, Membership, Recovered, shrunk_topology
 from mpiddp.job.storeload import add_within
 from mpiddp.job.topology import Topology
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mpiddp")
 
-CONFIRM_S = 2.0  # a torch error on a rank: how long MPI gets to report a failed peer before the error stands
 REPORT_CLAIM_S = 2.0
 
 _recovered = False  # this process went through an in-job recovery (its MPI world has failed members)
@@ -69,65 +68,6 @@ def end_without_finalize(status: int) -> NoReturn:
     os._exit(status)
 
 
-def members_lost(members: Membership, exc: BaseException, confirm_s: float = CONFIRM_S) -> MembersLost | None:
-    """The failure behind `exc` when MPI reports failed members, else None (the error stands). MPI's own failure
-    classes, and a torch RuntimeError (a gloo peer that vanished, DDP's wrapping of the hook's MembersLost) once
-    MPI confirms a failed peer within `confirm_s`."""
-    if isinstance(exc, MembersLost):
-        return exc
-    mpi = members._mpi
-    if isinstance(exc, mpi.Exception):
-        if exc.Get_error_class() not in (mpi.ERR_PROC_FAILED, mpi.ERR_PROC_FAILED_PENDING, mpi.ERR_REVOKED):
-            return None
-    elif not isinstance(exc, RuntimeError):
-        return None
-    ranks = members.confirm(confirm_s)
-    return None if ranks is None else MembersLost(ranks, time.time())
-
-
-class WatchedTransport(MpiTransport):
-    """MPI over the Membership's communicator, trusting no collective that returns after MPI reported a failed
-    member: under ULFM a collective interrupted by a failure can return on some ranks without an error and with
-    its buffer never filled (seen: an Allreduce of the stop agreement after Open MPI aborted its schedule, whose
-    garbage asked for a save). It raises MembersLost instead; the survivors recover, and `_same_position` puts
-    any survivor that got further back in step. One MPI_Test and one MPI_Comm_get_failed (local) per collective."""
-
-    def __init__(self, members: Membership) -> None:
-        super().__init__(members.comm)
-        self.members = members
-
-    def _trusted(self, value: Any) -> Any:
-        lost = self.members.failed()
-        if lost is not None:
-            raise MembersLost(lost, self.members._lost or time.time())
-        # the aborted schedule knew before the failure watch (another communicator) heard: MPI_Comm_get_failed
-        failed = self.failed_ranks()
-        if failed:
-            raise MembersLost(failed, time.time())
-        return value
-
-    def allgather(self, value: Any) -> Any:
-        return self._trusted(super().allgather(value))
-
-    def gather(self, value: Any) -> Any:
-        return self._trusted(super().gather(value))
-
-    def bcast(self, value: Any) -> Any:
-        return self._trusted(super().bcast(value))
-
-    def scatter(self, values: Any) -> Any:
-        return self._trusted(super().scatter(values))
-
-    def allreduce(self, values: Any, op: str) -> Any:
-        return self._trusted(super().allreduce(values, op))
-
-    def barrier(self) -> None:
-        self._trusted(super().barrier())
-
-    def idle_barrier(self, poll_s: float) -> None:
-        self._trusted(super().idle_barrier(poll_s))
-
-
 def rebind_survivors(dists: Sequence[Dist], members: Membership, before: Topology, recovered: Recovered,
                      guard: FailFast | None, log_level: str | None) -> Topology:
     """Every holder of the job's Dist now sees the survivors (see bind_topology)."""
@@ -146,7 +86,7 @@ def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology
     old = dists[0].rendezvous
     address, port = members.endpoint or ("", 0)
     rendezvous = Rendezvous(address, port, old.interface_per_host if old else {},
-                            SimpleNamespace(store=members._store))
+                            SimpleNamespace(store=members.store))
     for each in dists:
         each.rebind(topology, transport, rendezvous if each.rendezvous is not None else None)
     if log_level is not None:
@@ -156,7 +96,7 @@ def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology
     log.warning("in-job recovery: this process (pid %d) %s as rank %d of %d", os.getpid(), verb, topology.rank,
                 topology.world_size)
     if guard is not None:  # the one full failure report, and the count of failed ranks, on the new store
-        store = members._store
+        store = members.store
         guard.claim_report = lambda: add_within(store, storekeys.FAILURE_REPORTS, 1, REPORT_CLAIM_S) == 1
         guard.tally = lambda amount: add_within(store, storekeys.FAILED_RANKS, amount, REPORT_CLAIM_S)
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(topology.rank),
@@ -167,3 +107,32 @@ def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology
 def hosts_of(topology: Topology, ranks: Sequence[int]) -> list[str]:
     """The hosts of `ranks` (ranks of `topology`'s world), each once, in rank order."""
     return list(dict.fromkeys(topology.host_of(rank) for rank in ranks))
+
+
+def shrunk_topology(old: Any, alive: tuple[int, ...], new_rank: int) -> Any:
+    """The Topology of survivor `new_rank` in a job shrunk to the old ranks `alive` (in new-rank order): hosts and
+    local ranks renumbered among the survivors, the launcher's settings kept."""
+    return topology_over(old, [old.host_of(rank) for rank in alive], new_rank)
+
+
+def regrown_topology(template: Any, hostnames: Sequence[str], rank: int) -> Any:
+    """The Topology of rank `rank` in the grown job, whose ranks run on `hostnames` (in rank order), the
+    launcher's settings taken from `template` (rank 0's topology)."""
+    return topology_over(template, hostnames, rank)
+
+
+def topology_over(template: Any, hostnames: Sequence[str], rank: int) -> Any:
+    """The Topology of rank `rank` in a job whose ranks run on `hostnames` (in rank order): hosts and local ranks
+    numbered as at start-up, the launcher's settings taken from `template` (a topology of the same job)."""
+    import dataclasses
+
+    from mpiddp.job.topology import RankRecord, build_topology
+
+    records = []
+    for index, host in enumerate(hostnames):
+        peers = [r for r, h in enumerate(hostnames) if h == host]
+        records.append(RankRecord(index, host, peers[0], peers.index(index), len(peers)))
+    topology = build_topology(rank, records, template.mpi_library)
+    return dataclasses.replace(topology, mpi_settings=template.mpi_settings, restarts=template.restarts,
+                               failure_file=template.failure_file, launch_id=template.launch_id,
+                               launch_run_dir=template.launch_run_dir, job_record=template.job_record)
