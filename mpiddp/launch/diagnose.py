@@ -222,18 +222,17 @@ def from_records(records: list[FailureRecord], status: int, world_size: int,
 
 
 def during_spawn(found: Failure, spawning: list[str]) -> tuple[Failure, str]:
-    """(the failure, what the launcher crashed during or ''): a launcher that reports it lost (or saw die) only
-    hosts the job was spawning onto when it stopped (the job's spawn mark, mpiddp.failure.SPAWNING_FILE) failed in
-    its own bookkeeping of the spawn (Open MPI 5.0.11's prterun: "PMIX ERROR ... pmix_server_dyn.c", then "lost
-    communication with a remote daemon ... on node nodec"), which is no evidence against those hosts: the failure
-    then blames no host. A host that is really down fails the relaunch's start ("daemon failed to report back")."""
-    if not spawning or found.source != "launcher output" or found.kind not in ("unreachable", "killed"):
-        return found, ""
-    short = {name.split(".", 1)[0] for name in spawning}
-    if not found.hosts or any(host.split(".", 1)[0] not in short for host in found.hosts):
+    """(the failure, what the launcher crashed during or ''): a launcher that reports it lost (or saw die) hosts
+    while the job was spawning onto `spawning` (the job's spawn mark, mpiddp.failure.SPAWNING_FILE) failed in its
+    own bookkeeping of the spawn (Open MPI 5.0.11's prterun: "PMIX ERROR ... pmix_server_dyn.c", then "lost
+    communication with a remote daemon" naming the spare, or a survivor's host: both seen), which is no evidence
+    against any host: the failure then blames none. A host that is really down fails the relaunch's start ("daemon
+    failed to report back") and is left out then."""
+    if not spawning or found.source != "launcher output" or found.kind not in ("unreachable", "killed") \
+            or not found.hosts:
         return found, ""
     hosts = ", ".join(found.hosts)
-    crash = f"during the job's spawn onto {hosts}"
+    crash = f"during the job's spawn onto {', '.join(spawning)}"
     message = (f"the launcher failed {crash} ({found.message}); a launcher's failure during a spawn is not held "
                f"against {hosts}")
     return Failure("exit", found.status, message=message, step=found.step, source="launcher output",

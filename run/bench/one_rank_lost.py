@@ -58,6 +58,13 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
+def command_line(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return f"pid {pid} (gone)"
+
+
 def one_run(hosts: FakeHosts, scenario: str, work: Path) -> dict[str, Any]:
     run_dir = work / "run"
     env = environment()
@@ -98,8 +105,9 @@ def one_run(hosts: FakeHosts, scenario: str, work: Path) -> dict[str, Any]:
         status = -9
     reader.join(30)
     wall = time.monotonic() - started
-    left = [pid for name in names for pid in subprocess.run(["ip", "netns", "pids", hosts.prefix + name],
-                                                             capture_output=True, text=True).stdout.split()]
+    left = [f"{name}: {command_line(pid)}" for name in names
+            for pid in subprocess.run(["ip", "netns", "pids", hosts.prefix + name], capture_output=True,
+                                      text=True).stdout.split()]
     try:
         attempts = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     except (OSError, ValueError, KeyError):
@@ -109,7 +117,7 @@ def one_run(hosts: FakeHosts, scenario: str, work: Path) -> dict[str, Any]:
     never_started = sum(1 for a in attempts if a.get("status") == LAUNCHER_NEVER_STARTED_STATUS
                         and not a.get("failed_hosts"))
     return {"scenario": scenario, "status": status, "finished": status == 0 and (run_dir / "summary.json").exists(),
-            "healthy_hosts_left_out": healthy_out, "left_running": len(left), "attempts": len(attempts),
+            "healthy_hosts_left_out": healthy_out, "left_running": len(left), "left": left, "attempts": len(attempts),
             "launcher_crashes": crashes, "launcher_never_started": never_started,
             "stopped_rank": stopped.is_set() if scenario == "stop-ssh-agent" else None,
             "wall_s": round(wall, 1), "last_lines": "".join(lines[-15:]) if status != 0 else ""}
