@@ -6,6 +6,8 @@ Public API for your own scripts (importing mpiddp never initialises MPI):
     ddp.register_comm_hook(*mpiddp.comm_hook())   # MPI carries DDP's gradient all-reduce
     state = mpiddp.State(model=model, optimizer=opt, epoch=0)   # in-job recovery (mpirun --with-ft ulfm):
     mpiddp.run_recoverable(train, state)          # train(state) runs again on the survivors when a rank dies
+    ddp = mpiddp.DistributedDataParallel(model)   # or keep your loop: torch's DDP that survives a recovery,
+    optimizer = mpiddp.Optimizer(optimizer, ddp)  # and an optimizer whose step() skips a step a rank failed
 
 The names load on first use (PEP 562): `import mpiddp` alone, or `python -m mpiddp launch`, loads no numpy,
 mpi4py or torch.
@@ -23,19 +25,22 @@ if TYPE_CHECKING:
     from mpiddp.job.api import init
     from mpiddp.elastic.api import (MembershipChange, State, on_membership_change, run_recoverable, wait,
                                     watch_gradients)
+    from mpiddp.elastic.steps import DistributedDataParallel, Optimizer
     from mpiddp.job.collective import Dist, Rendezvous
     from mpiddp.job.topology import Topology
     from mpiddp.job.transport import comm_hook
 
-__all__ = ["AgreedError", "Dist", "MembershipChange", "Rendezvous", "State", "Topology", "UserError", "__version__",
-           "comm_hook", "init", "on_membership_change", "run_recoverable", "setup_logging", "wait", "watch_gradients"]
+__all__ = ["AgreedError", "Dist", "DistributedDataParallel", "MembershipChange", "Optimizer", "Rendezvous", "State",
+           "Topology", "UserError", "__version__", "comm_hook", "init", "on_membership_change", "run_recoverable",
+           "setup_logging", "wait", "watch_gradients"]
 
 # Lazy: `python -m mpiddp` imports this package before its first line runs, and that line installs the stop
 # handlers; a numpy or torch import here would be a window in which a scheduler's SIGTERM kills a rank.
 _LAZY = {"init": "mpiddp.job.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
          "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport",
          **dict.fromkeys(["MembershipChange", "State", "on_membership_change", "run_recoverable", "wait",
-                          "watch_gradients"], "mpiddp.elastic.api")}
+                          "watch_gradients"], "mpiddp.elastic.api"),
+         **dict.fromkeys(["DistributedDataParallel", "Optimizer"], "mpiddp.elastic.steps")}
 
 
 def __getattr__(name: str) -> Any:

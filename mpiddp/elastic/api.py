@@ -241,7 +241,9 @@ class ScriptRecovery:
     def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
         """Collective: in-job recovery when this job can do it, else None and one line on rank 0 saying why."""
         job = _own
-        reason = script_refusal(job is not None, check_ulfm() if job is not None else None, dist.device_type, dist.backend)
+        backend = dist.backend if dist.backend != "none" else _process_group_backend()  # `mpiddp run`: the script's
+        device_type = "cuda" if backend == "nccl" else dist.device_type
+        reason = script_refusal(job is not None, check_ulfm() if job is not None else None, device_type, backend)
         if reason is not None:
             if dist.is_main:  # a local log line, no collective
                 log.warning("%s", reason)
@@ -322,12 +324,33 @@ class ScriptRecovery:
         raise NotRecovered(text) from None
 
 
+def _process_group_backend() -> str:
+    """The backend of torch's default process group, which a torchrun-style script starts itself; "none"."""
+    import torch.distributed as tdist
+
+    return str(tdist.get_backend()) if tdist.is_available() and tdist.is_initialized() else "none"
+
+
 _recovery: ScriptRecovery | None = None
 _decided = False  # whether this process decided (once, collectively) if it can recover
 
 
 def active() -> ScriptRecovery | None:
     """The job's in-job recovery once `run_recoverable` turned it on, else None."""
+    return _recovery
+
+
+def enabled(min_world_size: int | None = None) -> ScriptRecovery | None:
+    """Collective the first time (every rank calls it at the same point): the job's in-job recovery, turned on
+    when this job can recover, else None with one line on rank 0 saying why; later calls return the same."""
+    global _recovery, _decided
+    dist = current()
+    if dist is None:
+        raise RuntimeError("mpiddp's in-job recovery needs mpiddp's job: run the script under `python -m mpiddp run` "
+                           "or call mpiddp.init() first")
+    if not _decided:
+        _recovery = ScriptRecovery.enable(dist, min_world_size)
+        _decided = True
     return _recovery
 
 

@@ -197,6 +197,20 @@ class Membership:
         self.wait(work)
         return work
 
+    def all_completed(self, completed: bool) -> bool:
+        """Collective over the members, fault tolerant and uniform (MPI_Comm_agree): True on every member when
+        each says it `completed` its part and none failed; False on every survivor alike otherwise (then they
+        recover together)."""
+        try:
+            return bool(self.comm.Agree(1 if completed else 0))
+        except self._mpi.Exception as exc:
+            if _error_class(exc) not in (self._mpi.ERR_PROC_FAILED, self._mpi.ERR_PROC_FAILED_PENDING,
+                                         self._mpi.ERR_REVOKED):
+                raise
+            if self._lost is None:
+                self._lost = time.time()
+            return False
+
     # -- recovering --
 
     def recover(self, min_size: int = 1) -> Recovered:

@@ -257,6 +257,9 @@ def main(args: list[str]) -> int:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
+    from mpiddp.elastic import api as elastic
+    from mpiddp.elastic.membership import check_ulfm
+    from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.job import api
     from mpiddp.job.bootstrap import connect, enable_flight_recorder, open_rendezvous, set_threads, teardown
     from mpiddp.job.log import setup_logging
@@ -288,6 +291,11 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     api.attach(api.Session(dist, rendezvous, store, num_threads))
     guard.progress = script_progress
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
+    # a script that uses mpiddp's wrappers (or run_recoverable) recovers in the job: the guard and the finish
+    # watch follow the survivors
+    elastic.adopt(elastic.OwnJob([dist], guard, watch, cfg.dist.collective_timeout_s))
+    if dist.is_main:  # a local log line, no collective
+        log.info("%s", in_job_recovery_line(check_ulfm()))
     with default_start_method(cfg.start_method) as start_method:
         # The script's loader helpers die with this rank: a forkserver that outlived a SIGKILLed rank held mpirun's
         # output open and the job never ended (its workers follow their forkserver, torch's own watch ends them).
@@ -307,4 +315,15 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     teardown(dist, store)
     api.detach()
     log.info("every rank finished")
+    if recovered_in_this_process():  # MPI_Finalize can wait for the failed ranks: every survivor passed the barrier
+        end_without_finalize(0)
     return 0
+
+
+def in_job_recovery_line(ulfm: str | None) -> str:
+    """What a failed rank does to this script's job, in one line (rank 0's start-up)."""
+    if ulfm is not None:
+        return f"in-job recovery: off ({ulfm}); a failed rank ends the job (`mpiddp launch` relaunches it)"
+    return ("in-job recovery: on for a script that uses mpiddp.DistributedDataParallel with mpiddp.Optimizer (or "
+            "mpiddp.run_recoverable): the survivors of a failed rank go on; a script without them keeps the "
+            "restart path (the job ends, `mpiddp launch` relaunches it)")

@@ -1,0 +1,252 @@
+"""In-job recovery for a torchrun-style loop, the loop untouched: wrap the model and the optimizer.
+
+    from mpiddp import DistributedDataParallel        # was: from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(model, device_ids=...)
+    optimizer = mpiddp.Optimizer(optimizer, ddp)      # one line more
+    ...                                               # the loop as it was: forward, backward, optimizer.step()
+
+Run it under `mpirun --with-ft ulfm ... python -m mpiddp run train.py` (or `mpiddp launch ... run train.py`). The
+shape of torchft's Manager with its DDP and optimizer wrappers: a step commits only when every rank completed it.
+
+When a rank dies, the survivors notice it in that step's gradient all-reduce (waited for under MPI's failure
+watch, so nobody waits out a timeout), and every rank's `optimizer.step()` ends the step with one fault-tolerant
+agreement (MPI_Comm_agree: the same answer on every survivor). Where a rank did not complete the step, the step
+is **skipped on every survivor alike**: its gradients are dropped and the optimizer does not step, so every
+survivor holds the same model and optimizer and the loop's own counters stay equal. The survivors then recover
+in the job (shrink to the survivors, a new process group on a new store, the DDP wrapper rebuilt over it in
+place: names that hold it keep working), and the loop goes on from its next iteration at the reduced size.
+Nothing is read from disk and no model moves: only a survivor that is behind (it cannot be, after a skip) would
+take the furthest survivor's state.
+
+Without in-job recovery (no ULFM, torchrun, one line on rank 0 says why) both wrappers are plain: torch's DDP and
+the optimizer itself. Failures outside the gradient all-reduce and the agreement (a collective of the script's
+own, DDP's buffer broadcast in forward) are not recovered: the job ends as without the wrappers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from mpiddp.elastic.api import ScriptRecovery, State, enabled
+from mpiddp.elastic.membership import MembersLost
+from mpiddp.job.collective import current
+
+log = logging.getLogger("mpiddp")
+
+# torch's DDP skips its broadcast of the weights where it can (torch 2.5+): after a recovery every survivor holds
+# the same weights already
+_DDP_INIT_SYNC = "init_sync"
+
+
+class _WatchedAllReduce:
+    """DDP's communication hook: the mean of each gradient bucket over the process group (as DDP's own), waited
+    for under MPI's failure watch. A failed peer does not raise through backward: the step is marked failed, the
+    buckets left complete with this rank's own gradients (dropped at the step's end), and later buckets are not
+    sent. On CPU the hook waits (on the thread that runs backward, which alone may call MPI); on GPUs it hands
+    NCCL's future to DDP and `settle` waits on the main thread."""
+
+    def __init__(self, members: Any) -> None:
+        self.members = members
+        self.lost: MembersLost | None = None
+        self._in_flight: list[tuple[Any, torch.Tensor, torch.futures.Future]] = []
+        self._pending: list[Any] = []
+
+    def new_step(self) -> None:
+        self.lost, self._in_flight, self._pending = None, [], []
+
+    def run(self, bucket: Any) -> torch.futures.Future:
+        buffer = bucket.buffer()
+        done: torch.futures.Future = torch.futures.Future()
+        if self.lost is not None:
+            done.set_result(buffer)
+            return done
+        work = tdist.all_reduce(buffer.div_(tdist.get_world_size()), async_op=True)
+        if buffer.is_cuda:
+            self._pending.append(work)
+            return work.get_future().then(lambda _: buffer)
+        self._in_flight.append((work, buffer, done))
+        self._complete(everything=bucket.is_last())  # each bucket waited for by the next: DDP's own overlap
+        return done
+
+    def _complete(self, everything: bool) -> None:
+        keep = 0 if everything else 1
+        while len(self._in_flight) > keep:
+            work, buffer, done = self._in_flight.pop(0)
+            if self.lost is None:
+                try:
+                    self.members.wait(work)
+                except MembersLost as lost:
+                    self.lost = lost
+            done.set_result(buffer)
+
+    def settle(self) -> MembersLost | None:
+        """On the main thread once backward returned: the step's all-reduces done, or the failure that stopped
+        them (GPUs: NCCL's work is waited for here; CPU: the hook waited)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            if self.lost is not None:
+                break
+            try:
+                self.members.wait(work)
+            except MembersLost as lost:
+                self.lost = lost
+        return self.lost
+
+
+def _hook(watch, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none here
+    return watch.run(bucket)
+
+
+_models: list[weakref.ref[DistributedDataParallel]] = []  # every wrapper of this process, rebuilt after a recovery
+
+
+class DistributedDataParallel(nn.Module):
+    """torch's DistributedDataParallel, the same arguments, that survives in-job recovery: after a recovery it
+    builds torch's wrapper again over the survivors' process group, so every name that holds this one keeps
+    working. Forward, `module`, `no_sync()`, `require_backward_grad_sync` and `state_dict()` behave as torch's
+    (the state dict's keys start with `module.`). Without in-job recovery it is torch's wrapper inside this one."""
+
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self._recovery = enabled() if current() is not None else None  # torchrun: torch's DDP, nothing more
+        self._args, self._kwargs = args, kwargs
+        self.watch = _WatchedAllReduce(self._recovery.members) if self._recovery is not None else None
+        self.ddp = self._wrap(module)
+        _models.append(weakref.ref(self))
+
+    def _wrap(self, module: nn.Module, replicas_agree: bool = False) -> nn.parallel.DistributedDataParallel:
+        kwargs = dict(self._kwargs)
+        if replicas_agree and _DDP_INIT_SYNC in _ddp_parameters():
+            kwargs[_DDP_INIT_SYNC] = False
+        ddp = nn.parallel.DistributedDataParallel(module, *self._args, **kwargs)
+        if self.watch is not None:
+            ddp.register_comm_hook(self.watch, _hook)
+        return ddp
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ddp.module
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.ddp.no_sync()
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.ddp.require_backward_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:  # nanoGPT sets it for gradient accumulation
+        self.ddp.require_backward_grad_sync = value
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp.load_state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            ddp = self._modules.get("ddp")
+            if ddp is None:
+                raise
+            return getattr(ddp, name)
+
+    # -- recovery's side --
+
+    def release(self) -> nn.Module:
+        """Before the survivors shrink: torch's wrapper goes (its reducer, left mid-step, hooks the parameters
+        until it is destroyed); the module stays. Returns it."""
+        module = self.ddp.module
+        del self._modules["ddp"]
+        return module
+
+    def rewrap(self, module: nn.Module) -> None:
+        """Collective over the survivors, once their process group is up: torch's wrapper again, over it."""
+        self.ddp = self._wrap(module, replicas_agree=True)
+
+
+def _ddp_parameters() -> Any:
+    import inspect
+
+    return inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+
+
+class Optimizer:
+    """`optimizer` (any torch optimizer, GradScaler and schedulers work with it as with the optimizer), whose
+    `step()` commits the step only when every rank completed it, and otherwise skips it on every survivor alike
+    and recovers in the job (see the module). `model`: the mpiddp.DistributedDataParallel it trains. Attributes
+    other than `step` are the optimizer's own. `steps` counts the steps taken, `skipped` the steps skipped."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DistributedDataParallel) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError("mpiddp.Optimizer(optimizer, model): model must be an mpiddp.DistributedDataParallel "
+                            f"(from mpiddp import DistributedDataParallel), not {type(model).__name__}")
+        self.optimizer, self.model = optimizer, model
+        self.steps = self.skipped = 0
+        self._state = State(model=model.module, optimizer=optimizer)
+        self._started = time.time()
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The optimizer's step, when every rank completed this step's backward; None when it was skipped."""
+        recovery, watch = self.model._recovery, self.model.watch
+        if recovery is None or watch is None:
+            return self._take(*args, **kwargs)
+        lost = watch.settle()
+        completed = recovery.members.all_completed(lost is None)
+        watch.new_step()
+        if completed:
+            return self._take(*args, **kwargs)
+        self._skip_and_recover(recovery, lost)
+        return None
+
+    def _take(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.optimizer.step(*args, **kwargs)
+        self.steps += 1
+        self._state.commit()
+        self._started = time.time()
+        return result
+
+    def _skip_and_recover(self, recovery: ScriptRecovery, lost: MembersLost | None) -> None:
+        """Collective over the survivors: drop this step, shrink, rebuild every wrapper over the survivors."""
+        if lost is None:  # this rank completed the step; another did not (or failed since): the agreement said so
+            lost = MembersLost(recovery.members.failed() or (), recovery.members.lost_at or time.time())
+        self.skipped += 1
+        wrappers = [model for ref in _models if (model := ref()) is not None]
+        modules = [wrapper.release() for wrapper in wrappers]
+        recovery.recover(lost, self._state, self._started)  # syncs the state, drops the step's gradients
+        for wrapper, module in zip(wrappers, modules):
+            wrapper.rewrap(module)
+        self._started = time.time()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, defaults, add_param_group ...
+        if name in ("optimizer", "model"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"mpiddp.Optimizer({self.optimizer!r}, steps={self.steps}, skipped={self.skipped})"
+
+
+__all__ = ["DistributedDataParallel", "Optimizer"]

@@ -1,0 +1,82 @@
+"""A torchrun-style loop made recoverable with mpiddp's wrappers (the loop itself untouched), for the step-level
+in-job recovery tests, under `mpirun --with-ft ulfm ... python -m mpiddp run`.
+
+argv: OUT_DIR ITERATIONS [--accumulate K] [--kill RANK:ITERATION[:MICRO]] [--width N] [--plain]
+The victim SIGKILLs itself in that iteration (and micro-batch), after its forward: its peers then wait for it in
+the gradient all-reduce (or, during accumulation, in the next one). Each rank appends to OUT_DIR/rank<R>.jsonl
+(R: its rank at start) one line per iteration, {iteration, rank, world, pid, steps, skipped, time}, the victim
+{killed: time} just before its end, and at the end
+{done, iterations, steps, skipped, checksum} (checksum: the parameters' and momentum's sum, to compare ranks).
+--plain: torch's DDP and the optimizer itself (what the wrappers cost, run/bench/steps.py); --width: the model's.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mpiddp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out_dir")
+parser.add_argument("iterations", type=int)
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--kill", default="")
+parser.add_argument("--width", type=int, default=64)
+parser.add_argument("--plain", action="store_true")
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+start_rank = dist.get_rank()
+victim, at, micro_at = (list(map(int, args.kill.split(":"))) + [0])[:3] if args.kill else (-1, -1, 0)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 4))
+if args.plain:
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    optimizer.steps = optimizer.skipped = 0
+else:
+    ddp = mpiddp.DistributedDataParallel(model)
+    optimizer = mpiddp.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), ddp)
+generator = torch.Generator().manual_seed(start_rank)
+out = open(os.path.join(args.out_dir, f"rank{start_rank}.jsonl"), "a")
+
+
+def note(**record):
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+
+
+for iteration in range(args.iterations):
+    optimizer.zero_grad()
+    for micro in range(args.accumulate):
+        inputs = torch.randn(64, 32, generator=generator)
+        last = micro == args.accumulate - 1
+        if last:
+            loss = ddp(inputs).pow(2).mean()
+        else:
+            with ddp.no_sync():
+                loss = ddp(inputs).pow(2).mean()
+        if start_rank == victim and iteration == at and micro == micro_at:
+            note(killed=time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+        if last:
+            loss.backward()
+        else:
+            with ddp.no_sync():
+                loss.backward()
+    optimizer.step()
+    if args.plain:
+        optimizer.steps += 1
+    note(iteration=iteration, rank=dist.get_rank(), world=dist.get_world_size(), pid=os.getpid(),
+         steps=optimizer.steps, skipped=optimizer.skipped, time=time.time())
+
+momentum = sum(float(state["momentum_buffer"].sum()) for state in optimizer.state.values())
+checksum = sum(float(p.detach().double().sum()) for p in model.parameters()) + momentum
+note(done=True, iterations=args.iterations, steps=optimizer.steps, skipped=optimizer.skipped, checksum=checksum)
+dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""mpiddp.DistributedDataParallel and mpiddp.Optimizer in-process, without a job: torch's DDP and the optimizer
+unchanged (torchrun runs the same script), the attributes a torchrun-style loop uses forwarded."""
+
+import pytest
+import torch
+from torch import nn
+
+from mpiddp.elastic.steps import DistributedDataParallel, Optimizer
+
+
+@pytest.fixture
+def wrapped(solo_group):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ddp = DistributedDataParallel(model)
+    return model, ddp, Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9), ddp)
+
+
+def test_without_a_job_the_wrappers_train_as_torchs_own(wrapped):
+    model, ddp, optimizer = wrapped
+    assert isinstance(ddp.ddp, nn.parallel.DistributedDataParallel) and ddp.module is model
+    assert ddp.watch is None  # no mpiddp job: no recovery, torch's own all-reduce
+    reference = nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    plain = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    inputs = torch.randn(8, 4)
+    for _ in range(3):
+        for net, opt in ((ddp, optimizer), (reference, plain)):
+            opt.zero_grad()
+            net(inputs).pow(2).mean().backward()
+            opt.step()
+    assert torch.equal(model.weight, reference.weight) and (optimizer.steps, optimizer.skipped) == (3, 0)
+
+
+def test_the_attributes_a_torchrun_loop_uses_are_torchs(wrapped):
+    model, ddp, optimizer = wrapped
+    assert list(ddp.state_dict()) == ["module.weight", "module.bias"]  # as torch's DDP saves it
+    ddp.require_backward_grad_sync = False  # nanoGPT's gradient accumulation
+    assert ddp.ddp.require_backward_grad_sync is False and ddp.require_backward_grad_sync is False
+    with ddp.no_sync():
+        ddp(torch.randn(2, 4)).sum().backward()
+    assert optimizer.param_groups[0]["lr"] == 0.5 and optimizer.defaults["momentum"] == 0.9
+    optimizer.param_groups[0]["lr"] = 0.1  # a scheduler's write reaches the optimizer itself
+    assert optimizer.optimizer.param_groups[0]["lr"] == 0.1
+    assert ddp.broadcast_buffers is True  # anything else: torch's wrapper
+
+
+def test_grad_scaler_steps_through_the_wrapper(wrapped):
+    _, ddp, optimizer = wrapped
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    scaler.scale(ddp(torch.randn(8, 4)).pow(2).mean()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert optimizer.steps == 1
+
+
+def test_the_optimizer_wraps_mpiddps_model_only(solo_group):
+    model = nn.Linear(4, 2)
+    torch_ddp = nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(TypeError, match="must be an mpiddp.DistributedDataParallel"):
+        Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), torch_ddp)
