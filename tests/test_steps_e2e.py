@@ -143,3 +143,25 @@ def wait_for_rank_pid(job: subprocess.Popen, log: Path, mark: str, rank: int, af
         if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and "mpiddp run" in command_line:
             return pid
     raise AssertionError(f"no process of rank {rank}")
+
+
+def test_under_launch_a_script_that_opts_in_recovers_in_the_job(tmp_path):
+    """`mpiddp launch ... --launcher-args "--with-ft ulfm" -- run script`: one attempt, the survivors finish it."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    env, mark = marked_env()
+    command = [sys.executable, "-m", "mpiddp", "launch", "-np", str(RANKS), "--run-dir", str(run_dir),
+               "--launcher-args", "--with-ft ulfm --oversubscribe", "--", "run", str(PROGRAM), str(out),
+               str(ITERATIONS), "--kill", "1:5"]
+    try:
+        job = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        assert_nothing_left(mark)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-5000:]
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]  # no relaunch
+    assert attempt["in_job_recovery"] is True, attempt
+    for rank in (0, 2):
+        (final,) = [line for line in lines_of(out, rank) if line.get("done")]
+        assert (final["steps"], final["skipped"]) == (ITERATIONS - 1, 1), final

@@ -106,8 +106,11 @@ def decide_in_job_recovery(wanted: bool, launcher: str, flavour: str, version: s
         return InJobRecovery(False, "in-job recovery is off: MPICH has no ULFM fault tolerance (it needs Open MPI 5 "
                                     "with --with-ft ulfm); a failure ends the job and launch relaunches it")
     if mode != "train" and chosen is None:
-        return InJobRecovery(False, "in-job recovery is off: a script under `mpiddp run` cannot take part in it (only "
-                                    "the built-in trainer can); a failure ends the job and launch relaunches it")
+        # a script without mpiddp's wrappers would not recover anyway, and under ULFM a dead peer no longer ends
+        # the job at once (NCCL waits out its timeout): the script's author opts in
+        return InJobRecovery(False, "in-job recovery is off for a script unless --launcher-args give --with-ft ulfm "
+                                    "(the script then recovers with mpiddp.DistributedDataParallel and "
+                                    "mpiddp.Optimizer); a failure ends the job and launch relaunches it")
     if chosen is not None:
         on = chosen == "ulfm"
         return InJobRecovery(on, f"in-job recovery is {'on' if on else 'off'}: --launcher-args give --with-ft "
