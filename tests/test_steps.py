@@ -59,3 +59,12 @@ def test_the_optimizer_wraps_mpiddps_model_only(solo_group):
     torch_ddp = nn.parallel.DistributedDataParallel(model)
     with pytest.raises(TypeError, match="must be an mpiddp.DistributedDataParallel"):
         Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), torch_ddp)
+
+
+def test_the_global_batch_is_split_over_the_ranks_there_are_now(solo_group):
+    from mpiddp import split_global_batch
+
+    assert split_global_batch(64, 16) == (16, 4)  # one rank: the per-rank batch kept, the accumulation grows
+    assert split_global_batch(12, 5) == (4, 3)  # the largest per-rank batch below 5 that divides
+    with pytest.raises(ValueError, match="at least 1"):
+        split_global_batch(0, 8)

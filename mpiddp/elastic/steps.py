@@ -36,6 +36,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from mpiddp.elastic.api import ScriptRecovery, State, enabled
+from mpiddp.globalbatch import split
 from mpiddp.elastic.membership import MembersLost
 from mpiddp.job.collective import current
 
@@ -249,4 +250,17 @@ class Optimizer:
         return f"mpiddp.Optimizer({self.optimizer!r}, steps={self.steps}, skipped={self.skipped})"
 
 
-__all__ = ["DistributedDataParallel", "Optimizer"]
+def split_global_batch(global_batch: int, max_per_rank: int) -> tuple[int, int]:
+    """(per-rank batch, accumulation steps) that keep `global_batch` samples per optimizer step over the ranks
+    there are now (after a recovery, fewer): per-rank x ranks x accumulation == global_batch, the per-rank batch
+    at most `max_per_rank` (it stays that when it divides: only the accumulation grows). Call it again after a
+    recovery (`optimizer.skipped` grew, or in an on_membership_change callback). ValueError, one line, where no
+    exact split exists."""
+    if global_batch < 1 or max_per_rank < 1:
+        raise ValueError(f"split_global_batch({global_batch}, {max_per_rank}): both must be at least 1")
+    dist = current()
+    world_size = tdist.get_world_size() if tdist.is_initialized() else dist.world_size if dist is not None else 1
+    return split(global_batch, world_size, max_per_rank)
+
+
+__all__ = ["DistributedDataParallel", "Optimizer", "split_global_batch"]

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.job import preflight
@@ -32,6 +33,9 @@ from mpiddp.job.helper_signals import mark_helper_parent, prepare_forkserver
 from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, DistSettings, check_address, check_declared,
                               flag_fields, flat_values, option, parse_into, parser_for, section)
 from mpiddp.job.topology import Topology
+
+if TYPE_CHECKING:
+    from mpiddp.job.collective import Dist
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +261,6 @@ def main(args: list[str]) -> int:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
-    from mpiddp.elastic import api as elastic
-    from mpiddp.elastic.membership import check_ulfm
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.job import api
     from mpiddp.job.bootstrap import connect, enable_flight_recorder, open_rendezvous, set_threads, teardown
@@ -291,11 +293,7 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     api.attach(api.Session(dist, rendezvous, store, num_threads))
     guard.progress = script_progress
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
-    # a script that uses mpiddp's wrappers (or run_recoverable) recovers in the job: the guard and the finish
-    # watch follow the survivors
-    elastic.adopt(elastic.OwnJob([dist], guard, watch, cfg.dist.collective_timeout_s))
-    if dist.is_main:  # a local log line, no collective
-        log.info("%s", in_job_recovery_line(check_ulfm()))
+    offer_in_job_recovery(dist, guard, watch, cfg.dist.collective_timeout_s)
     with default_start_method(cfg.start_method) as start_method:
         # The script's loader helpers die with this rank: a forkserver that outlived a SIGKILLed rank held mpirun's
         # output open and the job never ended (its workers follow their forkserver, torch's own watch ends them).
@@ -318,6 +316,17 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     if recovered_in_this_process():  # MPI_Finalize can wait for the failed ranks: every survivor passed the barrier
         end_without_finalize(0)
     return 0
+
+
+def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, collective_timeout_s: float) -> None:
+    """A script that uses mpiddp's wrappers (or run_recoverable) recovers in the job: the runner's guard and
+    finish watch follow the survivors. Rank 0 says in one line whether that is on here, and if not, why."""
+    from mpiddp.elastic import api as elastic
+    from mpiddp.elastic.membership import check_ulfm
+
+    elastic.adopt(elastic.OwnJob([dist], guard, watch, collective_timeout_s))
+    if dist.is_main:  # a local log line, no collective
+        log.info("%s", in_job_recovery_line(check_ulfm()))
 
 
 def in_job_recovery_line(ulfm: str | None) -> str:
