@@ -36,14 +36,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from mpiddp.elastic.decide import furthest, script_refusal
-from mpiddp.elastic.engine import Engine, NotRecovered, Policy, refused
+from mpiddp.elastic.decide import script_refusal
+from mpiddp.elastic.engine import Comm, DistComm, Engine, NotRecovered, Policy, from_furthest, refused
 from mpiddp.elastic.membership import MembersLost, check_ulfm
 from mpiddp.elastic.survivors import hosts_of
 from mpiddp.failure import records_dir
-from mpiddp.job.collective import Dist, MpiTransport, current
+from mpiddp.job.collective import Dist, current
 from mpiddp.job.log import chosen_level
 
 if TYPE_CHECKING:
@@ -155,41 +155,13 @@ def _is_ddp(entry: Any) -> bool:
     return any(cls.__name__ == "DistributedDataParallel" for cls in type(entry).__mro__)
 
 
-class Comm(Protocol):
-    """What `sync` needs of the survivors' communicator (the Dist's MPI communicator, or a test's fake)."""
-
-    rank: int
-
-    def allgather(self, value: Any) -> list[Any]: ...
-    def bcast(self, value: Any, root: int) -> Any: ...
-
-
 def sync(state: State, comm: Comm) -> int | None:
     """Collective over the survivors: back to this rank's last commit, then every survivor takes the state of the
     furthest one when they differ. Returns that rank, or None."""
     state.restore()
-    leader = furthest(comm.allgather(state.position()))
-    if leader is not None:
-        payload = comm.bcast(state.payload() if comm.rank == leader else None, root=leader)
-        if comm.rank != leader:
-            state.load(payload)
+    leader = from_furthest(comm, state.position(), state.payload, state.load)
     state.drop_gradients()
     return leader
-
-
-class _DistComm:
-    """The survivors' MPI communicator for `sync` (pickles over 2 GiB too: the state of a big model)."""
-
-    def __init__(self, dist: Dist) -> None:
-        transport = dist.transport
-        assert isinstance(transport, MpiTransport)
-        self.rank, self._transport = dist.rank, transport
-
-    def allgather(self, value: Any) -> list[Any]:
-        return self._transport.allgather(value)
-
-    def bcast(self, value: Any, root: int) -> Any:
-        return self._transport.large.bcast(value, root=root)
 
 
 # ---- the recovery of a script's job ----------------------------------------------------------------------------
@@ -283,7 +255,7 @@ class ScriptRecovery(Policy):
     def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, int | None]:
         assert self.state is not None
         _drop_old_wrappers()
-        return "state", sync(self.state, _DistComm(dist))
+        return "state", sync(self.state, DistComm(dist))
 
     def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, Any], leader: int | None) -> None:
         dist = self.dists[0]

@@ -10,14 +10,15 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from mpiddp.contract import MIN_NP_ENV
+from mpiddp.elastic.decide import furthest
 from mpiddp.elastic.grow import Regrown
 from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, WatchedTransport, members_lost,
                                        mpi_error_of)
 from mpiddp.elastic.survivors import bind_topology, mark_recovered, shrunk_topology, unless_end_decided
-from mpiddp.job.collective import Dist
+from mpiddp.job.collective import Dist, MpiTransport
 
 if TYPE_CHECKING:
     from mpiddp.job.failfast import FailFast
@@ -39,43 +40,72 @@ def refused(dist: Dist, reason: str | None, level: int) -> bool:
     return reason is not None
 
 
+class Comm(Protocol):
+    """What a sync needs of the survivors' communicator (DistComm, or a test's fake)."""
+
+    rank: int
+
+    def allgather(self, value: Any) -> list[Any]: ...
+    def bcast(self, value: Any, root: int) -> Any: ...
+
+
+class DistComm:
+    """The survivors' MPI communicator, for a sync (pickles over 2 GiB too: the state of a big model)."""
+
+    def __init__(self, dist: Dist) -> None:
+        transport = dist.transport
+        assert isinstance(transport, MpiTransport)
+        self.rank, self._transport = dist.rank, transport
+
+    def allgather(self, value: Any) -> list[Any]:
+        return self._transport.allgather(value)
+
+    def bcast(self, value: Any, root: int) -> Any:
+        return self._transport.large.bcast(value, root=root)
+
+
+def from_furthest(comm: Comm, position: Any, payload: Callable[[], Any], load: Callable[[Any], None]) -> int | None:
+    """Collective over the survivors: a collective can complete on some ranks only, so the survivor whose
+    `position` is furthest (decide.furthest) gives every other its `payload()`, which they `load`. Returns that
+    rank, None when every survivor is at the same position."""
+    leader = furthest(comm.allgather(position))
+    if leader is not None:
+        taken = comm.bcast(payload() if comm.rank == leader else None, root=leader)
+        if comm.rank != leader:
+            load(taken)
+    return leader
+
+
 class Policy:
-    """What one user of the engine decides (the trainer's: mpiddp.trainer.elastic_policy; scripts': elastic.api).
-    The engine calls, in this order, on every survivor:
-      alive_at() -> this rank's last sign of life of the job, time.time() (the detect phase runs from it)
-      records_dir() -> the failures directory (a rank that recorded the end of the job: nothing is recovered)
-      refusal() -> a failure this policy does not recover from, in one line, else None
-      before_shrink()            what must be noted or stopped before the shrink (the hang watchdog)
-      guard, log_level           what follows the survivors with every Dist (survivors.bind_topology)
-      after_rebind(dist)         what follows the survivors before the state moves (a finish watch)
-      resume(dist, before, failed) -> (phase, outcome): collective, the state from the furthest survivor,
-                                 wrapped again; its seconds are phases[phase]
-      settle(before, failed, phases, outcome)   the policy's records and lines
-    The engine sets `engine`, `members` and `dists` (what the policy and a grow reach)."""
+    """What one user of the engine decides (the trainer's: mpiddp.trainer.elastic_policy; scripts': elastic.api),
+    asked in this order on every survivor. The engine sets `engine`, `members` and `dists`."""
 
     engine: Engine
     members: Membership
     dists: list[Dist]
-    guard: FailFast | None = None
+    guard: FailFast | None = None  # follows the survivors with every Dist (survivors.bind_topology), as log_level
     log_level: str | None = None
     hide_cause = False  # a fall-back's NotRecovered without the exception it was raised in (a script's report)
 
-    def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
-        self.engine.fall_back(reason, ranks)
+    def alive_at(self) -> float: ...  # this rank's last sign of life of the job (time.time()): detect runs from it
+    def records_dir(self) -> Path | None: ...  # the failures directory: an end recorded there stops the recovery
 
-    def refusal(self) -> str | None:
+    def refusal(self) -> str | None:  # a failure this policy does not recover from, in one line
         return None
 
-    def before_shrink(self) -> None:
+    def before_shrink(self) -> None:  # note or stop what must be, before the shrink (the hang watchdog)
         pass
 
-    def after_rebind(self, dist: Dist) -> None:
+    def after_rebind(self, dist: Dist) -> None:  # follow the survivors before the state moves (a finish watch)
         pass
 
-    def alive_at(self) -> float: ...
-    def records_dir(self) -> Path | None: ...
+    # collective: the state from the furthest survivor, wrapped again: (its phase's name, what settle gets)
     def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, Any]: ...
+    # the recovery into the policy's records, and its lines
     def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, Any], outcome: Any) -> None: ...
+
+    def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
+        self.engine.fall_back(reason, ranks)
 
 
 class Engine:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mpiddp import recoveries
-from mpiddp.elastic.decide import Resplit, failure_refusal, furthest, job_refusal, nccl_errors_env, resplit
-from mpiddp.elastic.engine import Engine, Policy, refused
+from mpiddp.elastic.decide import Resplit, failure_refusal, job_refusal, nccl_errors_env, resplit
+from mpiddp.elastic.engine import DistComm, Engine, Policy, from_furthest, refused
 from mpiddp.elastic.grow import GrowBack
 from mpiddp.elastic.membership import check_ulfm, nccl_abort_available
 from mpiddp.elastic.survivors import bind_topology, hosts_of, unless_end_decided
@@ -204,27 +204,23 @@ class TrainerPolicy(Policy):
         if dist.is_main and self._hooks is not None and isinstance(self._hooks.log, NullLogger):
             self._hooks.log = JsonlLogger(self.parts.run_dir / "metrics.jsonl")
 
-    def _same_position(self, state: Any, dist: Dist) -> bool:
-        """Collective: a survivor that finished the interrupted step while another did not (a collective can
-        complete on some ranks only) gives its state to the others, so every survivor continues from the same
-        step. True when some survivor had finished it."""
-        positions = dist.allgather((state.step, state.epoch, state.batches_done))
-        leader = furthest(positions)
-        if leader is None:
-            return False
-        payload = None
-        if dist.rank == leader:
-            payload = {"model": state.unwrapped.state_dict(), "optimizer": state.optimizer.state_dict(),
-                       "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
-                       "position": positions[leader]}
-        payload = dist.transport.large.bcast(payload, root=leader)  # type: ignore[attr-defined]
-        if dist.rank != leader:
-            state.unwrapped.load_state_dict(payload["model"])
-            state.optimizer.load_state_dict(payload["optimizer"])
-            state.scheduler.load_state_dict(payload["scheduler"])
-            state.scaler.load_state_dict(payload["scaler"])
+    @staticmethod
+    def _same_position(state: Any, dist: Dist) -> bool:
+        """Collective: every survivor continues from the furthest one's step (engine.from_furthest: model,
+        optimizer, scheduler, scaler and position). True when some survivor had finished the interrupted step."""
+        owners = {"model": state.unwrapped, "optimizer": state.optimizer, "scheduler": state.scheduler,
+                  "scaler": state.scaler}
+        position = (state.step, state.epoch, state.batches_done)
+
+        def payload() -> dict[str, Any]:
+            return {**{name: owner.state_dict() for name, owner in owners.items()}, "position": position}
+
+        def load(payload: dict[str, Any]) -> None:
+            for name, owner in owners.items():
+                owner.load_state_dict(payload[name])
             state.step, state.epoch, state.batches_done = payload["position"]
-        return True
+
+        return from_furthest(DistComm(dist), position, payload, load) is not None
 
     def rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
         """Collective: the same module in DDP on the new group, and the loaders re-split at the same sample."""

@@ -134,7 +134,7 @@ class Joined:
         from mpiddp.trainer.checkpoint import save_weights
         from mpiddp.trainer.run import checkpoint_dir_of, summarise
 
-        cfg, dist = self.cfg, self.recovery.dists[0]
+        cfg, dist = self.cfg, self.dist  # rebound by every recovery and grow
         if cfg.checkpoint.model_filename:
             save_weights(checkpoint_dir_of(cfg.checkpoint, self.run_dir) / cfg.checkpoint.model_filename,
                          self.state.unwrapped.state_dict(), dist)
@@ -152,7 +152,7 @@ class Joined:
 
         if hasattr(self, "loaders"):
             stop_workers(self.loaders)  # they ignore SIGTERM: Python's exit would wait for them forever
-        dist = self.recovery.dists[0] if hasattr(self, "recovery") else self.dist
+        dist = self.dist
         dist.barrier()
         if tdist.is_initialized():
             tdist.destroy_process_group()
