@@ -120,14 +120,15 @@ class Engine:
         policy.engine, policy.members, policy.dists = self, members, dists
 
     @classmethod
-    def enable(cls, dists: list[Dist], collective_timeout_s: float, min_world_size: int | None,
-               policy: Policy) -> Engine:
-        """Collective, where in-job recovery can work (not `refused`): a Membership over the job's communicator,
-        every Dist on a transport it watches. `min_world_size`: the fewest ranks the job goes on with (default
-        MPIDDP_MIN_NP, which `launch --min-np` sets, else 1)."""
+    def enable(cls, dists: list[Dist], collective_timeout_s: float, min_world_size: int | None, policy: Policy,
+               backend: str = "gloo", device: Any = None) -> Engine:
+        """Collective, where in-job recovery can work (not `refused`): a Membership over the job's communicator
+        (its process groups on `backend`, NCCL's on `device`), every Dist on a transport it watches.
+        `min_world_size`: the fewest ranks the job goes on with (default MPIDDP_MIN_NP, which `launch --min-np`
+        sets, else 1)."""
         dist = dists[0]
         members = Membership(dist.transport.comm, collective_timeout_s,  # type: ignore[attr-defined]
-                             backend=dist.backend, device=dist.device if dist.backend == "nccl" else None)
+                             backend=backend, device=device)
         transport = WatchedTransport(members)  # a revoke reaches a rank blocked in a metric reduction too
         for each in dists:
             each.rebind(each.topology, transport, None)

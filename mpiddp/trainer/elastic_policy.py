@@ -79,7 +79,8 @@ class TrainerPolicy(Policy):
         if refused(dist, reason, logging.INFO):
             return None
         policy = cls()
-        Engine.enable([dist, *others], collective_timeout_s, None, policy)
+        Engine.enable([dist, *others], collective_timeout_s, None, policy, dist.backend,
+                      dist.device if dist.backend == "nccl" else None)
         return policy
 
     def hooks(self, hooks: Any) -> Any:
