@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mpiddp.elastic.decide import script_refusal
-from mpiddp.elastic.engine import Comm, DistComm, Engine, NotRecovered, Policy, from_furthest, refused
+from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, from_furthest, refused
 from mpiddp.elastic.membership import MembersLost, check_ulfm
 from mpiddp.elastic.survivors import hosts_of
 from mpiddp.failure import records_dir
@@ -52,9 +52,6 @@ if TYPE_CHECKING:
     from mpiddp.job.failfast import FailFast
     from mpiddp.job.finishwatch import FinishWatch
     from mpiddp.job.topology import Topology
-
-__all__ = ["MembershipChange", "NotRecovered", "ScriptRecovery", "State", "active", "on_membership_change",
-           "run_recoverable", "sync", "wait", "watch_gradients"]
 
 log = logging.getLogger("mpiddp")
 T = TypeVar("T")
