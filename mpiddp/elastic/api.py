@@ -12,12 +12,12 @@ commit (in DDP every replica holds the same ones, so a survivor already has them
 back to the last commit but on from the furthest survivor. What a commit copies is the plain values (epoch, data
 position, any picklable counter), so a step that failed half-way leaves no trace in them.
 
-After a failure, MPI's fault tolerance (ULFM, mpiddp.elastic.membership) agrees on who failed and shrinks the job;
-torch's process group is rebuilt on a new store (the death of rank 0 and its store included); the values go back
-to this rank's last commit; the survivor with the most commits (the lowest rank among equals) gives every other
-survivor its objects and values when they differ (a collective can complete on some ranks only); gradients left
-by the interrupted step are dropped; the callbacks registered with `on_membership_change` run; then `train(state)`
-runs again. Nothing is read from disk; at most the interrupted step is lost.
+After a failure, the elastic engine (mpiddp.elastic.engine) has MPI's fault tolerance (ULFM) agree on who failed
+and shrink the job; torch's process group is rebuilt on a new store (the death of rank 0 and its store included);
+the values go back to this rank's last commit; the survivor with the most commits (the lowest rank among equals)
+gives every other survivor its objects and values when they differ (a collective can complete on some ranks only);
+gradients left by the interrupted step are dropped; the callbacks registered with `on_membership_change` run; then
+`train(state)` runs again. Nothing is read from disk; at most the interrupted step is lost.
 
 Where it cannot work (no ULFM: MPICH, mpirun without `--with-ft ulfm`, srun; `mpiddp run`; GPUs until the NCCL
 path exists; fewer survivors than the job needs; a second failure while recovering) one line says why and a
@@ -30,21 +30,20 @@ import copy
 import gc
 import hashlib
 import logging
-import os
 import pickle
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from mpiddp.contract import MIN_NP_ENV
-from mpiddp.elastic.decide import furthest, script_refusal
-from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, WatchedTransport, check_ulfm,
-                                       members_lost, mpi_error_of)
-from mpiddp.elastic.survivors import hosts_of, mark_recovered, rebind_survivors, unless_end_decided
+from mpiddp.elastic.decide import script_refusal
+from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, from_furthest, refused
+from mpiddp.elastic.membership import MembersLost, check_ulfm
+from mpiddp.elastic.survivors import hosts_of
 from mpiddp.failure import records_dir
-from mpiddp.job.collective import Dist, MpiTransport, current
+from mpiddp.job.collective import Dist, current
 from mpiddp.job.log import chosen_level
 
 if TYPE_CHECKING:
@@ -52,13 +51,10 @@ if TYPE_CHECKING:
 
     from mpiddp.job.failfast import FailFast
     from mpiddp.job.finishwatch import FinishWatch
+    from mpiddp.job.topology import Topology
 
 log = logging.getLogger("mpiddp")
 T = TypeVar("T")
-
-
-class NotRecovered(RuntimeError):
-    """A failure in-job recovery does not cover (the message says why in one line): the job ends as without it."""
 
 
 @dataclass(frozen=True)
@@ -156,41 +152,13 @@ def _is_ddp(entry: Any) -> bool:
     return any(cls.__name__ == "DistributedDataParallel" for cls in type(entry).__mro__)
 
 
-class Comm(Protocol):
-    """What `sync` needs of the survivors' communicator (the Dist's MPI communicator, or a test's fake)."""
-
-    rank: int
-
-    def allgather(self, value: Any) -> list[Any]: ...
-    def bcast(self, value: Any, root: int) -> Any: ...
-
-
 def sync(state: State, comm: Comm) -> int | None:
     """Collective over the survivors: back to this rank's last commit, then every survivor takes the state of the
     furthest one when they differ. Returns that rank, or None."""
     state.restore()
-    leader = furthest(comm.allgather(state.position()))
-    if leader is not None:
-        payload = comm.bcast(state.payload() if comm.rank == leader else None, root=leader)
-        if comm.rank != leader:
-            state.load(payload)
+    leader = from_furthest(comm, state.position(), state.payload, state.load)
     state.drop_gradients()
     return leader
-
-
-class _DistComm:
-    """The survivors' MPI communicator for `sync` (pickles over 2 GiB too: the state of a big model)."""
-
-    def __init__(self, dist: Dist) -> None:
-        transport = dist.transport
-        assert isinstance(transport, MpiTransport)
-        self.rank, self._transport = dist.rank, transport
-
-    def allgather(self, value: Any) -> list[Any]:
-        return self._transport.allgather(value)
-
-    def bcast(self, value: Any, root: int) -> Any:
-        return self._transport.large.bcast(value, root=root)
 
 
 # ---- the recovery of a script's job ----------------------------------------------------------------------------
@@ -225,17 +193,19 @@ def adopt(job: OwnJob | None) -> None:
     _own = job
 
 
-class ScriptRecovery:
-    """One per process, made by the first `run_recoverable` (collective); every method named collective is called
-    by every survivor at the same point."""
+class ScriptRecovery(Policy):
+    """A script's side of the elastic engine (mpiddp.elastic.engine), one per process, made by the first
+    `run_recoverable` (collective): what survives (the State), what follows the survivors (init()'s failure
+    guard and finish watch), what is said (the MembershipChange, to the callbacks)."""
 
-    def __init__(self, members: Membership, job: OwnJob, min_size: int) -> None:
-        self.members = members
-        self.dists = job.dists  # init()'s placed Dist first, then the bootstrap's (the guard's and the exit handler's)
+    hide_cause = True
+
+    def __init__(self, job: OwnJob) -> None:
         self.job = job
-        self.min_size = min_size
-        self.initial_world = job.dists[0].world_size
+        self.guard = job.guard
         self.changes: list[MembershipChange] = []
+        self.state: State | None = None  # what the recovery under way syncs
+        self.started = 0.0  # time.time() when the failed call of the training function began
 
     @classmethod
     def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
@@ -243,85 +213,63 @@ class ScriptRecovery:
         job = _own
         backend = dist.backend if dist.backend != "none" else _process_group_backend()  # `mpiddp run`: the script's
         device_type = "cuda" if backend == "nccl" else dist.device_type
-        reason = script_refusal(job is not None, check_ulfm() if job is not None else None, device_type, backend)
-        if reason is not None:
-            if dist.is_main:  # a local log line, no collective
-                log.warning("%s", reason)
+        if refused(dist, script_refusal(job is not None, check_ulfm() if job is not None else None, device_type,
+                                        backend), logging.WARNING):
             return None
         assert job is not None and job.dists[0] is dist
-        members = Membership(dist.transport.comm, job.collective_timeout_s)  # type: ignore[attr-defined]
-        # a revoke reaches a rank blocked in the script's dist.reduce too; a reduction that returns after MPI
-        # reported a failure is not trusted (as the trainer's and every rebind's)
-        transport = WatchedTransport(members)
-        for each in job.dists:
-            each.rebind(each.topology, transport, None)
-        min_size = max(1, min_world_size or int(os.environ.get(MIN_NP_ENV) or 1))
-        if dist.is_main:
-            log.info("in-job recovery is on (MPI fault tolerance): a failed rank is left behind and the job goes on "
-                     "with at least %d ranks", min_size)
-        return cls(members, job, min_size)
+        policy = cls(job)  # init()'s placed Dist first, then the bootstrap's (the guard's and the exit handler's)
+        Engine.enable(job.dists, job.collective_timeout_s, min_world_size, policy)
+        return policy
 
     def run(self, train: Callable[[State], T], state: State) -> T:
         """Collective: `train(state)`, run again on the survivors after each recovery."""
-        while True:
-            waited_from = time.time()
-            try:
-                return train(state)
-            except Exception as exc:
-                lost = members_lost(self.members, exc)
-                if lost is None:
-                    raise
-                # not the raised one: its traceback holds the failed call's frames, and with them its DDP wrapper
-                lost = MembersLost(lost.ranks, lost.detected_at)
-            self.recover(lost, state, waited_from)
+        def again() -> T:
+            self.state, self.started = state, time.time()
+            return train(state)
+
+        return self.engine.run(again)
 
     def recover(self, lost: MembersLost, state: State, waited_from: float) -> None:
         """Collective over the survivors: shrink, rebuild, sync the state, run the callbacks; NotRecovered (the job
         ends) where it cannot."""
-        dist = self.dists[0]
-        before = dist.topology
-        unless_end_decided(records_dir(before.failure_file, None), lost.ranks)
-        try:
-            recovered = self.members.recover(self.min_size)
-        except RecoveryFailed as exc:
-            self.fall_back(str(exc), lost.ranks)
-        mark_recovered()
-        rebind_survivors(self.dists, self.members, before, recovered, self.job.guard, chosen_level())
+        self.state, self.started = state, waited_from
+        self.engine.recover(lost)
+
+    # -- the engine's policy --
+
+    @property
+    def log_level(self) -> str | None:  # type: ignore[override]
+        return chosen_level()  # what the script's logging chose (a recovery keeps it)
+
+    def alive_at(self) -> float:
+        return self.started
+
+    def records_dir(self) -> Path | None:
+        return records_dir(self.dists[0].topology.failure_file, None)
+
+    def after_rebind(self, dist: Dist) -> None:
         if self.job.watch is not None:
             self.job.watch.follow(dist)
-        started = time.monotonic()
+
+    def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, int | None]:
+        assert self.state is not None
         _drop_old_wrappers()
-        try:
-            leader = sync(state, _DistComm(dist))
-        except (RuntimeError, mpi_error_of(self.members)) as exc:
-            self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], recovered.failed_ranks)
-        waited_from = max(self.members.waiting_since or 0.0, waited_from)
-        phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
-                  "state": time.monotonic() - started}
-        change = MembershipChange(dist.rank, dist.world_size, before.world_size, recovered.failed_ranks,
-                                  tuple(hosts_of(before, recovered.failed_ranks)), leader, phases)
+        return "state", sync(self.state, DistComm(dist))
+
+    def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, Any], leader: int | None) -> None:
+        dist = self.dists[0]
+        change = MembershipChange(dist.rank, dist.world_size, before.world_size, failed,
+                                  tuple(hosts_of(before, failed)), leader, phases)
         self.changes.append(change)
-        self._say(change)
+        if dist.is_main:
+            synced = "the same on every survivor" if leader is None else f"from rank {leader}"
+            log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on (state %s; agree and shrink %.3f s, "
+                        "process group %.3f s, state sync %.3f s)", list(failed), ", ".join(change.hosts_lost),
+                        change.world_size, synced, phases["agree_and_shrink"], phases["process_group"],
+                        phases["state"])
+        self.engine.say_reduced(len(self.changes) == 1)
         for callback in _callbacks:
             callback(change)
-
-    def _say(self, change: MembershipChange) -> None:
-        if not self.dists[0].is_main:
-            return
-        synced = "the same on every survivor" if change.synced_from is None else f"from rank {change.synced_from}"
-        log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on (state %s; agree and shrink %.3f s, "
-                    "process group %.3f s, state sync %.3f s)", list(change.ranks_lost), ", ".join(change.hosts_lost),
-                    change.world_size, synced, change.phases["agree_and_shrink"], change.phases["process_group"],
-                    change.phases["state"])
-        if len(self.changes) == 1:
-            log.warning("running at reduced size %d of %d ranks", change.world_size, self.initial_world)
-
-    def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
-        """One line why, then today's fail-fast path (the job ends; `launch` relaunches it)."""
-        log.error("in-job recovery not possible: %s; ending the job", reason)
-        names = ", ".join(map(str, ranks)) or "?"
-        text = f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)"
-        raise NotRecovered(text) from None
 
 
 def _process_group_backend() -> str:

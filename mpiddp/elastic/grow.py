@@ -37,7 +37,7 @@ from mpiddp import failure
 from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: spawn, merge, the parent
 from mpiddp.elastic.decide import GrowPlan, Resplit, grow_due, grow_record, plan_growth, spare_hosts_in, split_for_growth
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
-from mpiddp.elastic.survivors import regrown_topology
+from mpiddp.elastic.survivors import topology_over
 
 log = logging.getLogger("mpiddp")
 
@@ -50,8 +50,9 @@ class Regrown(Exception):
 
 class GrowBack:
     """The survivors' side: when to grow, and the grow itself (collective over the survivors). `recovery` is the
-    trainer's elastic policy bound to its engine: its members, dists, parts (state, watchdog, run_dir), records,
-    and the public steps a grow shares with a recovery (bind, rewrap, handover, fall_back)."""
+    trainer's elastic policy bound to its engine (mpiddp.elastic.engine): its engine, members, dists, parts (state,
+    watchdog, run_dir), records, and the public steps a grow shares with a recovery (bind, rewrap, handover,
+    fall_back)."""
 
     def __init__(self, spares: list[tuple[str, int]], off: str | None = None) -> None:
         self.spares = spares
@@ -66,11 +67,11 @@ class GrowBack:
     def at_boundary(self, recovery: Any) -> None:
         """Collective, at each training step's boundary: grow when due; Regrown when new ranks joined."""
         dist, parts = recovery.dists[0], recovery.parts
-        if not grow_due(recovery.stepped_since_change, dist.world_size, recovery.initial_world, self.said_off):
+        if not grow_due(recovery.stepped_since_change, dist.world_size, recovery.engine.initial_world, self.said_off):
             return
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
             return self.stop_growing(dist, self.off)
-        decision = plan_growth(dist.world_size, recovery.initial_world, self.spares, self.used)
+        decision = plan_growth(dist.world_size, recovery.engine.initial_world, self.spares, self.used)
         decision = dist.transport.bcast(decision if dist.is_main else None)  # rank 0 decides
         if isinstance(decision, str):
             return self.stop_growing(dist, decision)
@@ -124,7 +125,7 @@ class GrowBack:
         added = list(range(before, dist.world_size))
         recovery.records.append(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases))
         recovery.changed_size()
-        say_grown(dist, recovery.initial_world, added, plan, split, phases)
+        say_grown(dist, recovery.engine.initial_world, added, plan, split, phases)
         return True
 
     @staticmethod
@@ -138,7 +139,7 @@ class GrowBack:
         started = time.monotonic()
         members.bcast_large(recovery.handover(split) if dist.is_main else None)
         phases["state_transfer"] = time.monotonic() - started
-        recovery.bind(regrown_topology(hello["topology"], hostnames, members.comm.Get_rank()), "stays")
+        recovery.bind(topology_over(hello["topology"], hostnames, members.comm.Get_rank()), "stays")
         started = time.monotonic()
         recovery.rewrap(cfg, split, dist)
         phases["ddp"] = time.monotonic() - started
@@ -159,9 +160,9 @@ def say_grown(dist: Any, initial_world: int, added: list[int], plan: GrowPlan, s
 def hello_of(dist: Any, recovery: Any) -> dict[str, Any]:
     """Rank 0's first word to the new ranks: what they need before the process group."""
     rendezvous = dist.rendezvous
-    return {"topology": dist.topology, "backend": dist.backend, "initial_world": recovery.initial_world,
+    return {"topology": dist.topology, "backend": dist.backend, "initial_world": recovery.engine.initial_world,
             "interface_per_host": dict(rendezvous.interface_per_host) if rendezvous else {},
-            "min_size": recovery.min_size, "collective_timeout_s": recovery.members.collective_timeout_s}
+            "min_size": recovery.engine.min_size, "collective_timeout_s": recovery.members.collective_timeout_s}
 
 
 # ---- the joining rank's side ---------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ def join() -> Joining:
     members = Membership(merged, hello["collective_timeout_s"])
     members.start_process_group()
     phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
-    topology = regrown_topology(hello["topology"], hostnames, members.comm.Get_rank())
+    topology = topology_over(hello["topology"], hostnames, members.comm.Get_rank())
     before = hello["topology"].world_size
     added = (list(range(before, len(hostnames))), list(hostnames[before:]), before, len(hostnames))
     return Joining(members, hello, topology, added, phases)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from mpiddp.errors import EXIT_CRASH, EndDecided
 from mpiddp.failure import end_decided, replace_placement
 from mpiddp.job import storekeys
-from mpiddp.elastic.membership import Membership, Recovered, WatchedTransport
+from mpiddp.elastic.membership import Membership, WatchedTransport
 from mpiddp.job.collective import Dist, Rendezvous
 from mpiddp.job.log import setup_logging
 from mpiddp.job.storeload import add_within
@@ -68,20 +68,12 @@ def end_without_finalize(status: int) -> NoReturn:
     os._exit(status)
 
 
-def rebind_survivors(dists: Sequence[Dist], members: Membership, before: Topology, recovered: Recovered,
-                     guard: FailFast | None, log_level: str | None) -> Topology:
-    """Every holder of the job's Dist now sees the survivors (see bind_topology)."""
-    topology = shrunk_topology(before, recovered.old_ranks_alive, recovered.rank)
-    bind_topology(dists, members, topology, guard, log_level)
-    return topology
-
-
 def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology, guard: FailFast | None,
                   log_level: str | None, verb: str = "goes on") -> None:
     """Every holder of the job's Dist now sees `topology` over the Membership's communicator and store (after a
-    shrink, or a grow): new rank, communicator, store; the log lines name the new rank (`log_level`: the level
-    the job chose, None to leave logging alone), the new rank 0 rewrites the placement `launch` reads, the guard
-    reports through the new store, torchrun's variables follow."""
+    shrink: shrunk_topology; after a grow: topology_over): new rank, communicator, store; the log lines name the new
+    rank (`log_level`: the level the job chose, None to leave logging alone), the new rank 0 rewrites the placement
+    `launch` reads, the guard reports through the new store, torchrun's variables follow."""
     transport = WatchedTransport(members)
     old = dists[0].rendezvous
     address, port = members.endpoint or ("", 0)
@@ -105,20 +97,16 @@ def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology
 
 
 def hosts_of(topology: Topology, ranks: Sequence[int]) -> list[str]:
-    """The hosts of `ranks` (ranks of `topology`'s world), each once, in rank order."""
-    return list(dict.fromkeys(topology.host_of(rank) for rank in ranks))
+    """The hosts of `ranks` (ranks of `topology`'s world), each once, in rank order; a rank that was joining (a grow
+    cut short) is not in the topology: named by its rank only."""
+    return list(dict.fromkeys(topology.host_of(rank) if rank < topology.world_size else f"joining rank {rank}"
+                              for rank in ranks))
 
 
 def shrunk_topology(old: Any, alive: tuple[int, ...], new_rank: int) -> Any:
     """The Topology of survivor `new_rank` in a job shrunk to the old ranks `alive` (in new-rank order): hosts and
     local ranks renumbered among the survivors, the launcher's settings kept."""
     return topology_over(old, [old.host_of(rank) for rank in alive], new_rank)
-
-
-def regrown_topology(template: Any, hostnames: Sequence[str], rank: int) -> Any:
-    """The Topology of rank `rank` in the grown job, whose ranks run on `hostnames` (in rank order), the
-    launcher's settings taken from `template` (rank 0's topology)."""
-    return topology_over(template, hostnames, rank)
 
 
 def topology_over(template: Any, hostnames: Sequence[str], rank: int) -> Any:

@@ -1,9 +1,9 @@
-"""In-job recovery for the built-in trainer: when a rank dies, the survivors agree on it through MPI's fault
-tolerance (ULFM), shrink the job, rebuild the torch process group on a new store, wrap the same model in DDP
-again (optimizer state untouched), re-split the global batch and the epoch's data over the survivors, and redo
-the interrupted step. Nothing is read from disk.
+"""In-job recovery for the built-in trainer, its policy for the elastic engine (mpiddp.elastic.engine): when a rank
+dies, the survivors agree on it through MPI's fault tolerance (ULFM), shrink the job, rebuild the torch process
+group on a new store, wrap the same model in DDP again (optimizer state untouched), re-split the global batch and
+the epoch's data over the survivors, and redo the interrupted step. Nothing is read from disk.
 
-The loop runs its epochs through `InJobRecovery.attempt`; where recovery cannot work (decide.failure_refusal, too
+The loop runs its epochs through `TrainerPolicy.attempt`; where recovery cannot work (decide.failure_refusal, too
 few survivors, a second failure while recovering, a batch that does not split) one line says why and the job
 takes today's fail-fast path: it ends, and `launch` relaunches it.
 """
@@ -15,15 +15,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from mpiddp import recoveries
-from mpiddp.contract import MIN_NP_ENV
-from mpiddp.elastic.decide import Resplit, failure_refusal, furthest, job_refusal, nccl_errors_env, resplit
-from mpiddp.elastic.grow import GrowBack, Regrown
-from mpiddp.elastic.membership import (CONFIRM_S, MembersLost, Membership, RecoveryFailed, WatchedTransport,
-                                       check_ulfm, members_lost, mpi_error_of, nccl_abort_available)
-from mpiddp.elastic.survivors import bind_topology, mark_recovered, rebind_survivors, unless_end_decided
+from mpiddp.elastic.decide import Resplit, failure_refusal, job_refusal, nccl_errors_env, resplit
+from mpiddp.elastic.engine import DistComm, Engine, Policy, from_furthest, refused
+from mpiddp.elastic.grow import GrowBack
+from mpiddp.elastic.membership import check_ulfm, nccl_abort_available
+from mpiddp.elastic.survivors import bind_topology, hosts_of, unless_end_decided
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist
 
@@ -48,19 +48,11 @@ def prepare_nccl(compression: str) -> None:
         os.environ.update(nccl_errors_env(os.environ))
 
 
-class NotRecovered(RuntimeError):
-    """A failure in-job recovery does not cover: FailFast ends the job (the message names the lost peers in MPI's
-    words, so `launch` reads this rank's record as a witness, not as the failed rank)."""
+class TrainerPolicy(Policy):
+    """The trainer's side of the elastic engine (mpiddp.elastic.engine): what survives (the TrainState, the
+    loaders at the same sample), how it is wrapped again, what is recorded (summary.json's recoveries)."""
 
-
-class InJobRecovery:
-    """One per rank; every method named collective is called by every survivor at the same point."""
-
-    def __init__(self, members: Membership, dists: list[Dist], min_size: int) -> None:
-        self.members = members
-        self.dists = dists  # the placed Dist first, then every other holder of the job's world (the guard's)
-        self.min_size = min_size
-        self.initial_world = dists[0].world_size
+    def __init__(self) -> None:
         self.cfg: Any = None  # the config on the survivors (per-rank batch, accumulation), once recovered
         self.stepped = False  # a training step completed in this job
         self.saving = False  # inside a save: a failure there is not recovered
@@ -71,11 +63,12 @@ class InJobRecovery:
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
         self.where = ""  # what `attempt` runs now: train or eval
-        self.grower: Any = None  # mpiddp.elastic.grow.GrowBack: back to full size after a recovery (None: never)
+        self.grower = GrowBack.from_env()  # back to full size after a recovery
+        self._failure: tuple[bool, set[int], int] = (False, set(), 0)  # in a step, hung ranks, step: at the shrink
 
     @classmethod
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
-               ) -> InJobRecovery | None:
+               ) -> TrainerPolicy | None:
         """Collective: in-job recovery when this MPI can do it (mpirun --with-ft ulfm) and this job could go on
         after a failure (decide.job_refusal: not with PowerSGD; on GPUs, a torch that can abort NCCL), else
         None and one line on rank 0 saying why (a failure then ends the job, as without it)."""
@@ -83,22 +76,12 @@ class InJobRecovery:
         never = settings_refusal(dist.device_type, dist.backend, compression)
         if reason is None and never is not None:  # known now: nothing is paid for it (the hook's per-bucket wait)
             reason = f"in-job recovery is off: {never}; a failure ends the job"
-        if reason is not None:
-            if dist.is_main:  # a local log line, no collective
-                log.info("%s", reason)
+        if refused(dist, reason, logging.INFO):
             return None
-        members = Membership(dist.transport.comm, collective_timeout_s,  # type: ignore[attr-defined]
-                             backend=dist.backend, device=dist.device if dist.backend == "nccl" else None)
-        transport = WatchedTransport(members)  # a revoke reaches a rank blocked in a metric reduction too
-        for each in [dist, *others]:
-            each.rebind(each.topology, transport, None)
-        min_size = max(1, int(os.environ.get(MIN_NP_ENV) or 1))
-        if dist.is_main:
-            log.info("in-job recovery is on (MPI fault tolerance): a failed rank is left behind and the job goes on "
-                     "with at least %d ranks", min_size)
-        recovery = cls(members, [dist, *others], min_size)
-        recovery.grower = GrowBack.from_env()
-        return recovery
+        policy = cls()
+        Engine.enable([dist, *others], collective_timeout_s, None, policy, dist.backend,
+                      dist.device if dist.backend == "nccl" else None)
+        return policy
 
     def hooks(self, hooks: Any) -> Any:
         """The loop's hooks with recovery in them: epochs run through `attempt`, saves are marked, steps noted."""
@@ -111,7 +94,7 @@ class InJobRecovery:
         def entered(phase: str) -> None:
             enter(phase)
             self.in_step = phase in ("compute", "communication")
-            if phase == "data" and self.where == "train" and self.grower is not None:
+            if phase == "data" and self.where == "train":
                 self.grower.at_boundary(self)  # collective; Regrown when new ranks joined
 
         self._hooks = dataclasses.replace(hooks, save=self.around_save(hooks.save), heartbeat=heartbeat,
@@ -139,93 +122,81 @@ class InJobRecovery:
 
     def attempt(self, body: Callable[[Any], T], cfg: Any, where: str) -> T:
         """Collective: `body(config)`, run again on the survivors (with their config) after each recovery."""
-        while True:
+        def again() -> T:
             self.where = where
-            try:
-                return body(self.cfg or cfg)
-            except Regrown:  # new ranks joined at a step boundary: the same body goes on with the new split
-                continue
-            except Exception as exc:
-                lost = self.lost(exc)
-                if lost is None:
-                    raise
-            self.recover(lost, where)
+            return body(self.cfg or cfg)
 
-    def lost(self, exc: BaseException) -> MembersLost | None:
-        """The failure behind `exc` when MPI reports failed members, else None (the error stands)."""
-        return members_lost(self.members, exc, CONFIRM_S)
+        return self.engine.run(again)
 
-    # -- the recovery itself --------------------------------------------------------------------------------------
+    # -- the recovery itself: the engine's policy -----------------------------------------------------------------
 
-    def recover(self, lost: MembersLost, where: str) -> None:
-        """Collective over the survivors: shrink, rebuild, re-split; NotRecovered (the job ends) where it cannot."""
-        parts, dist = self.parts, self.dists[0]
-        cfg = self.cfg or parts.cfg
-        # detect: from this rank's last sign of life of the job (its last step, or the start of the gradient
-        # all-reduce that failed) to MPI's report: an upper bound on the detection latency
-        waited_from = max(self.members.waiting_since or 0.0, self._stepped_at) or lost.detected_at
-        directory = records_dir(dist.topology.failure_file, parts.run_dir)
-        unless_end_decided(directory, lost.ranks)
-        reason = failure_refusal("save" if self.saving else where, self.stepped, dist.device_type, cfg.training.grad_compression)
-        if reason is not None:
-            self.fall_back(reason, lost.ranks)
-        in_step = self.in_step
+    @property
+    def guard(self) -> Any:  # type: ignore[override]
+        return self.parts.guard
+
+    @property
+    def log_level(self) -> str:  # type: ignore[override]
+        return self.parts.cfg.outputs.log_level
+
+    def alive_at(self) -> float:
+        return self._stepped_at  # the end of this rank's last step (the gradient all-reduce's start: the engine)
+
+    def records_dir(self) -> Path | None:
+        return records_dir(self.dists[0].topology.failure_file, self.parts.run_dir)
+
+    def refusal(self) -> str | None:
+        cfg = self.cfg or self.parts.cfg
+        return failure_refusal("save" if self.saving else self.where, self.stepped, self.dists[0].device_type,
+                               cfg.training.grad_compression)
+
+    def before_shrink(self) -> None:
+        parts = self.parts
         hung = set(getattr(parts.watchdog, "excluded", ()))  # ranks the hang watchdog ended (before it follows)
+        self._failure = (self.in_step, hung, parts.state.step)
         parts.watchdog.suspend()
-        topology_before, world_before, step = dist.topology, dist.world_size, parts.state.step
-        try:
-            recovered = self.members.recover(self.min_size)
-        except RecoveryFailed as exc:
-            self.fall_back(str(exc), lost.ranks)
-        mark_recovered()
-        failed = recovered.failed_ranks
-        self._rebind(topology_before, recovered)
-        started = time.monotonic()
-        try:
-            caught_up = self._same_position(parts.state, dist)
-            split = resplit(cfg.training.batch_size, cfg.training.grad_accum, world_before, dist.world_size,
-                            parts.state.batches_done, epoch_samples=parts.loaders.epoch_samples)
-            if isinstance(split, str):
-                self.fall_back(split, failed)
-            self.rewrap(cfg, split, dist)
-        except (RuntimeError, mpi_error_of(self.members)) as exc:
-            if isinstance(exc, NotRecovered):
-                raise
-            self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], failed)
+
+    def resume(self, dist: Dist, before: Any, failed: tuple[int, ...]) -> tuple[str, Any]:
+        """Collective: every survivor at the furthest one's step, DDP again, the global batch re-split."""
+        parts = self.parts
+        cfg = self.cfg or parts.cfg
+        caught_up = self._same_position(parts.state, dist)
+        split = resplit(cfg.training.batch_size, cfg.training.grad_accum, before.world_size, dist.world_size,
+                        parts.state.batches_done, epoch_samples=parts.loaders.epoch_samples)
+        if isinstance(split, str):
+            self.fall_back(split, failed)
+        self.rewrap(cfg, split, dist)
         parts.watchdog.follow(dist)
         self._take_over_logging(dist)
-        phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
-                  "ddp": time.monotonic() - started, "first_step": None}
-        # a rank that was joining (a grow cut short) is not in the topology before: named by its rank only
-        hosts = list(dict.fromkeys(topology_before.host_of(rank) if rank < world_before else f"joining rank {rank}"
-                                   for rank in failed))
+        return "ddp", (caught_up, split)
+
+    def settle(self, before: Any, failed: tuple[int, ...], phases: dict[str, Any], outcome: Any) -> None:
+        """The recovery into this rank's records (summary.json's, the failures directory's) and rank 0's lines."""
+        (caught_up, split), (in_step, hung, step), dist = outcome, self._failure, self.dists[0]
+        phases["first_step"] = None
+        hosts, directory = hosts_of(before, failed), self.records_dir()
         unless_end_decided(directory, failed)  # decided during the shrink: nothing goes on record
         self.records.append({
             "time": time.time(),  # launch weighs it against the failure records' times (the end decided before it?)
             "cause": "hang" if hung & set(failed) else "process_failed",
             "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
             "steps_lost": 1 if in_step and not caught_up else 0,
-            "world_before": world_before, "world_after": dist.world_size, "phases": phases,
+            "world_before": before.world_size, "world_after": dist.world_size, "phases": phases,
         })
         self._recovered_at = time.monotonic()
-        self._put_on_record(dist)
-        self._say(split, failed, hosts, phases)
-
-    def _rebind(self, before: Any, recovered: Any) -> None:
-        """Every holder of the job's Dist now sees the survivors: new rank, communicator, store."""
-        rebind_survivors(self.dists, self.members, before, recovered, self.parts.guard,
-                         self.parts.cfg.outputs.log_level)
+        # the new rank 0 puts it in the failures directory as it happens (this rank's phases so far): `launch` learns
+        # of it, and of the host lost, when a later failure ends the job before summary.json
+        if dist.is_main and directory is not None:
+            recoveries.record(directory, self.records[-1])
+        if dist.is_main:
+            log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on at the same global batch (%d per rank "
+                        "x %d accumulation); agree and shrink %.3f s, process group %.3f s, DDP %.3f s",
+                        list(failed), ", ".join(hosts), dist.world_size, split.batch_size, split.grad_accum,
+                        phases["agree_and_shrink"], phases["process_group"], phases["ddp"])
+        self.engine.say_reduced(len(self.records) == 1)
 
     def bind(self, topology: Any, verb: str = "goes on") -> None:
         """Every holder of the job's Dist now sees `topology` (after a grow: mpiddp.elastic.grow)."""
-        bind_topology(self.dists, self.members, topology, self.parts.guard, self.parts.cfg.outputs.log_level, verb)
-
-    def _put_on_record(self, dist: Dist) -> None:
-        """The new rank 0: the recovery into the failures directory as it happens (this rank's phases so far), so
-        `launch` learns of it, and of the host lost, when a later failure ends the job before summary.json."""
-        directory = records_dir(dist.topology.failure_file, self.parts.run_dir)
-        if dist.is_main and directory is not None:
-            recoveries.record(directory, self.records[-1])
+        bind_topology(self.dists, self.members, topology, self.guard, self.log_level, verb)
 
     def _take_over_logging(self, dist: Dist) -> None:
         """Rank 0 died: the new rank 0 appends the run's records to metrics.jsonl (wandb stays with the dead)."""
@@ -234,27 +205,23 @@ class InJobRecovery:
         if dist.is_main and self._hooks is not None and isinstance(self._hooks.log, NullLogger):
             self._hooks.log = JsonlLogger(self.parts.run_dir / "metrics.jsonl")
 
-    def _same_position(self, state: Any, dist: Dist) -> bool:
-        """Collective: a survivor that finished the interrupted step while another did not (a collective can
-        complete on some ranks only) gives its state to the others, so every survivor continues from the same
-        step. True when some survivor had finished it."""
-        positions = dist.allgather((state.step, state.epoch, state.batches_done))
-        leader = furthest(positions)
-        if leader is None:
-            return False
-        payload = None
-        if dist.rank == leader:
-            payload = {"model": state.unwrapped.state_dict(), "optimizer": state.optimizer.state_dict(),
-                       "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
-                       "position": positions[leader]}
-        payload = dist.transport.large.bcast(payload, root=leader)  # type: ignore[attr-defined]
-        if dist.rank != leader:
-            state.unwrapped.load_state_dict(payload["model"])
-            state.optimizer.load_state_dict(payload["optimizer"])
-            state.scheduler.load_state_dict(payload["scheduler"])
-            state.scaler.load_state_dict(payload["scaler"])
+    @staticmethod
+    def _same_position(state: Any, dist: Dist) -> bool:
+        """Collective: every survivor continues from the furthest one's step (engine.from_furthest: model,
+        optimizer, scheduler, scaler and position). True when some survivor had finished the interrupted step."""
+        owners = {"model": state.unwrapped, "optimizer": state.optimizer, "scheduler": state.scheduler,
+                  "scaler": state.scaler}
+        position = (state.step, state.epoch, state.batches_done)
+
+        def payload() -> dict[str, Any]:
+            return {**{name: owner.state_dict() for name, owner in owners.items()}, "position": position}
+
+        def load(payload: dict[str, Any]) -> None:
+            for name, owner in owners.items():
+                owner.load_state_dict(payload[name])
             state.step, state.epoch, state.batches_done = payload["position"]
-        return True
+
+        return from_furthest(DistComm(dist), position, payload, load) is not None
 
     def rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
         """Collective: the same module in DDP on the new group, and the loaders re-split at the same sample."""
@@ -308,23 +275,6 @@ class InJobRecovery:
             "transport": hook.transport if hook is not None else None,
             "saver": (str(saver.parent) if saver and saver.parent else None, saver.wandb_run_id if saver else None),
         }
-
-    def fall_back(self, reason: str, ranks: tuple[int, ...]) -> None:
-        """One line why, then today's fail-fast path (FailFast aborts the job; `launch` relaunches it)."""
-        log.error("in-job recovery not possible: %s; ending the job", reason)
-        names = ", ".join(map(str, ranks)) or "?"
-        raise NotRecovered(f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)")
-
-    def _say(self, split: Resplit, failed: tuple[int, ...], hosts: list[str], phases: dict[str, Any]) -> None:
-        dist = self.dists[0]
-        if not dist.is_main:
-            return
-        log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on at the same global batch (%d per rank x "
-                    "%d accumulation); agree and shrink %.3f s, process group %.3f s, DDP %.3f s",
-                    list(failed), ", ".join(hosts), dist.world_size, split.batch_size, split.grad_accum,
-                    phases["agree_and_shrink"], phases["process_group"], phases["ddp"])
-        if len(self.records) == 1:
-            log.warning("running at reduced size %d of %d ranks", dist.world_size, self.initial_world)
 
     def gathered(self, dist: Dist) -> list[dict[str, Any]]:
         """Collective: the recoveries, each phase the slowest survivor's (detect: the earliest notice); on rank 0,

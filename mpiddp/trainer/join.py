@@ -105,7 +105,8 @@ class Joined:
         """Collective: the rest of the run, entered at the survivors' epoch and batch."""
         from mpiddp.job.watchdog import Watchdog
         from mpiddp.trainer.metrics import NullLogger
-        from mpiddp.trainer.elastic_policy import InJobRecovery
+        from mpiddp.elastic.engine import Engine
+        from mpiddp.trainer.elastic_policy import TrainerPolicy
         from mpiddp.trainer.run import Saver, checkpoint_dir_of
         from mpiddp.trainer.saveclock import SaveClock
         from mpiddp.trainer.train import Hooks, train
@@ -117,11 +118,10 @@ class Joined:
                       wandb_run_id, Path(parent) if parent else None)
         hooks = Hooks(NullLogger(), saver.save, stop, self.watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
                       self.watchdog.enter)
-        self.recovery = recovery = InJobRecovery(self.members, [dist], self.hello["min_size"])
-        recovery.initial_world, recovery.records, recovery.cfg, recovery.stepped = \
-            self.hello["initial_world"], self.records, self.current, True
+        self.recovery = recovery = TrainerPolicy()
+        Engine(self.members, [dist], self.hello["min_size"], recovery).initial_world = self.hello["initial_world"]
+        recovery.records, recovery.cfg, recovery.stepped = self.records, self.current, True
         recovery.changed_size()  # the grow's first step is this rank's too
-        recovery.grower = grow.GrowBack.from_env()
         recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=self.loaders, datasets=self.datasets,
                                          watchdog=self.watchdog, guard=None, run_dir=self.run_dir, saver=saver)
         try:
@@ -134,7 +134,7 @@ class Joined:
         from mpiddp.trainer.checkpoint import save_weights
         from mpiddp.trainer.run import checkpoint_dir_of, summarise
 
-        cfg, dist = self.cfg, self.recovery.dists[0]
+        cfg, dist = self.cfg, self.dist  # rebound by every recovery and grow
         if cfg.checkpoint.model_filename:
             save_weights(checkpoint_dir_of(cfg.checkpoint, self.run_dir) / cfg.checkpoint.model_filename,
                          self.state.unwrapped.state_dict(), dist)
@@ -152,7 +152,7 @@ class Joined:
 
         if hasattr(self, "loaders"):
             stop_workers(self.loaders)  # they ignore SIGTERM: Python's exit would wait for them forever
-        dist = self.recovery.dists[0] if hasattr(self, "recovery") else self.dist
+        dist = self.dist
         dist.barrier()
         if tdist.is_initialized():
             tdist.destroy_process_group()

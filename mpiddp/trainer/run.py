@@ -24,7 +24,7 @@ from mpiddp.job.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import (DEFAULT_RUNS_ROOT, CheckpointSettings, Config, OutputSettings, TrainingSettings,
                                     parse_args)
-from mpiddp.trainer.elastic_policy import InJobRecovery, prepare_nccl
+from mpiddp.trainer.elastic_policy import TrainerPolicy, prepare_nccl
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
@@ -164,7 +164,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
 
     startup.mark("process_group")
     others = [guard.dist] if guard is not None and guard.dist is not None and guard.dist is not dist else []
-    recovery = InJobRecovery.enable(dist, others, cfg.dist.collective_timeout_s,  # None: a failure ends the job
+    recovery = TrainerPolicy.enable(dist, others, cfg.dist.collective_timeout_s,  # None: a failure ends the job
                                     cfg.training.grad_compression)
     (job_started_at,) = dist.reduce([startup.started_at], "min")
     checkpoint_dir = checkpoint_dir_of(cfg.checkpoint, run_dir)

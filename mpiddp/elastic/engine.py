@@ -1,0 +1,201 @@
+"""The one in-job recovery engine, for the built-in trainer and for scripts: the survivors of a failed rank detect
+it, agree and shrink (membership), follow the shrunk job (survivors), then the user's Policy syncs from the
+furthest survivor and re-wraps, records and says. Where recovery cannot work, one line says why and the job takes
+the fail-fast path (NotRecovered: it ends, and `launch` relaunches it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
+
+from mpiddp.contract import MIN_NP_ENV
+from mpiddp.elastic.decide import furthest
+from mpiddp.elastic.grow import Regrown
+from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, WatchedTransport, members_lost,
+                                       mpi_error_of)
+from mpiddp.elastic.survivors import bind_topology, mark_recovered, shrunk_topology, unless_end_decided
+from mpiddp.job.collective import Dist, MpiTransport
+
+if TYPE_CHECKING:
+    from mpiddp.job.failfast import FailFast
+    from mpiddp.job.topology import Topology
+
+log = logging.getLogger("mpiddp")
+T = TypeVar("T")
+
+
+class NotRecovered(RuntimeError):
+    """A failure in-job recovery does not cover: FailFast ends the job (the message names the lost peers in MPI's
+    words, so `launch` reads this rank's record as a witness, not as the failed rank)."""
+
+
+def refused(dist: Dist, reason: str | None, level: int) -> bool:
+    """Whether in-job recovery is off (`reason`, said on rank 0 at `level`; a failure then ends the job)."""
+    if reason is not None and dist.is_main:  # a local log line, no collective
+        log.log(level, "%s", reason)
+    return reason is not None
+
+
+class Comm(Protocol):
+    """What a sync needs of the survivors' communicator (DistComm, or a test's fake)."""
+
+    rank: int
+
+    def allgather(self, value: Any) -> list[Any]: ...
+    def bcast(self, value: Any, root: int) -> Any: ...
+
+
+class DistComm:
+    """The survivors' MPI communicator, for a sync (pickles over 2 GiB too: the state of a big model)."""
+
+    def __init__(self, dist: Dist) -> None:
+        transport = dist.transport
+        assert isinstance(transport, MpiTransport)
+        self.rank, self._transport = dist.rank, transport
+
+    def allgather(self, value: Any) -> list[Any]:
+        return self._transport.allgather(value)
+
+    def bcast(self, value: Any, root: int) -> Any:
+        return self._transport.large.bcast(value, root=root)
+
+
+def from_furthest(comm: Comm, position: Any, payload: Callable[[], Any], load: Callable[[Any], None]) -> int | None:
+    """Collective over the survivors: a collective can complete on some ranks only, so the survivor whose
+    `position` is furthest (decide.furthest) gives every other its `payload()`, which they `load`. Returns that
+    rank, None when every survivor is at the same position."""
+    leader = furthest(comm.allgather(position))
+    if leader is not None:
+        taken = comm.bcast(payload() if comm.rank == leader else None, root=leader)
+        if comm.rank != leader:
+            load(taken)
+    return leader
+
+
+class Policy:
+    """What one user of the engine decides (the trainer's: mpiddp.trainer.elastic_policy; scripts': elastic.api),
+    asked in this order on every survivor. The engine sets `engine`, `members` and `dists`."""
+
+    engine: Engine
+    members: Membership
+    dists: list[Dist]
+    guard: FailFast | None = None  # follows the survivors with every Dist (survivors.bind_topology), as log_level
+    log_level: str | None = None
+    hide_cause = False  # a fall-back's NotRecovered without the exception it was raised in (a script's report)
+
+    def alive_at(self) -> float: ...  # this rank's last sign of life of the job (time.time()): detect runs from it
+    def records_dir(self) -> Path | None: ...  # the failures directory: an end recorded there stops the recovery
+
+    def refusal(self) -> str | None:  # a failure this policy does not recover from, in one line
+        return None
+
+    def before_shrink(self) -> None:  # note or stop what must be, before the shrink (the hang watchdog)
+        pass
+
+    def after_rebind(self, dist: Dist) -> None:  # follow the survivors before the state moves (a finish watch)
+        pass
+
+    # collective: the state from the furthest survivor, wrapped again: (its phase's name, what settle gets)
+    def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, Any]: ...
+    # the recovery into the policy's records, and its lines
+    def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, Any], outcome: Any) -> None: ...
+
+    def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
+        self.engine.fall_back(reason, ranks)
+
+
+class Engine:
+    """One per process; every method named collective is called by every survivor at the same point."""
+
+    def __init__(self, members: Membership, dists: list[Dist], min_size: int, policy: Policy) -> None:
+        self.members = members
+        self.dists = dists  # the placed Dist first, then every other holder of the job's world (the guard's)
+        self.min_size = min_size
+        self.initial_world = dists[0].world_size  # a rank that joined a grown job: the first job's (its hello)
+        self.policy = policy
+        policy.engine, policy.members, policy.dists = self, members, dists
+
+    @classmethod
+    def enable(cls, dists: list[Dist], collective_timeout_s: float, min_world_size: int | None, policy: Policy,
+               backend: str = "gloo", device: Any = None) -> Engine:
+        """Collective, where in-job recovery can work (not `refused`): a Membership over the job's communicator
+        (its process groups on `backend`, NCCL's on `device`), every Dist on a transport it watches.
+        `min_world_size`: the fewest ranks the job goes on with (default MPIDDP_MIN_NP, which `launch --min-np`
+        sets, else 1)."""
+        dist = dists[0]
+        members = Membership(dist.transport.comm, collective_timeout_s,  # type: ignore[attr-defined]
+                             backend=backend, device=device)
+        transport = WatchedTransport(members)  # a revoke reaches a rank blocked in a metric reduction too
+        for each in dists:
+            each.rebind(each.topology, transport, None)
+        min_size = max(1, min_world_size or int(os.environ.get(MIN_NP_ENV) or 1))
+        if dist.is_main:
+            log.info("in-job recovery is on (MPI fault tolerance): a failed rank is left behind and the job goes on "
+                     "with at least %d ranks", min_size)
+        return cls(members, dists, min_size, policy)
+
+    def run(self, body: Callable[[], T]) -> T:
+        """Collective: `body()`, run again on the survivors after each recovery (and after a grow: Regrown)."""
+        while True:
+            try:
+                return body()
+            except Regrown:  # new ranks joined at a step boundary: the same body goes on with the new split
+                continue
+            except Exception as exc:
+                lost = members_lost(self.members, exc)
+                if lost is None:
+                    raise
+                # not the raised one: its traceback holds the failed call's frames, and with them its DDP wrapper
+                lost = MembersLost(lost.ranks, lost.detected_at)
+            self.recover(lost)
+
+    def recover(self, lost: MembersLost) -> None:
+        """Collective over the survivors: shrink, rebuild, the policy's resume and settle; NotRecovered (the job
+        ends) where it cannot."""
+        policy, dist = self.policy, self.dists[0]
+        # detect: from this rank's last sign of life of the job (its last step, or the start of the collective
+        # that failed) to MPI's report: an upper bound on the detection latency
+        waited_from = max(self.members.waiting_since or 0.0, policy.alive_at()) or lost.detected_at
+        unless_end_decided(policy.records_dir(), lost.ranks)
+        reason = policy.refusal()
+        if reason is not None:
+            self.fall_back(reason, lost.ranks)
+        policy.before_shrink()
+        before = dist.topology
+        try:
+            recovered = self.members.recover(self.min_size)
+        except RecoveryFailed as exc:
+            self.fall_back(str(exc), lost.ranks)
+        mark_recovered()
+        failed = recovered.failed_ranks
+        bind_topology(self.dists, self.members, shrunk_topology(before, recovered.old_ranks_alive, recovered.rank),
+                      policy.guard, policy.log_level)
+        policy.after_rebind(dist)
+        started = time.monotonic()
+        try:
+            phase, outcome = policy.resume(dist, before, failed)
+        except (RuntimeError, mpi_error_of(self.members)) as exc:
+            if isinstance(exc, NotRecovered):
+                raise
+            self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], failed)
+        phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
+                  phase: time.monotonic() - started}
+        policy.settle(before, failed, phases, outcome)
+
+    def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
+        """One line why, then today's fail-fast path (FailFast aborts the job; `launch` relaunches it)."""
+        log.error("in-job recovery not possible: %s; ending the job", reason)
+        names = ", ".join(map(str, ranks)) or "?"
+        error = NotRecovered(f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)")
+        if self.policy.hide_cause:
+            raise error from None
+        raise error
+
+    def say_reduced(self, first: bool) -> None:
+        """On rank 0, after the first change of size: how far from full size the job runs."""
+        if first and self.dists[0].is_main:
+            log.warning("running at reduced size %d of %d ranks", self.dists[0].world_size, self.initial_world)
