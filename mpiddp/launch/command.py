@@ -108,9 +108,9 @@ def decide_in_job_recovery(wanted: bool, launcher: str, flavour: str, version: s
     if mode != "train" and chosen is None:
         # a script without mpiddp's wrappers would not recover anyway, and under ULFM a dead peer no longer ends
         # the job at once (NCCL waits out its timeout): the script's author opts in
-        return InJobRecovery(False, "in-job recovery is off for a script unless --launcher-args give --with-ft ulfm "
-                                    "(the script then recovers with mpiddp.DistributedDataParallel and "
-                                    "mpiddp.Optimizer); a failure ends the job and launch relaunches it")
+        return InJobRecovery(False, "in-job recovery is off for a script under `mpiddp run` unless --launcher-args "
+                                    "give --with-ft ulfm (the script then recovers with mpiddp.DistributedDataParallel "
+                                    "and mpiddp.Optimizer); a failure ends the job and launch relaunches it")
     if chosen is not None:
         on = chosen == "ulfm"
         return InJobRecovery(on, f"in-job recovery is {'on' if on else 'off'}: --launcher-args give --with-ft "
