@@ -168,19 +168,25 @@ def test_survivors_at_the_same_commit_send_nothing_and_drop_the_interrupted_step
     assert all(p.grad is None for state in states for p in state.model.parameters())
 
 
-@pytest.mark.parametrize("own, ulfm, device, backend, says", [
-    (False, None, "cpu", "gloo", "not `mpiddp run`"),
-    (True, "in-job recovery needs mpirun --with-ft ulfm (...)", "cpu", "gloo", "--with-ft ulfm"),
-    (True, None, "cuda", "nccl", "on cuda (NCCL) is not built yet"),
-    (True, None, "cpu", "mpi", "this job's is mpi"),
+@pytest.mark.parametrize("own, ulfm, device, backend, can_abort, env, says", [
+    (False, None, "cpu", "gloo", True, {}, "needs mpiddp's job"),
+    (True, "in-job recovery needs mpirun --with-ft ulfm (...)", "cpu", "gloo", True, {}, "--with-ft ulfm"),
+    (True, None, "cuda", "nccl", False, {}, "_abort_process_group (torch 2.5 or newer)"),
+    (True, None, "cuda", "nccl", True, {}, "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 makes torch end a rank"),
+    (True, None, "cpu", "mpi", True, {}, "this job runs mpi on cpu"),
+    (True, None, "cuda", "gloo", True, {}, "this job runs gloo on cuda"),
 ])
-def test_where_a_script_cannot_recover_it_says_why_in_one_line(own, ulfm, device, backend, says):
-    reason = refusal(own, ulfm, device, backend)
+def test_where_a_script_cannot_recover_it_says_why_in_one_line(own, ulfm, device, backend, can_abort, env, says):
+    reason = refusal(own, ulfm, device, backend, can_abort, "2.4.1", env)
     assert reason is not None and says in reason and "\n" not in reason
 
 
 def test_a_script_on_cpu_with_ulfm_and_its_own_bootstrap_can_recover():
     assert refusal(True, None, "cpu", "gloo") is None
+
+
+def test_a_script_on_nccl_can_recover_where_torch_aborts_nccl_and_errors_do_not_end_the_survivors():
+    assert refusal(True, None, "cuda", "nccl", True, "2.11.0", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) is None
 
 
 @pytest.fixture

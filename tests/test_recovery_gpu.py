@@ -110,3 +110,43 @@ def test_the_trainer_on_nccl_recovers_in_the_job_after_a_kill(tmp_path: Path):
     (recovery,) = summary["recoveries"]
     assert recovery["ranks_lost"] == [victim] and (recovery["world_before"], recovery["world_after"]) == (np, np - 1)
     assert recovery["step"] == 5 and recovery["steps_lost"] <= 1
+
+
+def test_a_script_with_mpiddps_wrappers_trains_on_nccl_with_recovery_armed(tmp_path: Path):
+    """One GPU: mpiddp.DistributedDataParallel + mpiddp.Optimizer on NCCL under `mpirun --with-ft ulfm ... mpiddp
+    run`: in-job recovery turns on (the NCCL refusal passes, the membership builds NCCL groups), every step's
+    all-reduce is waited for on the main thread and agreed on, and every step is taken."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env, mark = marked_env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0")
+    command = [find_mpirun(), "--with-ft", "ulfm", "-np", "1", sys.executable, "-m", "mpiddp", "run",
+               str(REPO / "tests" / "programs" / "steps_loop.py"), str(out), "20", "--device", "cuda"]
+    try:
+        job = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        assert_nothing_left(mark)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-5000:]
+    assert "in-job recovery is on (MPI fault tolerance)" in output, output[-3000:]
+    (final,) = [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines() if '"done"' in line]
+    assert (final["steps"], final["skipped"]) == (20, 0), final
+
+
+@NEEDS_TWO
+def test_a_script_with_mpiddps_wrappers_on_nccl_skips_the_failed_step_and_goes_on(tmp_path: Path):
+    np, victim = min(NUM_GPUS, 3), 1
+    out = tmp_path / "out"
+    out.mkdir()
+    env, mark = marked_env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0")
+    command = [find_mpirun(), "--with-ft", "ulfm", "-np", str(np), sys.executable, "-m", "mpiddp", "run",
+               str(REPO / "tests" / "programs" / "steps_loop.py"), str(out), "20", "--device", "cuda", "--kill",
+               f"{victim}:5"]
+    try:
+        job = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        assert_nothing_left(mark)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-5000:]
+    finals = [json.loads(line) for rank in range(np) if rank != victim
+              for line in (out / f"rank{rank}.jsonl").read_text().splitlines() if '"done"' in line]
+    assert len(finals) == np - 1 and {(f["steps"], f["skipped"]) for f in finals} == {(19, 1)}, finals
+    assert len({f["checksum"] for f in finals}) == 1, finals

@@ -162,6 +162,8 @@ def test_under_launch_a_script_that_opts_in_recovers_in_the_job(tmp_path):
     assert job.returncode == 0, output[-5000:]
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]  # no relaunch
     assert attempt["in_job_recovery"] is True, attempt
+    (recovery,) = attempt["recoveries"]  # the script's recovery on record, as the trainer's: launch learns the host
+    assert (recovery["ranks_lost"], recovery["world_after"]) == ([1], RANKS - 1), recovery
     for rank in (0, 2):
         (final,) = [line for line in lines_of(out, rank) if line.get("done")]
         assert (final["steps"], final["skipped"]) == (ITERATIONS - 1, 1), final

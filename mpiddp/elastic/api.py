@@ -30,6 +30,7 @@ import copy
 import gc
 import hashlib
 import logging
+import os
 import pickle
 import time
 import weakref
@@ -40,8 +41,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mpiddp.elastic.decide import script_refusal
 from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, from_furthest, refused
-from mpiddp.elastic.membership import MembersLost, check_ulfm
+from mpiddp.elastic.membership import MembersLost, check_ulfm, nccl_abort_available
 from mpiddp.elastic.survivors import hosts_of
+from mpiddp import recoveries
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist, current
 from mpiddp.job.log import chosen_level
@@ -211,14 +213,18 @@ class ScriptRecovery(Policy):
     def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
         """Collective: in-job recovery when this job can do it, else None and one line on rank 0 saying why."""
         job = _own
+        import torch
+
         backend = dist.backend if dist.backend != "none" else _process_group_backend()  # `mpiddp run`: the script's
         device_type = "cuda" if backend == "nccl" else dist.device_type
-        if refused(dist, script_refusal(job is not None, check_ulfm() if job is not None else None, device_type,
-                                        backend), logging.WARNING):
+        ulfm = check_ulfm() if job is not None else None
+        if refused(dist, script_refusal(job is not None, ulfm, device_type, backend, nccl_abort_available(),
+                                        torch.__version__, os.environ), logging.WARNING):
             return None
         assert job is not None and job.dists[0] is dist
         policy = cls(job)  # init()'s placed Dist first, then the bootstrap's (the guard's and the exit handler's)
-        Engine.enable(job.dists, job.collective_timeout_s, min_world_size, policy)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        Engine.enable(job.dists, job.collective_timeout_s, min_world_size, policy, backend, device)
         return policy
 
     def run(self, train: Callable[[State], T], state: State) -> T:
@@ -261,6 +267,11 @@ class ScriptRecovery(Policy):
         change = MembershipChange(dist.rank, dist.world_size, before.world_size, failed,
                                   tuple(hosts_of(before, failed)), leader, phases)
         self.changes.append(change)
+        directory = self.records_dir()
+        if dist.is_main and directory is not None:  # under launch: it learns of the host lost, as the trainer's
+            recoveries.record(directory, {"time": time.time(), "cause": "process_failed", "ranks_lost": list(failed),
+                                          "hosts_lost": list(change.hosts_lost), "world_before": before.world_size,
+                                          "world_after": dist.world_size, "phases": phases})
         if dist.is_main:
             synced = "the same on every survivor" if leader is None else f"from rank {leader}"
             log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on (state %s; agree and shrink %.3f s, "
@@ -339,6 +350,12 @@ def _drop_old_wrappers() -> None:
                     "keep no other reference to the wrapper", len(left))
 
 
+def track_wrapper(ddp: Any) -> None:
+    """A torch DDP wrapper that must be gone when a recovery rebuilds the process group (see _drop_old_wrappers):
+    tracked, a recovery collects garbage only when one is left (a collection costs a tenth of a second or more)."""
+    _wrappers.append(weakref.ref(ddp))
+
+
 def watch_gradients(ddp: torch.nn.parallel.DistributedDataParallel,
                     compression: str = "none") -> torch.nn.parallel.DistributedDataParallel:
     """Collective-free: under in-job recovery, DDP's gradient all-reduce runs on the process group as DDP's own
@@ -353,7 +370,7 @@ def watch_gradients(ddp: torch.nn.parallel.DistributedDataParallel,
     members = _recovery.members if _recovery is not None else None
     if members is not None or compression != "none":
         register(ddp, compression, backend="gloo", members=members)
-    _wrappers.append(weakref.ref(ddp))
+    track_wrapper(ddp)
     return ddp
 
 

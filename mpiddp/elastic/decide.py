@@ -77,27 +77,35 @@ def job_refusal(device_type: str, backend: str, compression: str, can_abort_nccl
     reason = failure_refusal("train", True, device_type, compression)
     if reason is not None or device_type != "cuda" or backend != "nccl":
         return reason  # gloo over CUDA tensors takes the CPU path: the old gloo group is left, not aborted
+    return nccl_refusal(can_abort_nccl, torch_version, env)
+
+
+def nccl_refusal(can_abort_nccl: bool, torch_version: str, env: Mapping[str, str]) -> str | None:
+    """None when a NCCL process group can be aborted and rebuilt over the survivors, else one line why not."""
     if not can_abort_nccl:
         return (f"in-job recovery on GPUs needs torch.distributed's _abort_process_group (torch 2.5 or newer) to "
                 f"abort the NCCL communicator that waits on the dead rank; this is torch {torch_version}")
     handling = env.get(NCCL_ERRORS_ENV, "3")  # unset: torch's default, 3, ends the process
     if handling not in NCCL_ERRORS_QUIET:
         return (f"{NCCL_ERRORS_ENV}={handling} makes torch end a rank on a NCCL error, survivors included: set it "
-                "to 0 (mpiddp's trainer does when the user has not set it)")
+                "to 0 (mpiddp does before the process group starts when the user has not set it)")
     return None
 
 
-def script_refusal(own_job: bool, ulfm: str | None, device_type: str, backend: str) -> str | None:
-    """A script's (`mpiddp.run_recoverable`): None when its job can recover in the job, else one line why not."""
+def script_refusal(own_job: bool, ulfm: str | None, device_type: str, backend: str, can_abort_nccl: bool = False,
+                   torch_version: str = "", env: Mapping[str, str] | None = None) -> str | None:
+    """A script's (mpiddp's wrappers, `mpiddp.run_recoverable`): None when its job can recover in the job, else
+    one line why not. gloo on CPU, or NCCL on GPUs (`can_abort_nccl`, `env`: as nccl_refusal)."""
     if not own_job:
-        return ("in-job recovery for scripts needs a plain `mpirun --with-ft ulfm python script.py` (not `mpiddp "
-                "run`): a failure ends the job and `launch` relaunches it")
+        return ("in-job recovery for scripts needs mpiddp's job: `python -m mpiddp run` or `mpiddp.init()` under "
+                "`mpirun --with-ft ulfm`: a failure ends the job and `launch` relaunches it")
     if ulfm is not None:
         return ulfm
-    if device_type != "cpu":
-        return f"in-job recovery on {device_type} (NCCL) is not built yet: a failure ends the job"
-    if backend != "gloo":
-        return f"in-job recovery rebuilds a gloo process group, and this job's is {backend}: a failure ends the job"
+    if (device_type, backend) == ("cuda", "nccl"):
+        return nccl_refusal(can_abort_nccl, torch_version, env or {})
+    if (device_type, backend) != ("cpu", "gloo"):
+        return (f"in-job recovery rebuilds gloo on CPU or NCCL on GPUs, and this job runs {backend} on "
+                f"{device_type}: a failure ends the job")
     return None
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from mpiddp.elastic.api import ScriptRecovery, State, enabled
+from mpiddp.elastic.api import ScriptRecovery, State, enabled, track_wrapper
 from mpiddp.globalbatch import split
 from mpiddp.elastic.membership import MembersLost
 from mpiddp.job.collective import current
@@ -130,6 +130,7 @@ class DistributedDataParallel(nn.Module):
         ddp = nn.parallel.DistributedDataParallel(module, *self._args, **kwargs)
         if self.watch is not None:
             ddp.register_comm_hook(self.watch, _hook)
+            track_wrapper(ddp)  # released before a recovery: checked gone, collected only if it is not
         return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -231,6 +232,9 @@ class Optimizer:
         for wrapper, module in zip(wrappers, modules):
             wrapper.rewrap(module)
         self._started = time.time()
+        if tdist.get_rank() == 0:  # a local log line, no collective
+            log.warning("in-job recovery: the step a failed rank did not complete was skipped on every survivor "
+                        "(steps taken %d, skipped %d)", self.steps, self.skipped)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

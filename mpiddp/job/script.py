@@ -334,5 +334,5 @@ def in_job_recovery_line(ulfm: str | None) -> str:
     if ulfm is not None:
         return f"in-job recovery: off ({ulfm}); a failed rank ends the job (`mpiddp launch` relaunches it)"
     return ("in-job recovery: on for a script that uses mpiddp.DistributedDataParallel with mpiddp.Optimizer (or "
-            "mpiddp.run_recoverable): the survivors of a failed rank go on; a script without them keeps the "
-            "restart path (the job ends, `mpiddp launch` relaunches it)")
+            "mpiddp.run_recoverable): the survivors of a failed rank go on; a script without them keeps the restart "
+            "path (the job ends, `mpiddp launch` relaunches it)")

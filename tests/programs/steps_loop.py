@@ -1,7 +1,7 @@
 """A torchrun-style loop made recoverable with mpiddp's wrappers (the loop itself untouched), for the step-level
 in-job recovery tests, under `mpirun --with-ft ulfm ... python -m mpiddp run`.
 
-argv: OUT_DIR ITERATIONS [--accumulate K] [--kill RANK:ITERATION[:MICRO]] [--width N] [--plain]
+argv: OUT_DIR ITERATIONS [--accumulate K] [--kill RANK:ITERATION[:MICRO]] [--width N] [--plain] [--device cuda]
 The victim SIGKILLs itself in that iteration (and micro-batch), after its forward: its peers then wait for it in
 the gradient all-reduce (or, during accumulation, in the next one). Each rank appends to OUT_DIR/rank<R>.jsonl
 (R: its rank at start) one line per iteration, {iteration, rank, world, pid, steps, skipped, time}, the victim
@@ -29,13 +29,16 @@ parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--kill", default="")
 parser.add_argument("--width", type=int, default=64)
 parser.add_argument("--plain", action="store_true")
+parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 args = parser.parse_args()
 
-dist.init_process_group("gloo")
+if args.device == "cuda":
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
 start_rank = dist.get_rank()
 victim, at, micro_at = (list(map(int, args.kill.split(":"))) + [0])[:3] if args.kill else (-1, -1, 0)
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 4))
+model = nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 4)).to(args.device)
 if args.plain:
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -55,7 +58,7 @@ def note(**record):
 for iteration in range(args.iterations):
     optimizer.zero_grad()
     for micro in range(args.accumulate):
-        inputs = torch.randn(64, 32, generator=generator)
+        inputs = torch.randn(64, 32, generator=generator).to(args.device)
         last = micro == args.accumulate - 1
         if last:
             loss = ddp(inputs).pow(2).mean()
