@@ -210,7 +210,7 @@ def test_where_it_cannot_recover_the_function_runs_once_as_without_it(fresh, cap
     calls = []
     result = elastic.run_recoverable(lambda state: calls.append(state.step) or "done", State(step=7))
     assert (result, calls) == ("done", [7])
-    assert "in-job recovery for scripts needs a plain `mpirun --with-ft ulfm" in caplog.text
+    assert "in-job recovery for scripts needs mpiddp's job" in caplog.text
 
     class Work:
         waited = False

@@ -218,3 +218,18 @@ def test_a_host_launch_cannot_reach_is_said_in_one_line_and_the_jobs_fallback_st
     Ender(directory, ["agent"], said.append, run=lambda command: 255).once()
     assert said == ["ending hung rank 1 (pid 77) on nodeb for in-job recovery: agent nodeb kill -KILL 77 (exit "
                     "status 255: cannot end it through agent; the job's hang fallback ends the job)"]
+
+
+def test_the_daemons_of_a_launcher_that_died_by_a_signal_are_ended_on_the_other_hosts_only():
+    """Open MPI 5.0.11's mpirun crashing (SIGABRT) after a grow left a prted running on the spare: launch ends
+    that launcher's daemons, and only its own (prterun-LAUNCH_HOST-PID), through the agent."""
+    from mpiddp.launch.ender import daemon_end_commands, end_daemons
+
+    commands = daemon_end_commands(["ssh", "-x"], ["nodea", "nodeb", "nodeb", "noded", "localhost"],
+                                   "nodea.cluster", 4242)
+    assert [command[:3] for command in commands] == [["ssh", "-x", "nodeb"], ["ssh", "-x", "noded"]]
+    assert "pkill -KILL -f 'ess_base_nspace prterun-nodea[^ ]*-4242@'" in commands[0][3]
+    assert "^PMIX_NAMESPACE=prterun-nodea[^ ]*-4242@' $p/environ && kill -KILL" in commands[0][3]
+    ran: list[list[str]] = []
+    end_daemons(["agent"], ["nodeb", "nodec"], 7, run=lambda command: ran.append(command) or 0)
+    assert sorted(command[1] for command in ran) == ["nodeb", "nodec"]

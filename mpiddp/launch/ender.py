@@ -96,6 +96,31 @@ class Ender:
             self.say(said)
 
 
+def daemon_end_commands(agent: Sequence[str], hosts: Sequence[str], launch_host: str, launcher_pid: int) -> list[list[str]]:
+    """The commands that end, on each other host, what Open MPI's launcher `launcher_pid` started there: its
+    daemon (prted names the job `prterun-LAUNCH_HOST-PID@0` on its command line) and the ranks (theirs and the
+    spawned ones' PMIX_NAMESPACE). Run when that launcher died by a signal, whose daemons and ranks can outlive
+    it (seen: a prted and a grown rank on the spare after mpirun's SIGABRT past the job's end). Only that
+    launcher's processes match."""
+    job = f"prterun-{launch_host.split('.')[0]}[^ ]*-{launcher_pid}@"
+    script = (f"pkill -KILL -f 'ess_base_nspace {job}'; for p in /proc/[0-9]*; do "
+              f"grep -qszE '^PMIX_NAMESPACE={job}' $p/environ && kill -KILL ${{p#/proc/}}; done; true")
+    return [[*agent, host, script] for host in dict.fromkeys(hosts)
+            if host not in ("localhost", launch_host, launch_host.split(".")[0])]
+
+
+def end_daemons(agent: Sequence[str], hosts: Sequence[str], launcher_pid: int,
+                run: Callable[[list[str]], int] | None = None) -> None:
+    """End the daemons a dead launcher left on `hosts` (daemon_end_commands), all hosts at once; never raises."""
+    run = run or _run
+    threads = [threading.Thread(target=run, args=(command,), daemon=True)
+               for command in daemon_end_commands(agent, hosts, socket.gethostname(), launcher_pid)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(END_TIMEOUT_S + 1)
+
+
 def _run(command: list[str]) -> int:
     try:
         return subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -31,7 +31,7 @@ from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV,
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
-from mpiddp.launch.ender import Ender, host_agent
+from mpiddp.launch.ender import Ender, end_daemons, host_agent
 from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose, during_spawn
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
@@ -347,6 +347,8 @@ class Supervisor:
             os.kill(self.child.pid, self.child_stop)
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number), lambda: self._marked(attempt))
+        if self.plan.flavour == "openmpi" and (status < 0 or status > 128):  # died by a signal: its daemons may not
+            end_daemons(host_agent(self.plan.extra, self.env), [h.name for h in [*hosts, *spares]], self.child.pid)
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()

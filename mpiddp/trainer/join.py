@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, NoReturn
+from typing import Any
 
 from mpiddp.elastic import grow
 from mpiddp.elastic.decide import grow_record
@@ -20,18 +20,13 @@ from mpiddp.job.stopping import StopRequest
 log = logging.getLogger("mpiddp")
 
 
-def main(args: list[str], stop: StopRequest | None) -> NoReturn:
+def main(args: list[str], stop: StopRequest | None) -> int:
     """`python -m mpiddp` in a spawned rank: training's stop handlers, then join_main."""
-    from mpiddp.elastic.survivors import end_without_finalize
-
     stop = stop or StopRequest().install()
     try:
-        status = join_main(args, stop)
+        return join_main(args, stop)
     finally:
         stop.release()
-    # as a survivor ends: the job has failed members, and MPI_Finalize can wait for them (seen: a grown rank left
-    # running, with its host's daemon, after a launcher that crashed past the job's finished mark)
-    end_without_finalize(status)
 
 
 def join_main(args: list[str], stop: Any) -> int:
