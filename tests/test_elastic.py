@@ -270,3 +270,55 @@ def test_a_rank_that_follows_another_s_report_while_mpi_reports_failed_peers_lea
     assert _follows_first_report(guard)
     guard.dist = SimpleNamespace(rank=0, failed_ranks=lambda: ())
     assert not _follows_first_report(guard)  # no failed peer (no fault tolerance): every rank aborts, as before
+
+
+def test_survivors_at_the_same_step_whose_values_differ_take_the_values_only():
+    """A value only some ranks changed (a best loss rank 0 tracks) moves; the model and optimizer do not: survivors
+    that completed as many steps hold the same ones (DDP)."""
+    states = survivors(2)
+    states[0]._values["step"] = 99  # as a rank that changed a shared value alone, then committed
+    states[0].commit()
+    states[1].commit()
+    loaded = []
+    states[1].model.load_state_dict = lambda *a, **k: loaded.append("model")  # type: ignore[method-assign]
+    leaders, bcasts = run_sync(states)
+    assert leaders == [0, 0] and bcasts == 1
+    assert states[1].step == 99 and loaded == []
+
+
+def test_a_per_rank_value_stays_each_survivors_own_through_a_sync():
+    model, optimizer = model_and_optimizer(0)
+    ahead = State(model=model, optimizer=optimizer, step=0, cursor=10, per_rank=["cursor"])
+    model2, optimizer2 = model_and_optimizer(0)
+    behind = State(model=model2, optimizer=optimizer2, step=0, cursor=20, per_rank=["cursor"])
+    ahead.step += 1
+    ahead.commit()
+    assert ahead.digests().keys() == {"step"}  # per-rank values stay out of the comparison
+    leaders, _ = run_sync([ahead, behind])
+    assert leaders == [0, 0] and (behind.step, behind.cursor, ahead.cursor) == (1, 20, 10)
+
+
+def test_the_shared_values_that_differ_across_ranks_are_named():
+    assert elastic.diverging([{"step": "a", "best": "x"}, {"step": "a", "best": "y"}]) == ["best"]
+    assert elastic.diverging([{"step": "a"}, {"step": "a"}]) == []
+
+
+def test_the_check_runs_inside_the_first_commit_only():
+    model, optimizer = model_and_optimizer(0)
+    state = State(model=model, optimizer=optimizer, step=0)
+    seen = []
+    state.check_at_first_commit(lambda s: seen.append(s.commits))
+    state.commit()
+    state.commit()
+    assert seen == [1]
+
+
+@pytest.mark.parametrize("entries, says", [
+    ({"step": 0, "per_rank": ["cursor"]}, "'cursor' is not an entry"),
+    ({"optimizer": "model", "per_rank": ["model"]}, "only plain values can be per rank"),
+])
+def test_per_rank_names_plain_values_of_the_state(entries, says):
+    model, optimizer = model_and_optimizer(0)
+    objects = {"model": model, "optimizer": optimizer}
+    with pytest.raises(ValueError, match=says):
+        State(**{**objects, **{k: v for k, v in entries.items() if k not in objects and k != "optimizer"}})

@@ -167,3 +167,24 @@ def test_under_launch_a_script_that_opts_in_recovers_in_the_job(tmp_path):
     for rank in (0, 2):
         (final,) = [line for line in lines_of(out, rank) if line.get("done")]
         assert (final["steps"], final["skipped"]) == (ITERATIONS - 1, 1), final
+
+
+def test_a_state_value_that_differs_across_ranks_is_named_at_the_first_commit(tmp_path):
+    """Issue 34's nanoGPT finding: a value only rank 0 updates would be overwritten by a recovery: named once."""
+    script = tmp_path / "diverging.py"
+    script.write_text(
+        "import mpiddp\nfrom torch import nn\nimport torch\n"
+        "dist = mpiddp.init()\nmodel = nn.Linear(2, 2)\n"
+        "state = mpiddp.State(model=model, step=0, best=float(dist.rank), mine=dist.rank, per_rank=['mine'])\n"
+        "def train(state):\n    for _ in range(3):\n        state.step += 1\n        state.commit()\n"
+        "mpiddp.run_recoverable(train, state)\n")
+    env, mark = marked_env()
+    try:
+        job = subprocess.run([find_mpirun(), "--with-ft", "ulfm", "-np", "2", sys.executable, str(script)],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        assert_nothing_left(mark)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-3000:]
+    assert output.count("mpiddp.State: 'best' differs across ranks at the first commit") == 1, output[-3000:]
+    assert "'mine'" not in output and "'step'" not in output  # per-rank and equal values are not named

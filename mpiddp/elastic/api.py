@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mpiddp.elastic.decide import script_refusal
-from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, from_furthest, refused
+from mpiddp.elastic.decide import furthest, script_refusal
+from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, refused
 from mpiddp.elastic.membership import MembersLost, check_ulfm, nccl_abort_available
 from mpiddp.elastic.survivors import hosts_of
 from mpiddp import recoveries
@@ -78,7 +78,12 @@ class State:
     read and written as attributes (`state.epoch += 1`). Call `commit()` after each step's optimizer step and
     counter updates; nothing may communicate between the optimizer step and the commit."""
 
-    def __init__(self, **entries: Any) -> None:
+    def __init__(self, *, per_rank: tuple[str, ...] | list[str] = (), **entries: Any) -> None:
+        """`per_rank`: names of values meant to differ across ranks (a rank's own data position, say): a recovery
+        keeps each survivor's own, and the check at the first commit leaves them out."""
+        unknown = [name for name in per_rank if name not in entries]
+        if unknown:
+            raise ValueError(f"mpiddp.State(per_rank=...): {', '.join(map(repr, unknown))} is not an entry")
         objects, values = {}, {}
         for name, entry in entries.items():
             if name.startswith("_") or name in _RESERVED:
@@ -87,10 +92,14 @@ class State:
                 raise ValueError(f"mpiddp.State({name}=...): register the module itself (ddp.module), not its DDP "
                                  "wrapper: a recovery wraps it again over the survivors")
             (objects if _has_state(entry) else values)[name] = entry
+        if any(name in objects for name in per_rank):
+            raise ValueError("mpiddp.State(per_rank=...): only plain values can be per rank, not objects")
         object.__setattr__(self, "_objects", objects)
         object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_per_rank", frozenset(per_rank))
         object.__setattr__(self, "_committed", copy.deepcopy(values))
         object.__setattr__(self, "commits", 0)
+        object.__setattr__(self, "_first_commit", None)  # run_recoverable's check that shared values agree
 
     def __getattr__(self, name: str) -> Any:
         for table in (self.__dict__.get("_objects", {}), self.__dict__.get("_values", {})):
@@ -109,9 +118,23 @@ class State:
         return f"State(objects={sorted(self._objects)}, values={self._values}, commits={self.commits})"
 
     def commit(self) -> None:
-        """This rank completed a step: the values as they are now are what a recovery goes back to."""
+        """This rank completed a step: the values as they are now are what a recovery goes back to. Under in-job
+        recovery the first commit is collective: it compares the shared values across ranks (see `digests`)."""
         object.__setattr__(self, "_committed", copy.deepcopy(self._values))
         object.__setattr__(self, "commits", self.commits + 1)
+        check = self._first_commit
+        object.__setattr__(self, "_first_commit", None)
+        if check is not None:
+            check(self)
+
+    def check_at_first_commit(self, check: Callable[[State], None] | None) -> None:
+        """Collective-to-be (internal): `check(state)` runs inside the next first commit, on every rank."""
+        object.__setattr__(self, "_first_commit", check if self.commits == 0 else None)
+
+    def digests(self) -> dict[str, str]:
+        """A digest of each shared committed value (per-rank ones left out): equal on ranks that agree."""
+        return {name: hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest()
+                for name, value in self._committed.items() if name not in self._per_rank}
 
     # -- recovery's side (internal) --
 
@@ -121,17 +144,22 @@ class State:
         self._values.update(copy.deepcopy(self._committed))
 
     def position(self) -> tuple[int, str]:
-        """(commits, a digest of the committed values): survivors with equal positions hold the same state."""
-        return self.commits, hashlib.sha256(pickle.dumps(self._committed, protocol=4)).hexdigest()
+        """(commits, a digest of the shared committed values): survivors with equal positions hold the same state."""
+        return self.commits, hashlib.sha256(pickle.dumps(sorted(self.digests().items()), protocol=4)).hexdigest()
 
-    def payload(self) -> dict[str, Any]:
-        return {"objects": {name: entry.state_dict() for name, entry in self._objects.items()},
-                "values": self._committed, "commits": self.commits}
+    def payload(self, values_only: bool = False) -> dict[str, Any]:
+        """What the furthest survivor sends: the shared values, and the objects unless `values_only` (survivors
+        that completed as many steps hold the same objects: DDP keeps the replicas equal)."""
+        shared = {name: value for name, value in self._committed.items() if name not in self._per_rank}
+        objects = {} if values_only else {name: entry.state_dict() for name, entry in self._objects.items()}
+        return {"objects": objects, "values": shared, "commits": self.commits}
 
     def load(self, payload: dict[str, Any]) -> None:
         for name, entry in self._objects.items():
-            entry.load_state_dict(payload["objects"][name])
-        object.__setattr__(self, "_committed", copy.deepcopy(payload["values"]))
+            if name in payload["objects"]:
+                entry.load_state_dict(payload["objects"][name])
+        own = {name: value for name, value in self._committed.items() if name in self._per_rank}
+        object.__setattr__(self, "_committed", {**copy.deepcopy(payload["values"]), **own})
         object.__setattr__(self, "commits", payload["commits"])
         self.restore()
 
@@ -143,7 +171,14 @@ class State:
                 zero_grad(set_to_none=True)
 
 
-_RESERVED = {"commit", "commits", "restore", "position", "payload", "load", "drop_gradients"}
+_RESERVED = {"commit", "commits", "restore", "position", "payload", "load", "drop_gradients", "digests", "per_rank",
+             "check_at_first_commit"}
+
+
+def diverging(digests_per_rank: list[dict[str, str]]) -> list[str]:
+    """The shared State entries whose committed values differ across ranks (their digests), in entry order."""
+    names = list(dict.fromkeys(name for digests in digests_per_rank for name in digests))
+    return [name for name in names if len({digests.get(name) for digests in digests_per_rank}) > 1]
 
 
 def _has_state(entry: Any) -> bool:
@@ -158,7 +193,13 @@ def sync(state: State, comm: Comm) -> int | None:
     """Collective over the survivors: back to this rank's last commit, then every survivor takes the state of the
     furthest one when they differ. Returns that rank, or None."""
     state.restore()
-    leader = from_furthest(comm, state.position(), state.payload, state.load)
+    positions = comm.allgather(state.position())
+    leader = furthest(positions)
+    if leader is not None:
+        values_only = len({commits for commits, _ in positions}) == 1  # the same steps: only values moved apart
+        taken = comm.bcast(state.payload(values_only) if comm.rank == leader else None, root=leader)
+        if comm.rank != leader:
+            state.load(taken)
     state.drop_gradients()
     return leader
 
@@ -229,11 +270,25 @@ class ScriptRecovery(Policy):
 
     def run(self, train: Callable[[State], T], state: State) -> T:
         """Collective: `train(state)`, run again on the survivors after each recovery."""
+        state.check_at_first_commit(self._check_shared)
+
         def again() -> T:
             self.state, self.started = state, time.time()
             return train(state)
 
         return self.engine.run(again)
+
+    def _check_shared(self, state: State) -> None:
+        """Collective (the first commit): one line naming the shared values that differ across ranks, which a
+        recovery would overwrite from one survivor (a value only some ranks update, such as a best loss that only
+        rank 0 tracks), and what to do."""
+        dist = self.dists[0]
+        differ = diverging(dist.allgather(state.digests()))
+        if differ and dist.is_main:  # a local log line, after the collective
+            log.warning("mpiddp.State: %s differ%s across ranks at the first commit: a recovery would give every "
+                        "survivor one rank's value; make %s the same on every rank, or declare %s "
+                        "State(per_rank=[...])", ", ".join(map(repr, differ)), "s" if len(differ) == 1 else "",
+                        "it" if len(differ) == 1 else "them", "it" if len(differ) == 1 else "them")
 
     def recover(self, lost: MembersLost, state: State, waited_from: float) -> None:
         """Collective over the survivors: shrink, rebuild, sync the state, run the callbacks; NotRecovered (the job
