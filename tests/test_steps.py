@@ -69,3 +69,25 @@ def test_the_global_batch_is_split_over_the_ranks_there_are_now(solo_group):
     assert split_global_batch(12, 5) == (4, 3)  # the largest per-rank batch below 5 that divides
     with pytest.raises(ValueError, match="at least 1"):
         split_global_batch(0, 8)
+
+
+def test_schedulers_and_a_fused_optimizers_grad_scaler_see_the_optimizer_itself(solo_group):
+    """LR schedulers take the wrapper (a torch Optimizer to them); GradScaler's grad_scale and found_inf reach a
+    fused optimizer, so its updates are unscaled as without the wrapper."""
+    if not hasattr(torch.amp, "GradScaler") or "fused" not in torch.optim.SGD.__init__.__code__.co_varnames:
+        pytest.skip("this torch has no fused SGD or no device-generic GradScaler")
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        ddp = DistributedDataParallel(model)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+        optimizer = Optimizer(inner, ddp) if wrap else inner
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(ddp(torch.ones(3, 4)).pow(2).mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        results.append((model.weight.detach().clone(), inner.param_groups[0]["lr"]))
+    assert torch.allclose(results[0][0], results[1][0]) and results[0][1] == results[1][1] == 0.05

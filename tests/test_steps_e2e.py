@@ -46,12 +46,15 @@ def lines_of(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kill, accumulate", [("1:5", 1), ("0:5", 1), ("2:4:1", 3)],
-                         ids=["rank 1 mid-step", "rank 0 with the store", "during gradient accumulation"])
-def test_the_survivors_skip_the_failed_step_alike_and_finish_with_the_same_model(tmp_path, kill, accumulate):
+@pytest.mark.parametrize("kill, extra", [
+    ("1:5", ()), ("0:5", ()), ("2:4:1", ("--accumulate", "3")),
+    ("1:5", ("--second-model", "own-optimizer")), ("1:5", ("--second-model", "shared-optimizer"))],
+    ids=["rank 1 mid-step", "rank 0 with the store", "during gradient accumulation", "two models, two optimizers",
+         "two models, one optimizer"])
+def test_the_survivors_skip_the_failed_step_alike_and_finish_with_the_same_model(tmp_path, kill, extra):
     out = tmp_path / "out"
     out.mkdir()
-    job = run_job([str(PROGRAM), str(out), str(ITERATIONS), "--kill", kill, "--accumulate", str(accumulate)], tmp_path)
+    job = run_job([str(PROGRAM), str(out), str(ITERATIONS), "--kill", kill, *extra], tmp_path)
     output = job.stdout + job.stderr
     assert job.returncode == 0, output[-5000:]
     victim = int(kill.split(":")[0])

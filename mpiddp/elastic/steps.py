@@ -178,6 +178,8 @@ class DistributedDataParallel(nn.Module):
     def rewrap(self, module: nn.Module) -> None:
         """Collective over the survivors, once their process group is up: torch's wrapper again, over it."""
         self.ddp = self._wrap(module, replicas_agree=True)
+        if self.watch is not None:
+            self.watch.new_step()
 
 
 def _ddp_parameters() -> Any:
@@ -186,29 +188,81 @@ def _ddp_parameters() -> Any:
     return inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
 
 
-class Optimizer:
-    """`optimizer` (any torch optimizer, GradScaler and schedulers work with it as with the optimizer), whose
-    `step()` commits the step only when every rank completed it, and otherwise skips it on every survivor alike
-    and recovers in the job (see the module). `model`: the mpiddp.DistributedDataParallel it trains. Attributes
-    other than `step` are the optimizer's own. `steps` counts the steps taken, `skipped` the steps skipped."""
+_generation = 0  # recoveries this process went through: gradients from before the last one are stale
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: DistributedDataParallel) -> None:
+
+class Optimizer(torch.optim.Optimizer):
+    """`optimizer` (any torch optimizer) whose `step()` commits the step only when every rank completed it, and
+    otherwise skips it on every survivor alike and recovers in the job (see the module). `model`: the
+    mpiddp.DistributedDataParallel it trains (the wrappers whose parameters it holds are all watched). It is a
+    torch Optimizer to schedulers and GradScaler: `param_groups`, `state`, `defaults` and every other attribute,
+    read or written, are the optimizer's own. `steps` counts the steps taken, `skipped` the steps skipped."""
+
+    _OWN = frozenset({"optimizer", "model", "steps", "skipped", "_state", "_started", "_wrappers", "_generation"})
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DistributedDataParallel) -> None:  # noqa: D107
         if not isinstance(model, DistributedDataParallel):
             raise TypeError("mpiddp.Optimizer(optimizer, model): model must be an mpiddp.DistributedDataParallel "
                             f"(from mpiddp import DistributedDataParallel), not {type(model).__name__}")
+        # torch's Optimizer.__init__ is not called: the optimizer's own state is the one that counts
         self.optimizer, self.model = optimizer, model
         self.steps = self.skipped = 0
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        trained = [w for w in _live_wrappers() if any(id(p) in held for p in w.module.parameters())]
+        self._wrappers = [weakref.ref(w) for w in trained or [model]]
         self._state = State(model=model.module, optimizer=optimizer)
         self._started = time.time()
+        self._generation = _generation
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN or hasattr(type(self), name):
+            object.__setattr__(self, name, value)
+        else:  # GradScaler's grad_scale and found_inf for fused optimizers, a user's own attributes
+            setattr(self.optimizer, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._OWN or hasattr(type(self), name):
+            object.__delattr__(self, name)
+        else:
+            delattr(self.optimizer, name)
+
+    def __getattr__(self, name: str) -> Any:  # state, defaults, add_param_group, hooks ...
+        if name in self._OWN:
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """The optimizer's step, when every rank completed this step's backward; None when it was skipped."""
-        recovery, watch = self.model._recovery, self.model.watch
-        if recovery is None or watch is None:
+        recovery = self.model._recovery
+        wrappers = [w for ref in self._wrappers if (w := ref()) is not None and w.watch is not None]
+        if recovery is None or not wrappers:
             return self._take(*args, **kwargs)
-        lost = watch.settle()
+        if self._generation != _generation:  # its gradients were made before a recovery: on every survivor
+            self._generation = _generation
+            self._skip()
+            return None
+        lost = None
+        for wrapper in wrappers:
+            lost = wrapper.watch.settle() or lost
         completed = recovery.members.all_completed(lost is None)
-        watch.new_step()
+        for wrapper in wrappers:
+            wrapper.watch.new_step()
         if completed:
             return self._take(*args, **kwargs)
         self._skip_and_recover(recovery, lost)
@@ -221,16 +275,23 @@ class Optimizer:
         self._started = time.time()
         return result
 
+    def _skip(self) -> None:
+        self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _skip_and_recover(self, recovery: ScriptRecovery, lost: MembersLost | None) -> None:
         """Collective over the survivors: drop this step, shrink, rebuild every wrapper over the survivors."""
+        global _generation
         if lost is None:  # this rank completed the step; another did not (or failed since): the agreement said so
             lost = MembersLost(recovery.members.failed() or (), recovery.members.lost_at or time.time())
         self.skipped += 1
-        wrappers = [model for ref in _models if (model := ref()) is not None]
+        wrappers = list(_live_wrappers())
         modules = [wrapper.release() for wrapper in wrappers]
         recovery.recover(lost, self._state, self._started)  # syncs the state, drops the step's gradients
         for wrapper, module in zip(wrappers, modules):
             wrapper.rewrap(module)
+        _generation += 1
+        self._generation = _generation
         self._started = time.time()
         if tdist.get_rank() == 0:  # a local log line, no collective
             log.warning("in-job recovery: the step a failed rank did not complete was skipped on every survivor "
@@ -245,13 +306,21 @@ class Optimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def __getattr__(self, name: str) -> Any:  # param_groups, state, defaults, add_param_group ...
-        if name in ("optimizer", "model"):
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:  # the wrappers it watches are this process's: not pickled
+        return {name: value for name, value in self.__dict__.items() if name != "_wrappers"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _wrappers=[weakref.ref(self.model)])
 
     def __repr__(self) -> str:
         return f"mpiddp.Optimizer({self.optimizer!r}, steps={self.steps}, skipped={self.skipped})"
+
+
+def _live_wrappers() -> list[DistributedDataParallel]:
+    return [model for ref in _models if (model := ref()) is not None]
 
 
 def split_global_batch(global_batch: int, max_per_rank: int) -> tuple[int, int]:

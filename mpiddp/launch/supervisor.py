@@ -347,7 +347,7 @@ class Supervisor:
             os.kill(self.child.pid, self.child_stop)
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number), lambda: self._marked(attempt))
-        if self.plan.flavour == "openmpi" and (status < 0 or status > 128):  # died by a signal: its daemons may not
+        if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
             end_daemons(host_agent(self.plan.extra, self.env), [h.name for h in [*hosts, *spares]], self.child.pid)
         self.child = None
         attempt.status = 128 - status if status < 0 else status

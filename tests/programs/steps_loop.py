@@ -30,6 +30,8 @@ parser.add_argument("--kill", default="")
 parser.add_argument("--width", type=int, default=64)
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+parser.add_argument("--second-model", choices=["own-optimizer", "shared-optimizer"],
+                    help="a second wrapped model (a GAN's two, or one optimizer over both)")
 args = parser.parse_args()
 
 if args.device == "cuda":
@@ -46,6 +48,15 @@ if args.plain:
 else:
     ddp = mpiddp.DistributedDataParallel(model)
     optimizer = mpiddp.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), ddp)
+second = second_ddp = second_optimizer = None
+if args.second_model:
+    second = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)).to(args.device)
+    second_ddp = mpiddp.DistributedDataParallel(second)
+    if args.second_model == "shared-optimizer":
+        optimizer = mpiddp.Optimizer(torch.optim.SGD([*model.parameters(), *second.parameters()], lr=0.05,
+                                                     momentum=0.9), ddp)
+    else:
+        second_optimizer = mpiddp.Optimizer(torch.optim.SGD(second_ddp.parameters(), lr=0.05), second_ddp)
 generator = torch.Generator().manual_seed(start_rank)
 out = open(os.path.join(args.out_dir, f"rank{start_rank}.jsonl"), "a")
 
@@ -65,6 +76,8 @@ for iteration in range(args.iterations):
         else:
             with ddp.no_sync():
                 loss = ddp(inputs).pow(2).mean()
+        if second_ddp is not None:
+            loss = loss + second_ddp(inputs).pow(2).mean()
         if start_rank == victim and iteration == at and micro == micro_at:
             note(killed=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
@@ -74,6 +87,8 @@ for iteration in range(args.iterations):
             with ddp.no_sync():
                 loss.backward()
     optimizer.step()
+    if second_optimizer is not None:
+        second_optimizer.step()
     if args.plain:
         optimizer.steps += 1
     note(iteration=iteration, rank=dist.get_rank(), world=dist.get_world_size(), pid=os.getpid(),
@@ -81,5 +96,7 @@ for iteration in range(args.iterations):
 
 momentum = sum(float(state["momentum_buffer"].sum()) for state in optimizer.state.values())
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters()) + momentum
+if second is not None:
+    checksum += sum(float(p.detach().double().sum()) * 3 for p in second.parameters())
 note(done=True, iterations=args.iterations, steps=optimizer.steps, skipped=optimizer.skipped, checksum=checksum)
 dist.destroy_process_group()
