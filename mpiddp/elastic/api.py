@@ -19,9 +19,10 @@ gives every other survivor its objects and values when they differ (a collective
 gradients left by the interrupted step are dropped; the callbacks registered with `on_membership_change` run; then
 `train(state)` runs again. Nothing is read from disk; at most the interrupted step is lost.
 
-Where it cannot work (no ULFM: MPICH, mpirun without `--with-ft ulfm`, srun; `mpiddp run`; GPUs until the NCCL
-path exists; fewer survivors than the job needs; a second failure while recovering) one line says why and a
-failure ends the job as it does without it (`launch` relaunches it).
+Where it cannot work (no ULFM: MPICH, mpirun without `--with-ft ulfm`, srun; a backend other than gloo on CPU or
+NCCL on GPUs; NCCL where torch cannot abort it or would end the survivors; fewer survivors than the job needs; a
+second failure while recovering) one line says why and a failure ends the job as it does without it (`launch`
+relaunches it). A torchrun-style loop can keep its shape instead: mpiddp.elastic.steps.
 """
 
 from __future__ import annotations

@@ -267,7 +267,8 @@ def tier(kit: Kit) -> dict[str, Any]:
     result = {"pytest_status": status, "counts": counts, "tests": tests}
     if status not in (0, 5) or counts["failed"] or counts["error"]:
         kit.record["parts"]["tier"] = result  # kept beside the failure
-        raise Failed(f"pytest status {status}: {counts['failed']} failed, {counts['error']} errors (tier.log)"
+        said = "" if tests else f": {first_error((kit.out / 'tier.log').read_text(errors='replace'))}"  # never started
+        raise Failed(f"pytest status {status}: {counts['failed']} failed, {counts['error']} errors (tier.log){said}"
                      + "".join(f"; {name}: {t['message']}" for name, t in tests.items() if t["outcome"] in ("failed", "error")))
     if kit.gpus == 0:
         raise Skipped(f"no CUDA GPU visible to torch: pytest ran and skipped all {counts['skipped']} tests")
@@ -319,6 +320,12 @@ def run_trainer(kit: Kit, flags: list[str], mpirun_args: tuple[str, ...] = ()) -
             "launch_to_first_step_s": summary["first_step_done_at"] - launched,
             "startup_s": {phase: entry["seconds"] for phase, entry in summary["startup_s"].items()},
             "recovery_armed": RECOVERY_ARMED in output, "output_tail": output.strip().splitlines()[-3:]}
+
+
+def first_error(output: str) -> str:
+    """pytest's own complaint when it did not start (an ERROR line), else the output's last line."""
+    errors = [line for line in output.splitlines() if line.startswith("ERROR")]
+    return errors[0][:300] if errors else last_line(output)
 
 
 def last_line(output: str) -> str:
