@@ -325,7 +325,7 @@ def run_trainer(kit: Kit, flags: list[str], mpirun_args: tuple[str, ...] = ()) -
 def first_error(output: str) -> str:
     """pytest's own complaint when it did not start (an ERROR line), else the output's last line."""
     errors = [line for line in output.splitlines() if line.startswith("ERROR")]
-    return errors[0][:300] if errors else last_line(output)
+    return errors[-1][:300] if errors else last_line(output)
 
 
 def last_line(output: str) -> str:
