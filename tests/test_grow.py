@@ -102,3 +102,48 @@ def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatc
         reason, ranks = said.pop()
         assert reason.startswith("a new rank failed while joining on noded (") and ranks == (2,), reason
         assert "\n" not in reason and recovery.records == []
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkeypatch, backend):
+    """The survivors adopt the merged job on their own backend: a new rank on gloo beside NCCL survivors would
+    never meet them (it did: the joining side always built gloo on the CPU)."""
+    import torch
+
+    from mpiddp.elastic import grow
+    from mpiddp.elastic.survivors import topology_over
+
+    template = topology_over(SimpleNamespace(mpi_library="openmpi", mpi_settings={}, restarts=0, failure_file="",
+                                             launch_id="", launch_run_dir="", job_record=""), ["a", "b"], 0)
+    hello = {"topology": template, "backend": backend, "interface_per_host": {}, "collective_timeout_s": 60.0}
+
+    class Merged:
+        def bcast(self, value, root):
+            return hello
+
+        def allgather(self, value):
+            return ["a", "b", value]
+
+        def Get_rank(self):
+            return 2
+
+    built = []
+
+    class Members:
+        def __init__(self, comm, timeout, backend="gloo", device=None):
+            built.append((backend, device))
+
+        def start_process_group(self):
+            pass
+
+    monkeypatch.setattr(grow.mpigrow, "merge_with_parent", Merged)
+    monkeypatch.setattr(grow, "Membership", Members)
+    monkeypatch.setattr(grow, "own_host", lambda: "c")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as far as the binding asks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    joined = grow.join()
+    expected = torch.device("cuda", 0) if backend == "nccl" else None
+    assert built == [(backend, expected)]
+    assert joined.device == (expected or torch.device("cpu"))
+    assert (joined.topology.rank, joined.topology.world_size, joined.added[0]) == (2, 3, [2])

@@ -174,6 +174,7 @@ class Joining:
     members: Membership
     hello: dict[str, Any]  # rank 0's: topology, backend, initial_world, interface_per_host, min_size, timeout
     topology: Any  # this rank's in the grown job
+    device: Any  # this rank's torch.device: its GPU where the job runs on NCCL, as the survivors' bootstrap chose
     added: tuple[list[int], list[str], int, int]  # (new ranks, their hosts, world before, world after)
     phases: dict[str, float | None]
 
@@ -185,19 +186,36 @@ def joining() -> bool:
 
 def join() -> Joining:
     """Collective over the merged job: the new rank's half of GrowBack._join up to the state (hello, the
-    process group, the topology)."""
+    process group on the survivors' backend, the topology)."""
     merged = mpigrow.merge_with_parent()
     hello = merged.bcast(None, root=0)
     hostnames = merged.allgather(own_host())
     point_gloo_at(hello["interface_per_host"], hello["topology"].hostname)
+    topology = topology_over(hello["topology"], hostnames, merged.Get_rank())
+    device = joining_device(hello["backend"], topology)
     started = time.monotonic()
-    members = Membership(merged, hello["collective_timeout_s"])
+    # the survivors adopt the merged job on their own backend (Membership.adopt): NCCL on GPUs, so must this rank
+    members = Membership(merged, hello["collective_timeout_s"], backend=hello["backend"],
+                         device=device if device.type == "cuda" else None)
     members.start_process_group()
     phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
-    topology = topology_over(hello["topology"], hostnames, members.comm.Get_rank())
     before = hello["topology"].world_size
     added = (list(range(before, len(hostnames))), list(hostnames[before:]), before, len(hostnames))
-    return Joining(members, hello, topology, added, phases)
+    return Joining(members, hello, topology, device, added, phases)
+
+
+def joining_device(backend: str, topology: Any) -> Any:
+    """The new rank's device, bound as the bootstrap binds a rank's (cuda:<local rank>, or cuda:0 where it sees
+    one GPU) when the job runs on NCCL; the CPU otherwise."""
+    import torch
+
+    from mpiddp.job.bootstrap import choose_device
+    from mpiddp.job.flags import DistSettings
+
+    device_type, _, index = choose_device(DistSettings("cuda" if backend == "nccl" else "cpu", backend), topology)
+    if index is not None:
+        torch.cuda.set_device(index)
+    return torch.device(device_type, index)
 
 
 def receive(joining: Joining) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class Joined:
         joining = grow.join()
         joined = cls()
         joined.members, joined.hello, joined.added = joining.members, joining.hello, joining.added
+        joined.device = joining.device
         joined.prepare(args, joining.topology)
         payload = grow.receive(joining)
         joined.build(payload, joining.phases)
@@ -78,7 +79,8 @@ class Joined:
         address, port = members.endpoint or ("", 0)
         rendezvous = Rendezvous(address, port, hello["interface_per_host"], SimpleNamespace(store=members.store))
         threads = set_threads(self.cfg.dist, topology)
-        self.dist = Dist(topology, MpiTransport(members.comm), "cpu", None, hello["backend"], rendezvous, threads)
+        self.dist = Dist(topology, MpiTransport(members.comm), self.device.type, self.device.index, hello["backend"],
+                         rendezvous, threads)
         export_environment(topology, address, port)
         log.warning("grow: this process (pid %d) joins as rank %d of %d", os.getpid(), topology.rank, topology.world_size)
         self.datasets = load_datasets(self.cfg, lambda channels: input_channels(self.cfg.data.model_name, channels))
