@@ -88,20 +88,22 @@ def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatc
         raise RuntimeError("fell back")
 
     dist = SimpleNamespace(world_size=2, is_main=True, topology=SimpleNamespace(failure_file=""))
+    grown = []
     recovery = SimpleNamespace(members=SimpleNamespace(_mpi=SimpleNamespace(Exception=MpiError), comm=None),
-                               dists=[dist], parts=SimpleNamespace(state=SimpleNamespace(step=7), run_dir=None,
-                                                                   watchdog=SimpleNamespace(suspend=lambda: None)),
-                               records=[], fall_back=fall_back)
-    monkeypatch.setattr(trainer_grow.mpigrow, "spawn_and_merge", lambda comm, plan: (object(), {"spawn": 0.1}))
+                               dists=[dist], steps_done=lambda: 7, records_dir=lambda: None,
+                               pause_watch=lambda: None, follow_watch=lambda dist: None,
+                               spawn_command=lambda: ["python"], grown=lambda *args: grown.append(args),
+                               fall_back=fall_back)
+    monkeypatch.setattr(trainer_grow.mpigrow, "spawn_and_merge", lambda comm, plan, command: (object(), {"spawn": 0.1}))
     for error in (MpiError("MPI_ERR_PROC_FAILED: Process Failure"), pickle.UnpicklingError("invalid load key")):
         def join(*args, error=error):
             raise error
         monkeypatch.setattr(GrowBack, "_join", staticmethod(join))
         with pytest.raises(RuntimeError, match="fell back"):
-            GrowBack([("noded", 1)]).grow(recovery, GrowPlan(("noded",)), Resplit(16, 1, 5), cfg=None)
+            GrowBack([("noded", 1)]).grow(recovery, GrowPlan(("noded",)), Resplit(16, 1, 5))
         reason, ranks = said.pop()
         assert reason.startswith("a new rank failed while joining on noded (") and ranks == (2,), reason
-        assert "\n" not in reason and recovery.records == []
+        assert "\n" not in reason and grown == []
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,16 +39,17 @@ class Script:
     """`mpirun [--with-ft ulfm] -np 3` of the example script on the three hosts, started on nodea."""
 
     def __init__(self, hosts: FakeHosts, tmp_path: Path, victim: int, ft: bool = True, where: str = "step",
-                 **env_extra: str) -> None:
+                 command: Callable[[Path], list[str]] | None = None, **env_extra: str) -> None:
+        """`command(out)`: another command line (tests/test_script_grow_e2e.py)."""
         self.out, self.log = tmp_path / "out", tmp_path / "job.log"
         self.out.mkdir()
         env, self.mark = marked_env(PYTHONPATH=str(REPO), **env_extra)
         env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
-        command = [find_mpirun(), *hosts.openmpi_args(), *(["--with-ft", "ulfm"] if ft else []), "-np", "3",
-                   "-H", HOSTS, sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP),
-                   where]
+        command_line = command(self.out) if command is not None else [
+            find_mpirun(), *hosts.openmpi_args(), *(["--with-ft", "ulfm"] if ft else []), "-np", "3", "-H", HOSTS,
+            sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP), where]
         with self.log.open("w") as out:
-            self.process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env,
+            self.process = subprocess.Popen(hosts.command_on("nodea", command_line), cwd=REPO, env=env,
                                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
@@ -101,7 +103,7 @@ def test_a_script_killed_once_finishes_on_the_survivors_with_the_same_model(host
         (change,) = final["changes"]
         assert (change["world_before"], change["world_size"], change["ranks_lost"], change["hosts_lost"]) == \
             (3, 2, [victim], [host]), change
-        assert set(change["phases"]) == {"detect", "agree_and_shrink", "process_group", "state"}, change
+        assert set(change["phases"]) == {"detect", "agree_and_shrink", "process_group", "state", "first_step"}, change
         assert all(isinstance(value, float) and value >= 0 for value in change["phases"].values()), change
     assert len({final["digest"] for final in finals.values()}) == 1, finals  # the same model on every survivor
     assert f"ranks [{victim}] on {host} failed; 2 ranks go on" in output, output[-5000:]

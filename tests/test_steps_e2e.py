@@ -31,8 +31,9 @@ def ulfm():
         pytest.skip(missing)
 
 
-def run_job(args: list[str], tmp_path: Path, ft: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
-    env, mark = marked_env()
+def run_job(args: list[str], tmp_path: Path, ft: bool = True, timeout: float = 240,
+            **env_extra: str) -> subprocess.CompletedProcess:
+    env, mark = marked_env(**env_extra)
     command = [find_mpirun(), *(["--with-ft", "ulfm"] if ft else []), "-np", str(RANKS), sys.executable, "-m",
                "mpiddp", "run", *args]
     try:
@@ -54,7 +55,9 @@ def lines_of(out: Path, rank: int) -> list[dict]:
 def test_the_survivors_skip_the_failed_step_alike_and_finish_with_the_same_model(tmp_path, kill, extra):
     out = tmp_path / "out"
     out.mkdir()
-    job = run_job([str(PROGRAM), str(out), str(ITERATIONS), "--kill", kill, *extra], tmp_path)
+    # a spare named: the loop's position is its own, so the job says once why it does not grow back
+    job = run_job([str(PROGRAM), str(out), str(ITERATIONS), "--kill", kill, *extra], tmp_path,
+                  MPIDDP_SPARE_HOSTS="sparehost")
     output = job.stdout + job.stderr
     assert job.returncode == 0, output[-5000:]
     victim = int(kill.split(":")[0])
@@ -75,6 +78,8 @@ def test_the_survivors_skip_the_failed_step_alike_and_finish_with_the_same_model
                      r"survivor", output), output[-3000:]
     assert "in-job recovery: on for a script that uses mpiddp.DistributedDataParallel" in output
     assert output.count("in-job recovery: on for a script") == 1  # said once, by rank 0
+    assert output.count("not growing back: a loop under mpiddp.Optimizer keeps its position in its own "
+                        "variables") == 1, output[-3000:]
 
 
 def test_without_fault_tolerance_the_wrappers_say_why_and_a_kill_ends_the_job(tmp_path):

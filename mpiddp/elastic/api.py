@@ -28,6 +28,7 @@ relaunches it). A torchrun-style loop can keep its shape instead: mpiddp.elastic
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -40,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mpiddp.elastic.decide import furthest, script_refusal
+from mpiddp.elastic.decide import furthest, grow_record, script_refusal
 from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, refused
+from mpiddp.elastic.grow import GrowBack, say_grown
 from mpiddp.elastic.membership import MembersLost, check_ulfm, nccl_abort_available
 from mpiddp.elastic.survivors import hosts_of
 from mpiddp import recoveries
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     import torch
 
     from mpiddp.job.failfast import FailFast
+    from mpiddp.elastic.grow import Joining
     from mpiddp.job.finishwatch import FinishWatch
     from mpiddp.job.topology import Topology
 
@@ -71,6 +74,12 @@ class MembershipChange:
     hosts_lost: tuple[str, ...]
     synced_from: int | None  # the new rank whose state the others took, None when every survivor held the same
     phases: dict[str, float] = field(default_factory=dict)  # seconds: detect, agree_and_shrink, process_group, state
+    ranks_added: tuple[int, ...] = ()  # a grow: the new ranks (the last ones), on these hosts
+    hosts_added: tuple[str, ...] = ()
+
+    @property
+    def grew(self) -> bool:
+        return bool(self.ranks_added)
 
 
 class State:
@@ -101,6 +110,7 @@ class State:
         object.__setattr__(self, "_committed", copy.deepcopy(values))
         object.__setattr__(self, "commits", 0)
         object.__setattr__(self, "_first_commit", None)  # run_recoverable's check that shared values agree
+        object.__setattr__(self, "_after_commit", None)  # run_recoverable's step boundary (growing back)
 
     def __getattr__(self, name: str) -> Any:
         for table in (self.__dict__.get("_objects", {}), self.__dict__.get("_values", {})):
@@ -127,10 +137,16 @@ class State:
         object.__setattr__(self, "_first_commit", None)
         if check is not None:
             check(self)
+        if self._after_commit is not None:
+            self._after_commit(self)
 
     def check_at_first_commit(self, check: Callable[[State], None] | None) -> None:
         """Collective-to-be (internal): `check(state)` runs inside the next first commit, on every rank."""
         object.__setattr__(self, "_first_commit", check if self.commits == 0 else None)
+
+    def at_each_commit(self, boundary: Callable[[State], None] | None) -> None:
+        """Collective-to-be (internal): `boundary(state)` runs at the end of every commit, on every rank."""
+        object.__setattr__(self, "_after_commit", boundary)
 
     def digests(self) -> dict[str, str]:
         """A digest of each shared committed value (per-rank ones left out): equal on ranks that agree."""
@@ -173,7 +189,7 @@ class State:
 
 
 _RESERVED = {"commit", "commits", "restore", "position", "payload", "load", "drop_gradients", "digests", "per_rank",
-             "check_at_first_commit"}
+             "check_at_first_commit", "at_each_commit"}
 
 
 def diverging(digests_per_rank: list[dict[str, str]]) -> list[str]:
@@ -226,6 +242,8 @@ class OwnJob:
     guard: FailFast | None
     watch: FinishWatch | None
     collective_timeout_s: float
+    command: list[str]  # what started this process (`python -m mpiddp run ...`, `python train.py ...`): a grow's
+    joining: Joining | None = None  # this process was spawned by a grow and joined the job (mpiddp.elastic.grow)
 
 
 _own: OwnJob | None = None  # None under `mpiddp run` (its runner owns the job) or before init
@@ -235,6 +253,14 @@ def adopt(job: OwnJob | None) -> None:
     """`mpiddp.init()` hands over the job it bootstrapped itself (internal)."""
     global _own
     _own = job
+
+
+def hold(dist: Dist) -> None:
+    """`mpiddp.init()` under `mpiddp run` (internal): the Dist it returns to the script, placed on the runner's
+    job, is the one a recovery rebinds first (the script's `dist.rank` follows the survivors)."""
+    global _own
+    assert _own is not None, "mpiddp run adopts its job before the script runs"
+    _own = dataclasses.replace(_own, dists=[dist, *_own.dists])
 
 
 class ScriptRecovery(Policy):
@@ -250,6 +276,9 @@ class ScriptRecovery(Policy):
         self.changes: list[MembershipChange] = []
         self.state: State | None = None  # what the recovery under way syncs
         self.started = 0.0  # time.time() when the failed call of the training function began
+        self.grower = GrowBack.from_env()  # back to full size after a recovery, at a commit
+        self.regrowable = False  # run_recoverable's State holds the position new ranks start from
+        self._changed_at: float | None = None  # monotonic end of the last change of size, until the next commit
 
     @classmethod
     def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
@@ -259,6 +288,8 @@ class ScriptRecovery(Policy):
 
         backend = dist.backend if dist.backend != "none" else _process_group_backend()  # `mpiddp run`: the script's
         device_type = "cuda" if backend == "nccl" else dist.device_type
+        if job is not None and job.joining is not None:  # spawned by a grow: the survivors decided, and are on
+            return cls.joined(job)
         ulfm = check_ulfm() if job is not None else None
         if refused(dist, script_refusal(job is not None, ulfm, device_type, backend, nccl_abort_available(),
                                         torch.__version__, os.environ), logging.WARNING):
@@ -269,9 +300,22 @@ class ScriptRecovery(Policy):
         Engine.enable(job.dists, job.collective_timeout_s, min_world_size, policy, backend, device)
         return policy
 
+    @classmethod
+    def joined(cls, job: OwnJob) -> ScriptRecovery:
+        """The policy of a rank that joined a grown job: the engine over the merged job; the state comes in `run`."""
+        assert job.joining is not None
+        policy = cls(job)
+        engine = Engine(job.joining.members, job.dists, job.joining.hello["min_size"], policy)
+        engine.initial_world = job.joining.hello["initial_world"]
+        return policy
+
     def run(self, train: Callable[[State], T], state: State) -> T:
-        """Collective: `train(state)`, run again on the survivors after each recovery."""
+        """Collective: `train(state)`, run again on the survivors after each recovery and after each grow."""
+        if self.job.joining is not None:
+            self._take_joined_state(state)
         state.check_at_first_commit(self._check_shared)
+        state.at_each_commit(self.at_commit)
+        self.regrowable = True
 
         def again() -> T:
             self.state, self.started = state, time.time()
@@ -290,6 +334,39 @@ class ScriptRecovery(Policy):
                         "survivor one rank's value; make %s the same on every rank, or declare %s "
                         "State(per_rank=[...])", ", ".join(map(repr, differ)), "s" if len(differ) == 1 else "",
                         "it" if len(differ) == 1 else "them", "it" if len(differ) == 1 else "them")
+
+    def at_commit(self, state: State) -> None:
+        """Collective, at each commit (a step boundary): the first step after a change of size ends its
+        `first_step` phase; afterwards, grow back when due (Regrown: new ranks joined, `train` runs again)."""
+        if self._changed_at is not None:
+            if self.changes:
+                self.changes[-1].phases["first_step"] = time.monotonic() - self._changed_at
+            self._changed_at = None
+            return
+        self.state = state
+        self.grower.at_boundary(self)
+
+    def _take_joined_state(self, state: State) -> None:
+        """Collective over the merged job (a new rank's half of GrowBack._join): the state a survivor handed over,
+        then the callbacks, as on the survivors."""
+        from mpiddp.elastic.grow import receive
+
+        joining = self.job.joining
+        assert joining is not None
+        payload = receive(joining)
+        state.load(payload["state"])
+        state.drop_gradients()
+        self.job = dataclasses.replace(self.job, joining=None)
+        ranks, hosts, before, _ = joining.added
+        record = grow_record(state.commits, ranks, hosts, before, self.dists[0].world_size, joining.phases)
+        self._changed(MembershipChange(self.dists[0].rank, self.dists[0].world_size, before, (), (), 0,
+                                       record["phases"], tuple(ranks), tuple(hosts)))
+
+    def _changed(self, change: MembershipChange) -> None:
+        self.changes.append(change)
+        self._changed_at = time.monotonic()
+        for callback in _callbacks:
+            callback(change)
 
     def recover(self, lost: MembersLost, state: State, waited_from: float) -> None:
         """Collective over the survivors: shrink, rebuild, sync the state, run the callbacks; NotRecovered (the job
@@ -322,7 +399,6 @@ class ScriptRecovery(Policy):
         dist = self.dists[0]
         change = MembershipChange(dist.rank, dist.world_size, before.world_size, failed,
                                   tuple(hosts_of(before, failed)), leader, phases)
-        self.changes.append(change)
         directory = self.records_dir()
         if dist.is_main and directory is not None:  # under launch: it learns of the host lost, as the trainer's
             recoveries.record(directory, {"time": time.time(), "cause": "process_failed", "ranks_lost": list(failed),
@@ -334,9 +410,57 @@ class ScriptRecovery(Policy):
                         "process group %.3f s, state sync %.3f s)", list(failed), ", ".join(change.hosts_lost),
                         change.world_size, synced, phases["agree_and_shrink"], phases["process_group"],
                         phases["state"])
-        self.engine.say_reduced(len(self.changes) == 1)
-        for callback in _callbacks:
-            callback(change)
+        self.engine.say_reduced(len(self.changes) == 0)
+        if not self.regrowable and self.grower.offered:
+            self.grower.stop_growing(dist, "a loop under mpiddp.Optimizer keeps its position in its own variables, "
+                                     "where new ranks cannot start from: growing back needs mpiddp.run_recoverable "
+                                     "(its State holds the position)")
+        self._changed(change)
+
+    # -- growing back (mpiddp.elastic.grow): the survivors' side, at a commit --
+
+    @property
+    def stepped_since_change(self) -> bool:
+        return self._changed_at is None
+
+    def steps_done(self) -> int:
+        return self.state.commits if self.state is not None else 0
+
+    @staticmethod
+    def grow_split(world: int, grown: int) -> int:
+        """A script re-splits its batch itself (`split_global_batch` in an on_membership_change callback): the
+        grow goes ahead at any commit."""
+        return grown
+
+    def spawn_command(self) -> list[str]:
+        return self.job.command
+
+    def pause_watch(self) -> None:
+        pass
+
+    def follow_watch(self, dist: Dist) -> None:
+        self.after_rebind(dist)
+
+    def handover(self, split: int) -> dict[str, Any]:
+        assert self.state is not None
+        return {"state": self.state.payload()}
+
+    def rewrap_grown(self, split: int, dist: Dist) -> None:
+        assert self.state is not None
+        self.state.drop_gradients()  # the script wraps its model again when `train` runs again
+
+    def grown(self, record: dict[str, Any], split: int) -> None:
+        """The grow on record (the failures directory, on rank 0), said, and handed to the callbacks."""
+        dist, directory = self.dists[0], self.records_dir()
+        if dist.is_main and directory is not None:
+            recoveries.record(directory, {"time": time.time(), **record})
+        say_grown(dist, self.engine.initial_world, record, "(the script re-splits in its on_membership_change "
+                  "callbacks)")
+        self._changed(MembershipChange(dist.rank, dist.world_size, record["world_before"], (), (), 0,
+                                       record["phases"], tuple(record["ranks_added"]), tuple(record["hosts_added"])))
+
+    def regrown(self) -> None:
+        _drop_old_wrappers()  # the wrapper of the call that grew is gone with its frames
 
 
 def _process_group_backend() -> str:

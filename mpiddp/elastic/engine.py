@@ -99,6 +99,9 @@ class Policy:
     def after_rebind(self, dist: Dist) -> None:  # follow the survivors before the state moves (a finish watch)
         pass
 
+    def regrown(self) -> None:  # new ranks joined (mpiddp.elastic.grow): before the body runs again
+        pass
+
     # collective: the state from the furthest survivor, wrapped again: (its phase's name, what settle gets)
     def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, Any]: ...
     # the recovery into the policy's records, and its lines
@@ -106,6 +109,10 @@ class Policy:
 
     def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
         self.engine.fall_back(reason, ranks)
+
+    def bind(self, topology: Topology, verb: str = "goes on") -> None:
+        """Every holder of the job's Dist now sees `topology` (after a grow: mpiddp.elastic.grow)."""
+        bind_topology(self.dists, self.members, topology, self.guard, self.log_level, verb)
 
 
 class Engine:
@@ -141,17 +148,22 @@ class Engine:
     def run(self, body: Callable[[], T]) -> T:
         """Collective: `body()`, run again on the survivors after each recovery (and after a grow: Regrown)."""
         while True:
+            lost: MembersLost | None = None
             try:
                 return body()
             except Regrown:  # new ranks joined at a step boundary: the same body goes on with the new split
-                continue
+                pass
             except Exception as exc:
                 lost = members_lost(self.members, exc)
                 if lost is None:
                     raise
                 # not the raised one: its traceback holds the failed call's frames, and with them its DDP wrapper
                 lost = MembersLost(lost.ranks, lost.detected_at)
-            self.recover(lost)
+            # out of the except block: the exception and the frames of the body it ended are gone
+            if lost is None:
+                self.policy.regrown()
+            else:
+                self.recover(lost)
 
     def recover(self, lost: MembersLost) -> None:
         """Collective over the survivors: shrink, rebuild, the policy's resume and settle; NotRecovered (the job

@@ -35,7 +35,7 @@ from typing import Any
 
 from mpiddp import failure
 from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: spawn, merge, the parent
-from mpiddp.elastic.decide import GrowPlan, Resplit, grow_due, grow_record, plan_growth, spare_hosts_in, split_for_growth
+from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, spare_hosts_in
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
 from mpiddp.elastic.survivors import topology_over
 
@@ -49,10 +49,10 @@ class Regrown(Exception):
 # ---- the survivors' side -------------------------------------------------------------------------------------------
 
 class GrowBack:
-    """The survivors' side: when to grow, and the grow itself (collective over the survivors). `recovery` is the
-    trainer's elastic policy bound to its engine (mpiddp.elastic.engine): its engine, members, dists, parts (state,
-    watchdog, run_dir), records, and the public steps a grow shares with a recovery (bind, rewrap, handover,
-    fall_back)."""
+    """The survivors' side: when to grow, and the grow itself (collective over the survivors). `recovery` is a
+    user's elastic policy bound to its engine (mpiddp.elastic.engine.Policy: the trainer's or a script's): its
+    engine, members and dists, and the steps a grow asks of it (grow_split, spawn_command, pause_watch,
+    follow_watch, handover, bind, rewrap_grown, grown, fall_back)."""
 
     def __init__(self, spares: list[tuple[str, int]], off: str | None = None) -> None:
         self.spares = spares
@@ -66,7 +66,7 @@ class GrowBack:
 
     def at_boundary(self, recovery: Any) -> None:
         """Collective, at each training step's boundary: grow when due; Regrown when new ranks joined."""
-        dist, parts = recovery.dists[0], recovery.parts
+        dist = recovery.dists[0]
         if not grow_due(recovery.stepped_since_change, dist.world_size, recovery.engine.initial_world, self.said_off):
             return
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
@@ -75,63 +75,65 @@ class GrowBack:
         decision = dist.transport.bcast(decision if dist.is_main else None)  # rank 0 decides
         if isinstance(decision, str):
             return self.stop_growing(dist, decision)
-        cfg = recovery.cfg or parts.cfg
-        split, never = split_for_growth(cfg, parts.cfg, dist.world_size, dist.world_size + decision.count, parts.state.batches_done)
-        if never is not None:
-            return self.stop_growing(dist, f"{never}: the job cannot keep its global batch on {dist.world_size + decision.count} ranks")
-        if split is None:  # the position does not fall on the new batch: at the next epoch's start it does
+        split = recovery.grow_split(dist.world_size, dist.world_size + decision.count)
+        if isinstance(split, str):
+            return self.stop_growing(dist, split)
+        if split is None:  # not at this position (the trainer's: at the next epoch's start it is)
             return
-        if self.grow(recovery, decision, split, cfg):
+        if self.grow(recovery, decision, split):
             raise Regrown()
 
     @property
     def said_off(self) -> bool:
         return self.off == "said"
 
+    @property
+    def offered(self) -> bool:
+        """Whether the job was given spare hosts (or named them wrongly) and has not said why it does not grow."""
+        return bool(self.spares) or (self.off is not None and not self.said_off)
+
     def stop_growing(self, dist: Any, reason: str) -> None:
         if dist.is_main:  # a local log line, no collective
             log.warning("not growing back: %s; the job goes on with %d ranks", reason, dist.world_size)
         self.off = "said"
 
-    def grow(self, recovery: Any, plan: GrowPlan, split: Resplit, cfg: Any) -> bool:
-        """Collective over the survivors: spawn, merge, rebuild, send the state, wrap DDP, re-split. False (one
-        line on rank 0) when the spawn fails: the job goes on at reduced size. A new rank that fails while joining
-        ends the job (fall_back: one line, then fail fast; `launch` relaunches)."""
-        members, dist, parts = recovery.members, recovery.dists[0], recovery.parts
+    def grow(self, recovery: Any, plan: GrowPlan, split: Any) -> bool:
+        """Collective over the survivors: spawn, merge, rebuild, send the state, wrap again. False (one line on
+        rank 0) when the spawn fails: the job goes on at reduced size. A new rank that fails while joining ends
+        the job (fall_back: one line, then fail fast; `launch` relaunches)."""
+        members, dist = recovery.members, recovery.dists[0]
         mpi_error = mpi_error_of(members)
-        before, step = dist.world_size, parts.state.step
-        parts.watchdog.suspend()
+        before, step = dist.world_size, recovery.steps_done()
+        recovery.pause_watch()
         # launch's evidence that a launcher failing now failed during the spawn (Open MPI 5.0.11's prterun can
         # crash in MPI_Comm_spawn), which says nothing against the hosts spawned onto
-        records = failure.records_dir(dist.topology.failure_file, parts.run_dir) if dist.is_main else None
+        records = recovery.records_dir() if dist.is_main else None
         failure.mark_spawning(records, list(plan.hosts))
         try:
-            merged, phases = mpigrow.spawn_and_merge(members.comm, plan)
+            merged, phases = mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command())
         except mpi_error as exc:  # the mark stays: the launcher may be failing (its daemon lost)
-            parts.watchdog.follow(dist)
+            recovery.follow_watch(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
             return False
         failure.spawned(records)
         try:
-            self._join(recovery, merged, split, cfg, phases)
+            self._join(recovery, merged, split, phases)
         except (mpi_error, MembersLost, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
             # a new rank died while joining: a reduction over the merged job can even return garbage (ULFM)
             joining = tuple(range(before, before + plan.count))
             recovery.fall_back(f"a new rank failed while joining on {', '.join(plan.hosts)} "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", joining)
-        parts.watchdog.follow(dist)
+        recovery.follow_watch(dist)
         for host in plan.hosts:
             self.used[host] = self.used.get(host, 0) + 1
         added = list(range(before, dist.world_size))
-        recovery.records.append(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases))
-        recovery.changed_size()
-        say_grown(dist, recovery.engine.initial_world, added, plan, split, phases)
+        recovery.grown(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases), split)
         return True
 
     @staticmethod
-    def _join(recovery: Any, merged: Any, split: Resplit, cfg: Any, phases: dict[str, float]) -> None:
+    def _join(recovery: Any, merged: Any, split: Any, phases: dict[str, float]) -> None:
         """Collective over the merged job (the survivors' half of `join`): hello, the process group, the state,
-        the topology, DDP."""
+        the topology, the wrapper again."""
         members, dist = recovery.members, recovery.dists[0]
         hello = merged.bcast(hello_of(dist, recovery) if dist.is_main else None, root=0)
         hostnames = merged.allgather(dist.topology.hostname)
@@ -141,18 +143,19 @@ class GrowBack:
         phases["state_transfer"] = time.monotonic() - started
         recovery.bind(topology_over(hello["topology"], hostnames, members.comm.Get_rank()), "stays")
         started = time.monotonic()
-        recovery.rewrap(cfg, split, dist)
+        recovery.rewrap_grown(split, dist)
         phases["ddp"] = time.monotonic() - started
 
 
-def say_grown(dist: Any, initial_world: int, added: list[int], plan: GrowPlan, split: Resplit,
-              phases: dict[str, float]) -> None:
+def say_grown(dist: Any, initial_world: int, record: dict[str, Any], how: str) -> None:
+    """Rank 0's line for a grow (`how`: how the job goes on, its split), and, back at full size, one more."""
     if not dist.is_main:
         return
-    log.warning("grew back: ranks %s joined on %s; %d ranks go on at the same global batch (%d per rank x %d "
-                "accumulation); spawn %.3f s, merge %.3f s, process group %.3f s, state transfer %.3f s, DDP %.3f s",
-                added, ", ".join(plan.hosts), dist.world_size, split.batch_size, split.grad_accum, phases["spawn"],
-                phases["merge"], phases["process_group"], phases["state_transfer"], phases["ddp"])
+    phases = record["phases"]
+    log.warning("grew back: ranks %s joined on %s; %d ranks go on %s; spawn %.3f s, merge %.3f s, process group "
+                "%.3f s, state transfer %.3f s, DDP %.3f s", record["ranks_added"], ", ".join(record["hosts_added"]),
+                dist.world_size, how, phases["spawn"], phases["merge"], phases["process_group"],
+                phases["state_transfer"], phases["ddp"])
     if dist.world_size >= initial_world:
         log.warning("running at full size again: %d ranks", dist.world_size)
 
@@ -160,7 +163,7 @@ def say_grown(dist: Any, initial_world: int, added: list[int], plan: GrowPlan, s
 def hello_of(dist: Any, recovery: Any) -> dict[str, Any]:
     """Rank 0's first word to the new ranks: what they need before the process group."""
     rendezvous = dist.rendezvous
-    return {"topology": dist.topology, "backend": dist.backend, "initial_world": recovery.engine.initial_world,
+    return {"topology": dist.topology, "backend": recovery.members.backend, "initial_world": recovery.engine.initial_world,
             "interface_per_host": dict(rendezvous.interface_per_host) if rendezvous else {},
             "min_size": recovery.engine.min_size, "collective_timeout_s": recovery.members.collective_timeout_s}
 
@@ -216,6 +219,24 @@ def joining_device(backend: str, topology: Any) -> Any:
     if index is not None:
         torch.cuda.set_device(index)
     return torch.device(device_type, index)
+
+
+def joined_dist(joining: Joining, num_threads: int) -> Any:
+    """The new rank's Dist in the grown job (its process group is up), torchrun's variables exported."""
+    from types import SimpleNamespace
+
+    from mpiddp.elastic.membership import WatchedTransport
+    from mpiddp.job.bootstrap import export_environment
+    from mpiddp.job.collective import Dist, Rendezvous
+
+    members, hello, topology, device = joining.members, joining.hello, joining.topology, joining.device
+    address, port = members.endpoint or ("", 0)
+    rendezvous = Rendezvous(address, port, hello["interface_per_host"], SimpleNamespace(store=members.store))
+    dist = Dist(topology, WatchedTransport(members), device.type, device.index, hello["backend"], rendezvous,
+                num_threads)
+    export_environment(topology, address, port)
+    log.warning("grow: this process (pid %d) joins as rank %d of %d", os.getpid(), topology.rank, topology.world_size)
+    return dist
 
 
 def receive(joining: Joining) -> dict[str, Any]:

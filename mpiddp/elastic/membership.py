@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -469,18 +468,14 @@ class WatchedTransport(MpiTransport):
 _spanning: list[Any] = []
 
 
-def spawn_command() -> tuple[str, list[str]]:
-    """The command a new rank runs: this rank's own `python -m mpiddp ...` (the same training flags)."""
-    return sys.executable, ["-m", "mpiddp", *sys.argv[1:]]
-
-
-def spawn_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
-    """Collective over the survivors' `comm`: start plan.count new ranks on plan.hosts and merge them in after
-    the survivors. Returns (the merged intracommunicator, {spawn, merge} seconds); MPI.Exception when the
-    spawn fails (every survivor gets it: MPI_Comm_spawn is collective)."""
+def spawn_and_merge(comm: Any, plan: GrowPlan, command: list[str]) -> tuple[Any, dict[str, float]]:
+    """Collective over the survivors' `comm`: start plan.count new ranks of `command` (the program and its
+    arguments) on plan.hosts and merge them in after the survivors. Returns (the merged intracommunicator,
+    {spawn, merge} seconds); MPI.Exception when the spawn fails (every survivor gets it: MPI_Comm_spawn is
+    collective)."""
     from mpi4py import MPI
 
-    command, args = spawn_command()
+    command, args = command[0], command[1:]
     info = MPI.Info.Create()
     try:
         info.Set("host", ",".join(plan.hosts))

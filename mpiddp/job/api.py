@@ -24,6 +24,7 @@ from mpiddp.job.finishwatch import FinishWatch
 from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV, DistSettings
 
 if TYPE_CHECKING:
+    from mpiddp.elastic.grow import Joining
     from mpiddp.job.bootstrap import _Store
 
 
@@ -37,6 +38,7 @@ class Session:
     num_threads: int
     guard: FailFast | None = None  # set when mpiddp.init() bootstrapped the job itself (plain mpirun)
     watch: FinishWatch | None = None
+    joining: Joining | None = None  # spawned by a grow: joined the job, its process group up (mpiddp.elastic.grow)
 
 
 @dataclass(frozen=True)
@@ -96,29 +98,55 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     settings = InitSettings(DistSettings(device, backend, master_addr=os.environ.get(MASTER_ADDR_ENV),
                                          collective_timeout_s=collective_timeout_s), finish_timeout_s=finish_timeout_s)
     session = _session or _bootstrap(settings)
-    _initialised = start_process_group(settings.dist, session.dist, session.rendezvous, session.store, session.num_threads)
+    if session.joining is not None:  # a grow spawned this process: it joined, on the survivors' device and backend
+        _initialised = session.dist
+    else:
+        _initialised = start_process_group(settings.dist, session.dist, session.rendezvous, session.store,
+                                           session.num_threads)
     set_current(_initialised)
     if _session is None:  # in-job recovery (mpiddp.run_recoverable) follows this bootstrap onto the survivors
-        elastic.adopt(elastic.OwnJob([_initialised, session.dist], session.guard, session.watch,
-                                     collective_timeout_s))
+        dists = [_initialised] if session.joining is not None else [_initialised, session.dist]
+        elastic.adopt(elastic.OwnJob(dists, session.guard, session.watch, collective_timeout_s,
+                                     [sys.executable, *sys.argv], session.joining))
+    elif _initialised is not session.dist:  # under `mpiddp run`: its job, with the Dist the script holds first
+        elastic.hold(_initialised)
     return _initialised
 
 
 def _bootstrap(settings: InitSettings) -> Session:
     """Plain `mpirun python script.py`: mpiddp's bootstrap, an exception hook that ends the whole job, and an
     exit handler that ends it the way `mpiddp run` does."""
+    from mpiddp.elastic import grow
     from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
 
     guard = FailFast()
     _abort_on_unhandled_exception(guard)
-    dist = connect(guard)
-    num_threads = set_threads(settings.dist, dist.topology)
-    rendezvous, store = open_rendezvous(settings.dist, dist, guard)
+    joining = grow.join() if grow.joining() else None  # spawned by a job growing back after a recovery
+    if joining is not None:
+        dist = grow.joined_dist(joining, set_threads(settings.dist, joining.topology))
+        guard.dist = dist
+        num_threads, (rendezvous, store) = dist.num_threads, joined_rendezvous(dist)
+        atexit.register(joining.members.release)  # after the exit handler below (atexit runs in reverse)
+    else:
+        dist = connect(guard)
+        num_threads = set_threads(settings.dist, dist.topology)
+        rendezvous, store = open_rendezvous(settings.dist, dist, guard)
     watch = FinishWatch.for_job(settings.finish_timeout_s, dist, rendezvous,
                                 setting="mpiddp.init(finish_timeout_s={})").start()
     exit_status = _ExitStatus().install()
     atexit.register(_at_exit, guard, dist, store, watch, exit_status)
-    return Session(dist, rendezvous, store, num_threads, guard, watch)
+    return Session(dist, rendezvous, store, num_threads, guard, watch, joining)
+
+
+def joined_rendezvous(dist: Dist) -> tuple[Rendezvous, _Store]:
+    """A rank that joined a grown job: its rendezvous and store are the survivors' (opened by their rank 0)."""
+    from mpiddp.job.bootstrap import _Store
+
+    rendezvous = dist.rendezvous
+    assert rendezvous is not None
+    store = _Store()
+    store.store = rendezvous.client()
+    return rendezvous, store
 
 
 class _ExitStatus:

@@ -35,6 +35,7 @@ from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, DistSe
 from mpiddp.job.topology import Topology
 
 if TYPE_CHECKING:
+    from mpiddp.elastic.grow import Joining
     from mpiddp.job.collective import Dist
 
 log = logging.getLogger(__name__)
@@ -261,27 +262,15 @@ def main(args: list[str]) -> int:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
+    from mpiddp.elastic import grow
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.job import api
-    from mpiddp.job.bootstrap import connect, enable_flight_recorder, open_rendezvous, set_threads, teardown
-    from mpiddp.job.log import setup_logging
+    from mpiddp.job.bootstrap import enable_flight_recorder, teardown
 
-    dist = connect(guard)
-    own, target = dist.agree(lambda: split_argv(argv))
-    cfg = dist.agree(lambda: parse_run_args(own))
-    setup_logging(dist.topology, cfg.log_level)
-    digest = dist.agree(target.digest)
-    settings = {**flat_values(cfg), "target": target.name, "args": list(target.args)}
-    log.info("every rank runs %s", preflight.check(settings, dist, {"script": digest}))
-    dist.agree(lambda: check_contiguous(dist.topology))
-    num_threads = set_threads(cfg.dist, dist.topology)
-    if cfg.dist.num_threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
-    rendezvous, store = open_rendezvous(cfg.dist, dist, guard)
+    joining = grow.join() if grow.joining() else None  # spawned by a job growing back after a recovery
+    dist, cfg, target, (rendezvous, store, num_threads) = start_job(argv, guard, joining)
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
-    gpus_per_rank = dist.allgather(visible_gpus())
+    gpus_per_rank = dist.allgather(visible_gpus()) if joining is None else [visible_gpus()]
     if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose
         failure_file = dist.topology.failure_file  # under `launch`, in its run dir: the dumps go beside it
         enable_flight_recorder(Path(failure_file).parent if failure_file else None)
@@ -290,11 +279,12 @@ def run_script(argv: list[str], guard: FailFast) -> int:
         if any(len(ranks) > 1 for _, ranks in dist.topology.hosts):  # else LOCAL_RANK is 0 anyway
             log.info("every rank sees one GPU: LOCAL_RANK is 0 on every rank (torchrun's --virtual-local-rank); "
                      "the host's local rank is in MPIDDP_LOCAL_RANK")
-    api.attach(api.Session(dist, rendezvous, store, num_threads))
+    api.attach(api.Session(dist, rendezvous, store, num_threads, joining=joining))
     guard.progress = script_progress
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
-    offer_in_job_recovery(dist, guard, watch, cfg.dist.collective_timeout_s)
-    with default_start_method(cfg.start_method) as start_method:
+    offer_in_job_recovery(dist, guard, watch, cfg.dist.collective_timeout_s,
+                          [sys.executable, "-m", "mpiddp", RUN, *argv], joining)
+    with default_start_method(cfg.start_method) as start_method, joined_process_group(joining is not None):
         # The script's loader helpers die with this rank: a forkserver that outlived a SIGKILLed rank held mpirun's
         # output open and the job never ended (its workers follow their forkserver, torch's own watch ends them).
         mark_helper_parent()
@@ -313,20 +303,79 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     teardown(dist, store)
     api.detach()
     log.info("every rank finished")
+    if joining is not None:
+        joining.members.release()  # before MPI_Finalize, which would wait for the survivors (gone by then)
     if recovered_in_this_process():  # MPI_Finalize can wait for the failed ranks: every survivor passed the barrier
         end_without_finalize(0)
     return 0
 
 
-def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, collective_timeout_s: float) -> None:
+def start_job(argv: list[str], guard: FailFast, joining: Joining | None) -> tuple[Dist, RunConfig, Target, tuple]:
+    """Collective: the job's Dist, `run`'s options, the target, (rendezvous, store, thread share). A rank
+    that joined a grown job (`joining`) runs the command line the survivors checked at start-up: it checks nothing
+    with them, and takes their rendezvous."""
+    from mpiddp.elastic import grow
+    from mpiddp.job import api
+    from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
+    from mpiddp.job.log import setup_logging
+
+    if joining is None:
+        dist = connect(guard)
+        own, target = dist.agree(lambda: split_argv(argv))
+        cfg = dist.agree(lambda: parse_run_args(own))
+        setup_logging(dist.topology, cfg.log_level)
+        digest = dist.agree(target.digest)
+        settings = {**flat_values(cfg), "target": target.name, "args": list(target.args)}
+        log.info("every rank runs %s", preflight.check(settings, dist, {"script": digest}))
+        dist.agree(lambda: check_contiguous(dist.topology))
+    else:
+        own, target = split_argv(argv)
+        cfg = parse_run_args(own)
+        setup_logging(joining.topology, cfg.log_level)
+    num_threads = set_threads(cfg.dist, dist.topology if joining is None else joining.topology)
+    if cfg.dist.num_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
+    if joining is not None:
+        dist = guard.dist = grow.joined_dist(joining, num_threads)
+        return dist, cfg, target, (*api.joined_rendezvous(dist), num_threads)
+    return dist, cfg, target, (*open_rendezvous(cfg.dist, dist, guard), num_threads)
+
+
+def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, collective_timeout_s: float,
+                          command: list[str], joining: Joining | None = None) -> None:
     """A script that uses mpiddp's wrappers (or run_recoverable) recovers in the job: the runner's guard and
-    finish watch follow the survivors. Rank 0 says in one line whether that is on here, and if not, why."""
+    finish watch follow the survivors (`command` starts a rank that grows the job back; `joining`: this rank is
+    one). Rank 0 says in one line whether that is on here, and if not, why."""
     from mpiddp.elastic import api as elastic
     from mpiddp.elastic.membership import check_ulfm
 
-    elastic.adopt(elastic.OwnJob([dist], guard, watch, collective_timeout_s))
+    elastic.adopt(elastic.OwnJob([dist], guard, watch, collective_timeout_s, command, joining))
     if dist.is_main:  # a local log line, no collective
         log.info("%s", in_job_recovery_line(check_ulfm()))
+
+
+@contextmanager
+def joined_process_group(joined: bool) -> Iterator[None]:
+    """A rank that joined a grown job has its process group already (the survivors' backend, on their store): the
+    script's own `init_process_group()` finds it there instead of failing on a second default group."""
+    if not joined:
+        yield
+        return
+    import torch.distributed as tdist
+
+    original = tdist.init_process_group
+
+    def init_process_group(*args: object, **kwargs: object) -> None:
+        if not tdist.is_initialized():
+            original(*args, **kwargs)  # type: ignore[arg-type]
+
+    tdist.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        tdist.init_process_group = original
 
 
 def in_job_recovery_line(ulfm: str | None) -> str:

@@ -13,17 +13,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from mpiddp import recoveries
-from mpiddp.elastic.decide import Resplit, failure_refusal, job_refusal, nccl_errors_env, resplit
+from mpiddp.elastic.decide import Resplit, failure_refusal, job_refusal, nccl_errors_env, resplit, split_for_growth
 from mpiddp.elastic.engine import DistComm, Engine, Policy, from_furthest, refused
-from mpiddp.elastic.grow import GrowBack
+from mpiddp.elastic.grow import GrowBack, say_grown
 from mpiddp.elastic.membership import check_ulfm, nccl_abort_available
-from mpiddp.elastic.survivors import bind_topology, hosts_of, unless_end_decided
+from mpiddp.elastic.survivors import hosts_of, unless_end_decided
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist
 
@@ -194,10 +195,6 @@ class TrainerPolicy(Policy):
                         phases["agree_and_shrink"], phases["process_group"], phases["ddp"])
         self.engine.say_reduced(len(self.records) == 1)
 
-    def bind(self, topology: Any, verb: str = "goes on") -> None:
-        """Every holder of the job's Dist now sees `topology` (after a grow: mpiddp.elastic.grow)."""
-        bind_topology(self.dists, self.members, topology, self.guard, self.log_level, verb)
-
     def _take_over_logging(self, dist: Dist) -> None:
         """Rank 0 died: the new rank 0 appends the run's records to metrics.jsonl (wandb stays with the dead)."""
         from mpiddp.trainer.metrics import JsonlLogger, NullLogger
@@ -257,6 +254,37 @@ class TrainerPolicy(Policy):
     def changed_size(self) -> None:
         """The job just changed size: the next training step ends that change's `first_step` phase."""
         self._recovered_at = time.monotonic()
+
+    def steps_done(self) -> int:
+        return self.parts.state.step
+
+    def grow_split(self, world: int, grown: int) -> Resplit | str | None:
+        """The split on `grown` ranks at this position; None when not here (at an epoch's start it is); why not,
+        when never (the global batch does not split)."""
+        cfg = self.cfg or self.parts.cfg
+        split, never = split_for_growth(cfg, self.parts.cfg, world, grown, self.parts.state.batches_done)
+        return f"{never}: the job cannot keep its global batch on {grown} ranks" if never is not None else split
+
+    @staticmethod
+    def spawn_command() -> list[str]:
+        """What a new rank runs: this rank's own `python -m mpiddp ...` (the same training flags)."""
+        return [sys.executable, "-m", "mpiddp", *sys.argv[1:]]
+
+    def pause_watch(self) -> None:
+        self.parts.watchdog.suspend()
+
+    def follow_watch(self, dist: Dist) -> None:
+        self.parts.watchdog.follow(dist)
+
+    def rewrap_grown(self, split: Resplit, dist: Dist) -> None:
+        self.rewrap(self.cfg or self.parts.cfg, split, dist)
+
+    def grown(self, record: dict[str, Any], split: Resplit) -> None:
+        """The grow into this rank's records (summary.json's), and rank 0's line."""
+        self.records.append(record)
+        self.changed_size()
+        say_grown(self.dists[0], self.engine.initial_world, record,
+                  f"at the same global batch ({split.batch_size} per rank x {split.grad_accum} accumulation)")
 
     def handover(self, split: Resplit) -> dict[str, Any]:
         """Rank 0's state for the new ranks of a grow: what a snapshot holds, from memory (mpiddp.trainer.join

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,32 +56,23 @@ class Joined:
         joining = grow.join()
         joined = cls()
         joined.members, joined.hello, joined.added = joining.members, joining.hello, joining.added
-        joined.device = joining.device
-        joined.prepare(args, joining.topology)
+        joined.prepare(args, joining)
         payload = grow.receive(joining)
         joined.build(payload, joining.phases)
         return joined
 
-    def prepare(self, args: list[str], topology: Any) -> None:
+    def prepare(self, args: list[str], joining: grow.Joining) -> None:
         """Local: the config, Dist, logging and data of this rank (no collective)."""
-        from mpiddp.job.bootstrap import export_environment, set_threads
-        from mpiddp.job.collective import Dist, MpiTransport, Rendezvous
+        from mpiddp.job.bootstrap import set_threads
         from mpiddp.job.log import setup_logging
         from mpiddp.trainer.data import load_datasets
         from mpiddp.trainer.models import input_channels
         from mpiddp.trainer.run import parse_for_world
 
-        members, hello = self.members, self.hello
-        _, cfg = parse_for_world(args, hello["initial_world"])
+        _, cfg = parse_for_world(args, self.hello["initial_world"])
         self.cfg, _ = cfg.replace(inject_fault=None).ordered_timeouts()  # drills name ranks of the first job
-        setup_logging(topology, self.cfg.outputs.log_level)
-        address, port = members.endpoint or ("", 0)
-        rendezvous = Rendezvous(address, port, hello["interface_per_host"], SimpleNamespace(store=members.store))
-        threads = set_threads(self.cfg.dist, topology)
-        self.dist = Dist(topology, MpiTransport(members.comm), self.device.type, self.device.index, hello["backend"],
-                         rendezvous, threads)
-        export_environment(topology, address, port)
-        log.warning("grow: this process (pid %d) joins as rank %d of %d", os.getpid(), topology.rank, topology.world_size)
+        setup_logging(joining.topology, self.cfg.outputs.log_level)
+        self.dist = grow.joined_dist(joining, set_threads(self.cfg.dist, joining.topology))
         self.datasets = load_datasets(self.cfg, lambda channels: input_channels(self.cfg.data.model_name, channels))
 
     def build(self, payload: dict[str, Any], phases: dict[str, float | None]) -> None:

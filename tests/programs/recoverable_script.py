@@ -32,7 +32,9 @@ def main() -> None:
     dist = mpiddp.init(device="cpu")
     mpiddp.setup_logging(dist)
     start_rank = dist.rank
-    (out / f"pid.{start_rank}").write_text(str(os.getpid()))
+    # a rank that joined a grown job runs this too: its files are named apart from the first ranks'
+    key = f"joined.{start_rank}" if (out / f"pid.{start_rank}").exists() else str(start_rank)
+    (out / f"pid.{key}").write_text(str(os.getpid()))
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(NUM_SAMPLES, 8, generator=generator)
     targets = inputs @ torch.randn(8, 1, generator=generator)
@@ -45,9 +47,9 @@ def main() -> None:
 
     def train(state: mpiddp.State) -> None:
         ddp = mpiddp.watch_gradients(DDP(state.model))  # wrapped anew on every (re-)entry: the group may be new
-        per_rank = GLOBAL_BATCH // dist.world_size
+        per_rank = GLOBAL_BATCH // dist.world_size  # re-split on every entry: after a recovery and after a grow
         while state.step < steps:
-            stalls = start_rank == victim and state.step == at_step
+            stalls = key == str(victim) and state.step == at_step
             if stalls and where == "step":
                 stall(out)
             first = (state.step * GLOBAL_BATCH) % NUM_SAMPLES + dist.rank * per_rank
@@ -65,12 +67,13 @@ def main() -> None:
 
     mpiddp.run_recoverable(train, state)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    record = {"pid": os.getpid(), "start_rank": start_rank, "rank": dist.rank, "world_size": dist.world_size,
+    record = {"pid": os.getpid(), "start_rank": start_rank, "key": key, "rank": dist.rank, "world_size": dist.world_size,
               "step": state.step, "digest": digest, "losses": len(state.losses),
               "changes": [{"world_before": c.world_before, "world_size": c.world_size, "ranks_lost": list(c.ranks_lost),
+                           "ranks_added": list(c.ranks_added), "hosts_added": list(c.hosts_added),
                            "hosts_lost": list(c.hosts_lost), "synced_from": c.synced_from, "phases": c.phases}
                           for c in changes]}
-    (out / f"final.{start_rank}.json").write_text(json.dumps(record))
+    (out / f"final.{key}.json").write_text(json.dumps(record))
 
 
 def stall(out: Path) -> None:

@@ -1,0 +1,74 @@
+"""Growing back for a script (`mpiddp.run_recoverable`), on four fake hosts (nodea, nodeb, nodec and a spare,
+noded): under `mpirun --with-ft ulfm -np 3` the rank on nodeb is SIGKILLed mid-training, the survivors (the same
+processes) recover, train a step on 2 ranks, then spawn a rank of the same script on noded at a commit: it takes the
+State from a survivor's memory, the callbacks run on every rank, the training function runs again on 3 ranks, and
+every rank ends at the last step with the same model. Plain mpirun (`python SCRIPT`, mpiddp.init()) and
+`python -m mpiddp run SCRIPT` alike. The script is tests/programs/recoverable_script.py."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import find_mpirun
+from fakehosts import FakeHosts, running_fake_hosts
+from test_recovery_e2e import _ulfm_missing
+from test_script_recovery_e2e import AT_STEP, PROGRAM, STEPS, Script
+
+pytestmark = pytest.mark.mpi
+HOSTS = "nodea:1,nodeb:1,nodec:1,noded:1"  # -np 3 fills the first three; noded's slot is the spare
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    reason = _ulfm_missing()
+    if reason:
+        pytest.skip(reason)
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec", "noded"], tmp_path_factory.mktemp("sgrow-hosts"),
+                                      tag="r")) as cluster:
+        yield cluster
+
+
+class GrowingScript(Script):
+    """The example script under `mpirun --with-ft ulfm -np 3` with noded in the host list and named as the spare."""
+
+    def __init__(self, hosts: FakeHosts, tmp_path, victim: int, runner: bool, spare: str = "noded") -> None:
+        super().__init__(hosts, tmp_path, victim, command=lambda out: [
+            find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", HOSTS, sys.executable,
+            *(["-m", "mpiddp", "run"] if runner else []), str(PROGRAM), str(out), str(STEPS), str(victim),
+            str(AT_STEP)], MPIDDP_SPARE_HOSTS=spare)
+
+    def finals_by_key(self) -> dict[str, dict]:
+        return {record["key"]: record for record in map(json.loads, map(lambda p: p.read_text(),
+                                                                          self.out.glob("final.*.json")))}
+
+
+@pytest.mark.parametrize("runner", [False, True], ids=["mpirun", "mpiddp-run"])
+def test_a_script_grows_back_onto_the_spare_and_every_rank_ends_with_the_same_model(hosts, tmp_path, runner):
+    script = GrowingScript(hosts, tmp_path, 1, runner)
+    pids = script.kill_victim()
+    status = script.finish()
+    output = script.output()
+    finals = script.finals_by_key()
+    assert sorted(finals) == ["0", "2", "joined.2"], output[-6000:]
+    assert status == 0 or status in (-11, -6, 139, 134), output[-6000:]  # prterun 5.0.11 can crash at the end
+    for key, new_rank in (("0", 0), ("2", 1), ("joined.2", 2)):
+        final = finals[key]
+        assert (final["rank"], final["world_size"]) == (new_rank, 3), final
+        assert (final["step"], final["losses"]) == (STEPS, STEPS), final  # every step once, its loss once
+    assert (finals["0"]["pid"], finals["2"]["pid"]) == (pids[0], pids[2])  # the survivors' processes live on
+    assert len({final["digest"] for final in finals.values()}) == 1, finals  # the same model on every rank
+    recovery, grew = finals["0"]["changes"]
+    assert (recovery["ranks_lost"], recovery["world_before"], recovery["world_size"]) == ([1], 3, 2), recovery
+    assert (grew["ranks_added"], grew["hosts_added"], grew["world_before"], grew["world_size"]) == \
+        ([2], ["noded"], 2, 3), grew
+    assert finals["2"]["changes"] == finals["0"]["changes"] or len(finals["2"]["changes"]) == 2
+    (joined,) = finals["joined.2"]["changes"]  # the new rank: told of its own arrival, as the survivors were
+    assert (joined["ranks_added"], joined["world_before"], joined["world_size"]) == ([2], 2, 3), joined
+    assert set(grew["phases"]) == {"spawn", "merge", "process_group", "state_transfer", "ddp", "first_step"}, grew
+    assert all(isinstance(v, float) and v >= 0 for v in grew["phases"].values()), grew
+    assert "grow: this process" in output and "joins as rank 2 of 3" in output, output[-3000:]
+    assert "grew back: ranks [2] joined on noded; 3 ranks go on" in output, output[-3000:]
+    assert "running at full size again: 3 ranks" in output
+    if status != 0:
+        pytest.xfail(f"mpirun crashed (status {status}) after the grown job had finished (prterun 5.0.11)")
