@@ -40,6 +40,12 @@ class EndDecided(Exception):
         self.status = status
 
 
+class LostAfterFinish(RuntimeError):
+    """Ranks failed after this rank's script had finished (the survivors waiting for every rank to finish): in-job
+    recovery covers the training, not what the lost rank had left to do (rank 0's save, say), so the job ends with
+    one line (the message quotes MPI_ERR_PROC_FAILED: `launch` reads this rank as a witness) and is relaunched."""
+
+
 class HelpRequested(Exception):
     """`--help` or `--version`: rank 0 prints the text, every rank exits 0."""
 

@@ -196,3 +196,14 @@ def test_a_state_value_that_differs_across_ranks_is_named_at_the_first_commit(tm
     assert job.returncode == 0, output[-3000:]
     assert output.count("mpiddp.State: 'best' differs across ranks at the first commit") == 1, output[-3000:]
     assert "'mine'" not in output and "'step'" not in output  # per-rank and equal values are not named
+
+
+def test_a_rank_lost_after_the_scripts_finished_ends_the_job_in_one_line(tmp_path):
+    """In-job recovery covers the loop, not a script's tail: a rank that dies after its loop (rank 0's save may be
+    missing) ends the job with one line naming it (no traceback from the finish's barrier) and a failure status
+    for `launch` to relaunch; nothing is left running."""
+    job = run_job([str(REPO / "tests" / "programs" / "dies_after_loop.py")], tmp_path)
+    output = job.stdout + job.stderr
+    assert job.returncode != 0, output[-3000:]
+    assert output.count("rank(s) 1 failed after the script had finished here") == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]

@@ -513,6 +513,25 @@ def run_recoverable(train: Callable[[State], T], state: State, min_world_size: i
     return _recovery.run(train, state)
 
 
+def wait_for_every_rank(dist: Dist) -> None:
+    """Collective, once this rank's script has finished: wait, asleep, until every rank's has. Under in-job
+    recovery a rank that fails meanwhile ends the job with one line (LostAfterFinish), not a traceback from the
+    barrier: what it had left to do (rank 0's save, say) is not recovered."""
+    from mpiddp.errors import LostAfterFinish
+    from mpiddp.elastic.membership import members_lost
+
+    try:
+        dist.wait_for_all()
+    except Exception as exc:
+        lost = members_lost(_recovery.members, exc) if _recovery is not None else None
+        if lost is None:
+            raise
+        names = ", ".join(map(str, lost.ranks)) or "?"
+        raise LostAfterFinish(f"rank(s) {names} failed after the script had finished here; in-job recovery covers "
+                              f"the training, not what a lost rank had left to do (rank 0's save, say): ending the "
+                              f"job (MPI_ERR_PROC_FAILED: ranks {names} failed)") from None
+
+
 _wrappers: list[weakref.ref[Any]] = []  # the DDP wrappers watch_gradients saw: a recovery checks they are gone
 
 

@@ -182,8 +182,9 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
     """The script ended on this rank. A non-zero sys.exit ends every rank now (the others may wait for this one
     in a collective); otherwise this rank waits, asleep and never in a blocking collective, until every rank
     ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
-    from mpiddp.job.bootstrap import teardown
+    from mpiddp.elastic import api as elastic
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
+    from mpiddp.job.bootstrap import teardown
 
     if exit_status.status != 0 and dist.world_size > 1:
         script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"
@@ -193,7 +194,8 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
         sys.stderr.flush()
         dist.abort(code)
     watch.finished()
-    dist.wait_for_all()
+    with guard:  # a rank lost meanwhile ends the job with one line (and the status), as `mpiddp run` does
+        elastic.wait_for_every_rank(dist)
     watch.stop()
     teardown(dist, store)
     if recovered_in_this_process():  # every survivor passed the teardown's barrier

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 # The exit statuses are re-exported here, where callers have always found them.
 from mpiddp.errors import (EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR,  # noqa: F401
-                           AgreedError, EndDecided, ScriptError, ScriptExit, UserError)
+                           AgreedError, EndDecided, LostAfterFinish, ScriptError, ScriptExit, UserError)
 from mpiddp.failure import FailureRecord, records_dir, write_rank
 from mpiddp.job.log import flush_logs
 from mpiddp.job.topology import LauncherMismatch
@@ -100,6 +100,8 @@ class FailFast:
         where = self.dist.label if self.dist is not None else f"rank {rank} on {socket.gethostname()}"
         if isinstance(exc, EndDecided):
             return exc.status, f"mpiddp: {where}: {exc}"
+        if isinstance(exc, LostAfterFinish):  # every survivor saw it: one line, from the first
+            return EXIT_CRASH, f"mpiddp: {where}: {exc}" if self._first_to_report() else ""
         if isinstance(exc, UserError):
             return EXIT_USER_ERROR, f"mpiddp: error on {where}: {exc}"
         if isinstance(exc, ScriptExit):

@@ -262,6 +262,7 @@ def main(args: list[str]) -> int:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
+    from mpiddp.elastic import api as elastic
     from mpiddp.elastic import grow
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.job import api
@@ -298,7 +299,7 @@ def run_script(argv: list[str], guard: FailFast) -> int:
         execute(target, target.source())
     watch.finished()
     log.info("the script finished on rank 0 after %.1f s; waiting for every rank", time.monotonic() - started)
-    dist.wait_for_all()
+    elastic.wait_for_every_rank(dist)
     watch.stop()
     teardown(dist, store)
     api.detach()
