@@ -207,3 +207,35 @@ def test_a_rank_lost_after_the_scripts_finished_ends_the_job_in_one_line(tmp_pat
     assert job.returncode != 0, output[-3000:]
     assert output.count("rank(s) 1 failed after the script had finished here") == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_batchnorm_buffers_are_broadcast_as_torchs_ddp_does(tmp_path):
+    """The wrapper broadcasts BatchNorm's buffers before each forward itself (watched): without a failure each
+    rank's model, running statistics and momentum end as under torch's own DDP over the same loop (to rounding:
+    the gradient mean is taken in another order). A rank's last forward updates its statistics from its own data,
+    so ranks differ from each other, by far more than this tolerance."""
+    checksums = {}
+    for kind in ("plain", "wrapped"):
+        out = tmp_path / kind
+        out.mkdir()
+        job = run_job([str(PROGRAM), str(out), "6", "--batchnorm", *(["--plain"] if kind == "plain" else [])],
+                      tmp_path)
+        assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+        checksums[kind] = [value for rank in range(RANKS) for line in lines_of(out, rank) if line.get("done")
+                           for value in (line["checksum"], line["buffers"])]
+    assert checksums["wrapped"] == pytest.approx(checksums["plain"], rel=1e-7, abs=0), checksums
+    assert checksums["plain"][1] != pytest.approx(checksums["plain"][3], rel=1e-5, abs=0), checksums  # buffers
+
+
+def test_a_rank_lost_in_the_batchnorm_broadcast_is_recovered(tmp_path):
+    """Rank 0 (the broadcast's source) SIGKILLed before its forward: its peers wait for it in the buffer broadcast
+    of that forward, learn of it under MPI's watch, skip the step alike and finish with the same model."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = run_job([str(PROGRAM), str(out), str(ITERATIONS), "--batchnorm", "--kill", "0:5",
+                   "--kill-before-forward"], tmp_path)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-5000:]
+    finals = [line for rank in (1, 2) for line in lines_of(out, rank) if line.get("done")]
+    assert [(final["steps"], final["skipped"]) for final in finals] == [(ITERATIONS - 1, 1)] * 2, finals
+    assert len({final["checksum"] for final in finals}) == 1, finals

@@ -18,9 +18,12 @@ place: names that hold it keep working), and the loop goes on from its next iter
 Nothing is read from disk and no model moves: only a survivor that is behind (it cannot be, after a skip) would
 take the furthest survivor's state.
 
+DDP's broadcast of the module's buffers (BatchNorm's running statistics) before each forward is done by the
+wrapper, watched the same way: a peer lost there marks the step failed, and the step is skipped alike.
+
 Without in-job recovery (no ULFM, torchrun, one line on rank 0 says why) both wrappers are plain: torch's DDP and
-the optimizer itself. Failures outside the gradient all-reduce and the agreement (a collective of the script's
-own, DDP's buffer broadcast in forward) are not recovered: the job ends as without the wrappers.
+the optimizer itself. Failures outside these (a collective of the script's own, or after the loop: the job ends
+with one line) are not recovered: the job ends as without the wrappers.
 """
 
 from __future__ import annotations
@@ -88,6 +91,31 @@ class _WatchedAllReduce:
                     self.lost = lost
             done.set_result(buffer)
 
+    def broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Before a forward, as DDP's own `broadcast_buffers` does (BatchNorm's running statistics from rank 0),
+        one broadcast per dtype, watched: a failed peer marks the step failed (the forward goes on with this
+        rank's own buffers, and the step is skipped on every survivor) instead of raising out of the forward. On
+        GPUs the forward waits for it on the GPU and `settle` checks it with the step's all-reduces."""
+        if self.lost is not None:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        for group in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(group)
+            work = tdist.broadcast(flat, src=0, async_op=True)
+            if flat.is_cuda:
+                work.wait()  # the forward's stream waits for it; the CPU does not
+                self._pending.append(work)
+            else:
+                try:
+                    self.members.wait(work)
+                except MembersLost as lost:
+                    self.lost = lost
+                    return
+            for buffer, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                buffer.copy_(synced)
+
     def settle(self) -> MembersLost | None:
         """On the main thread once backward returned: the step's all-reduces done, or the failure that stopped
         them (GPUs: NCCL's work is waited for here; CPU: the hook waited)."""
@@ -118,8 +146,14 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__()
         self._recovery = enabled() if current() is not None else None  # torchrun: torch's DDP, nothing more
-        self._args, self._kwargs = args, kwargs
         self.watch = _WatchedAllReduce(self._recovery.members) if self._recovery is not None else None
+        # DDP's buffer broadcast before each forward is a collective a failed peer would end the job in: under
+        # in-job recovery this wrapper does it, watched (see _WatchedAllReduce.broadcast_buffers)
+        self._watched_buffers = self.watch is not None and kwargs.get("broadcast_buffers", True) is not False
+        self._sync_next = True  # DDP's rule: after a forward with gradients to reduce (not under no_sync or no_grad)
+        if self._watched_buffers:
+            kwargs = {**kwargs, "broadcast_buffers": False}
+        self._args, self._kwargs = args, kwargs
         self.ddp = self._wrap(module)
         _models.append(weakref.ref(self))
 
@@ -134,7 +168,14 @@ class DistributedDataParallel(nn.Module):
         return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.ddp(*args, **kwargs)
+        if self._watched_buffers and self._sync_next and self.watch is not None and tdist.get_world_size() > 1:
+            ignored = set(getattr(self.ddp, "parameters_to_ignore", ()))
+            buffers = [buffer for name, buffer in self.ddp.module.named_buffers() if name not in ignored]
+            if buffers:
+                self.watch.broadcast_buffers(buffers)
+        output = self.ddp(*args, **kwargs)
+        self._sync_next = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
+        return output
 
     @property
     def module(self) -> nn.Module:

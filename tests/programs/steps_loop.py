@@ -2,11 +2,15 @@
 in-job recovery tests, under `mpirun --with-ft ulfm ... python -m mpiddp run`.
 
 argv: OUT_DIR ITERATIONS [--accumulate K] [--kill RANK:ITERATION[:MICRO]] [--width N] [--plain] [--device cuda]
+      [--batchnorm] [--kill-before-forward]
 The victim SIGKILLs itself in that iteration (and micro-batch), after its forward: its peers then wait for it in
-the gradient all-reduce (or, during accumulation, in the next one). Each rank appends to OUT_DIR/rank<R>.jsonl
+the gradient all-reduce (or, during accumulation, in the next one); with --kill-before-forward before it, so that
+with --batchnorm (a model with BatchNorm buffers, which DDP broadcasts from rank 0 before each forward) and rank 0
+the victim, they wait for it in that broadcast. Each rank appends to OUT_DIR/rank<R>.jsonl
 (R: its rank at start) one line per iteration, {iteration, rank, world, pid, steps, skipped, time}, the victim
 {killed: time} just before its end, and at the end
-{done, iterations, steps, skipped, checksum} (checksum: the parameters' and momentum's sum, to compare ranks).
+{done, iterations, steps, skipped, checksum, buffers} (checksum: the parameters' and momentum's sum, to compare
+ranks; buffers: the sum of this rank's buffers).
 --plain: torch's DDP and the optimizer itself (what the wrappers cost, run/bench/steps.py); --width: the model's.
 """
 
@@ -30,6 +34,8 @@ parser.add_argument("--kill", default="")
 parser.add_argument("--width", type=int, default=64)
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+parser.add_argument("--batchnorm", action="store_true")
+parser.add_argument("--kill-before-forward", action="store_true")
 parser.add_argument("--second-model", choices=["own-optimizer", "shared-optimizer"],
                     help="a second wrapped model (a GAN's two, or one optimizer over both)")
 args = parser.parse_args()
@@ -40,7 +46,8 @@ dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
 start_rank = dist.get_rank()
 victim, at, micro_at = (list(map(int, args.kill.split(":"))) + [0])[:3] if args.kill else (-1, -1, 0)
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 4)).to(args.device)
+norm = [nn.BatchNorm1d(args.width)] if args.batchnorm else []
+model = nn.Sequential(nn.Linear(32, args.width), *norm, nn.ReLU(), nn.Linear(args.width, 4)).to(args.device)
 if args.plain:
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -71,6 +78,10 @@ for iteration in range(args.iterations):
     for micro in range(args.accumulate):
         inputs = torch.randn(64, 32, generator=generator).to(args.device)
         last = micro == args.accumulate - 1
+        killed_here = start_rank == victim and iteration == at and micro == micro_at
+        if killed_here and args.kill_before_forward:
+            note(killed=time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
         if last:
             loss = ddp(inputs).pow(2).mean()
         else:
@@ -78,7 +89,7 @@ for iteration in range(args.iterations):
                 loss = ddp(inputs).pow(2).mean()
         if second_ddp is not None:
             loss = loss + second_ddp(inputs).pow(2).mean()
-        if start_rank == victim and iteration == at and micro == micro_at:
+        if killed_here:
             note(killed=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
         if last:
@@ -96,7 +107,9 @@ for iteration in range(args.iterations):
 
 momentum = sum(float(state["momentum_buffer"].sum()) for state in optimizer.state.values())
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters()) + momentum
+buffers = sum(float(b.detach().double().sum()) for b in model.buffers())  # a rank's own: its last forward's data
 if second is not None:
     checksum += sum(float(p.detach().double().sum()) * 3 for p in second.parameters())
-note(done=True, iterations=args.iterations, steps=optimizer.steps, skipped=optimizer.skipped, checksum=checksum)
+note(done=True, iterations=args.iterations, steps=optimizer.steps, skipped=optimizer.skipped, checksum=checksum,
+     buffers=buffers)
 dist.destroy_process_group()
