@@ -117,6 +117,9 @@ def describe(recovery: dict[str, Any]) -> str:
         phases = ", ".join(f"{PHASE_NAMES.get(name, name)} {given[name]:.2f}" for name in order
                            if isinstance(given[name], (int, float)))
         parts.append(f"down {total:.2f} s ({phases})")
+    stall = recovery.get("survivors_stall")
+    if isinstance(stall, (int, float)):
+        parts.append(f"survivors stood still {stall:.2f} s")
     return ", ".join(parts)
 
 

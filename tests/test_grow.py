@@ -68,6 +68,8 @@ def test_a_grow_is_recorded_and_told_next_to_the_recoveries():
     assert line.startswith("grew at step 6: rank 2 on noded added, 2 -> 3 ranks"), line
     assert "spawn 0.20" in line and "down 2.38 s" in line, line
     assert count_line([record]) == "1 grow (rank 2 on noded added, down 2.38 s)"
+    assert record["survivors_stall"] is None and "stood still" not in line  # unknown until the next step ended
+    assert describe({**record, "survivors_stall": 2.61}).endswith(", survivors stood still 2.61 s")
 
 
 def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatch):

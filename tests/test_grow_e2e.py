@@ -78,6 +78,8 @@ def test_the_job_grows_back_onto_the_spare_host_and_finishes_at_full_size(hosts,
     assert grew["step"] == 6, grew  # one step at reduced size, then the next step boundary
     assert set(grew["phases"]) == {"spawn", "merge", "process_group", "state_transfer", "ddp", "first_step"}
     assert all(isinstance(v, float) and v >= 0 for v in grew["phases"].values()), grew
+    # the survivors stood still from the boundary to their next step's end: every phase of the grow lies inside
+    assert grew["survivors_stall"] >= sum(grew["phases"][name] for name in ("spawn", "merge", "state_transfer")), grew
     records = metrics(job.run_dir)
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == list(range(1, 61)), steps  # 30 an epoch on 3 ranks, on 2, and on 3 again

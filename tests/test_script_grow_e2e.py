@@ -32,11 +32,12 @@ def hosts(tmp_path_factory):
 class GrowingScript(Script):
     """The example script under `mpirun --with-ft ulfm -np 3` with noded in the host list and named as the spare."""
 
-    def __init__(self, hosts: FakeHosts, tmp_path, victim: int, runner: bool, spare: str = "noded") -> None:
-        super().__init__(hosts, tmp_path, victim, command=lambda out: [
+    def __init__(self, hosts: FakeHosts, tmp_path, victim: int, runner: bool, command=None) -> None:
+        """`command(out)`: another command line (launch's, which names the spare itself)."""
+        super().__init__(hosts, tmp_path, victim, command=command or (lambda out: [
             find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", HOSTS, sys.executable,
             *(["-m", "mpiddp", "run"] if runner else []), str(PROGRAM), str(out), str(STEPS), str(victim),
-            str(AT_STEP)], MPIDDP_SPARE_HOSTS=spare)
+            str(AT_STEP)]), **({} if command else {"MPIDDP_SPARE_HOSTS": "noded"}))
 
     def finals_by_key(self) -> dict[str, dict]:
         return {record["key"]: record for record in map(json.loads, map(lambda p: p.read_text(),
@@ -72,3 +73,25 @@ def test_a_script_grows_back_onto_the_spare_and_every_rank_ends_with_the_same_mo
     assert "running at full size again: 3 ranks" in output
     if status != 0:
         pytest.xfail(f"mpirun crashed (status {status}) after the grown job had finished (prterun 5.0.11)")
+
+
+def test_under_launch_a_script_grows_back_onto_its_spare_host(hosts, tmp_path):
+    """`mpiddp launch -H ...,noded:1 -np 3 --launcher-args "--with-ft ulfm ..." -- run SCRIPT`: launch names the host
+    -np leaves free as the spare; rank 1 killed, the job grows back onto it within the one attempt, and launch
+    records the recovery and the grow."""
+    run_dir = tmp_path / "run"
+    script = GrowingScript(hosts, tmp_path, 1, runner=True, command=lambda out: [
+        sys.executable, "-m", "mpiddp", "launch", "-H", HOSTS, "-np", "3", "--max-restarts", "0",
+        "--run-dir", str(run_dir), "--launcher-args", " ".join(["--with-ft", "ulfm", *hosts.transport_args()]),
+        "--", "run", str(PROGRAM), str(out), str(STEPS), "1", str(AT_STEP)])
+    script.kill_victim()
+    status = script.finish()
+    output = script.output()
+    finals = script.finals_by_key()
+    assert status == 0, output[-6000:]
+    assert sorted(finals) == ["0", "2", "joined.2"], output[-6000:]
+    assert {(final["step"], final["world_size"]) for final in finals.values()} == {(STEPS, 3)}, finals
+    assert len({final["digest"] for final in finals.values()}) == 1, finals
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]  # no relaunch
+    assert [r["cause"] for r in attempt["recoveries"]] == ["process_failed", "grew"], attempt["recoveries"]
+    assert attempt["recoveries"][1]["hosts_added"] == ["noded"], attempt["recoveries"]

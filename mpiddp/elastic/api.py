@@ -449,7 +449,7 @@ class ScriptRecovery(Policy):
         assert self.state is not None
         self.state.drop_gradients()  # the script wraps its model again when `train` runs again
 
-    def grown(self, record: dict[str, Any], split: int) -> None:
+    def grown(self, record: dict[str, Any], split: int, stalled_from: float) -> None:
         """The grow on record (the failures directory, on rank 0), said, and handed to the callbacks."""
         dist, directory = self.dists[0], self.records_dir()
         if dist.is_main and directory is not None:

@@ -289,7 +289,9 @@ def grow_due(stepped_since: bool, world: int, full: int, off: bool) -> bool:
 
 def grow_record(step: int, ranks: list[int], hosts: list[str], before: int, after: int,
                 phases: Mapping[str, float | None]) -> dict[str, Any]:
-    """A grow as summary.json's `recoveries` list holds it, next to the recoveries (cause "grew")."""
+    """A grow as summary.json's `recoveries` list holds it, next to the recoveries (cause "grew"); its
+    `survivors_stall` (the slowest survivor's seconds from the step boundary where the grow stopped it to the end of
+    its next step) is filled in once known."""
     return {"cause": "grew", "ranks_lost": [], "hosts_lost": [], "ranks_added": ranks, "hosts_added": hosts,
             "step": step, "steps_lost": 0, "world_before": before, "world_after": after,
-            "phases": {name: phases.get(name) for name in GROW_PHASES}}
+            "phases": {name: phases.get(name) for name in GROW_PHASES}, "survivors_stall": None}

@@ -52,7 +52,9 @@ class GrowBack:
     """The survivors' side: when to grow, and the grow itself (collective over the survivors). `recovery` is a
     user's elastic policy bound to its engine (mpiddp.elastic.engine.Policy: the trainer's or a script's): its
     engine, members and dists, and the steps a grow asks of it (grow_split, spawn_command, pause_watch,
-    follow_watch, handover, bind, rewrap_grown, grown, fall_back)."""
+    follow_watch, handover, bind, rewrap_grown, grown, fall_back). `grown` gets the monotonic time of the step
+    boundary where the survivors stopped: their stand-still (`survivors_stall`) runs from there to their next step's
+    end."""
 
     def __init__(self, spares: list[tuple[str, int]], off: str | None = None) -> None:
         self.spares = spares
@@ -103,7 +105,7 @@ class GrowBack:
         the job (fall_back: one line, then fail fast; `launch` relaunches)."""
         members, dist = recovery.members, recovery.dists[0]
         mpi_error = mpi_error_of(members)
-        before, step = dist.world_size, recovery.steps_done()
+        before, step, stalled_from = dist.world_size, recovery.steps_done(), time.monotonic()
         recovery.pause_watch()
         # launch's evidence that a launcher failing now failed during the spawn (Open MPI 5.0.11's prterun can
         # crash in MPI_Comm_spawn), which says nothing against the hosts spawned onto
@@ -127,7 +129,7 @@ class GrowBack:
         for host in plan.hosts:
             self.used[host] = self.used.get(host, 0) + 1
         added = list(range(before, dist.world_size))
-        recovery.grown(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases), split)
+        recovery.grown(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases), split, stalled_from)
         return True
 
     @staticmethod

@@ -60,6 +60,7 @@ class TrainerPolicy(Policy):
         self.in_step = False  # inside a training step (its forward, backward or gradient all-reduce)
         self.records: list[dict[str, Any]] = []  # this rank's view of each recovery (phases in its own seconds)
         self._recovered_at: float | None = None  # monotonic end of the last recovery, until the next step
+        self._stalled_from: float | None = None  # monotonic step boundary where a grow stopped this survivor
         self._stepped_at = 0.0  # time.time() when this rank's last training step ended
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
@@ -110,8 +111,11 @@ class TrainerPolicy(Policy):
             return
         self.stepped, self._stepped_at, self.in_step = True, time.time(), False
         if self._recovered_at is not None and self.records:
-            self.records[-1]["phases"]["first_step"] = time.monotonic() - self._recovered_at
-            self._recovered_at = None
+            now = time.monotonic()
+            self.records[-1]["phases"]["first_step"] = now - self._recovered_at
+            if self._stalled_from is not None:  # a grow: from the boundary where it stopped to this step's end
+                self.records[-1]["survivors_stall"] = now - self._stalled_from
+            self._recovered_at = self._stalled_from = None
 
     def around_save(self, save: Callable[[Any], None]) -> Callable[[Any], None]:
         def guarded(state: Any) -> None:
@@ -279,10 +283,12 @@ class TrainerPolicy(Policy):
     def rewrap_grown(self, split: Resplit, dist: Dist) -> None:
         self.rewrap(self.cfg or self.parts.cfg, split, dist)
 
-    def grown(self, record: dict[str, Any], split: Resplit) -> None:
-        """The grow into this rank's records (summary.json's), and rank 0's line."""
+    def grown(self, record: dict[str, Any], split: Resplit, stalled_from: float) -> None:
+        """The grow into this rank's records (summary.json's; its `survivors_stall` once the next step ended), and
+        rank 0's line."""
         self.records.append(record)
         self.changed_size()
+        self._stalled_from = stalled_from
         say_grown(self.dists[0], self.engine.initial_world, record,
                   f"at the same global batch ({split.batch_size} per rank x {split.grad_accum} accumulation)")
 
@@ -307,7 +313,8 @@ class TrainerPolicy(Policy):
     def gathered(self, dist: Dist) -> list[dict[str, Any]]:
         """Collective: the recoveries, each phase the slowest survivor's (detect: the earliest notice); on rank 0,
         an empty list elsewhere."""
-        views = dist.gather([(record["phases"], record["cause"]) for record in self.records])
+        views = dist.gather([(record["phases"], record["cause"], record.get("survivors_stall"))
+                             for record in self.records])
         if views is None:
             return []
         out = []
@@ -318,5 +325,9 @@ class TrainerPolicy(Policy):
                 phases[name] = (min if name == "detect" else max)(values) if values else None
             # a hang's end: any survivor whose watchdog learned of it in time says so
             cause = "hang" if any(view[index][1] == "hang" for view in views) else record["cause"]
-            out.append({**record, "cause": cause, "phases": phases})
+            merged = {**record, "cause": cause, "phases": phases}
+            if cause == "grew":  # the slowest survivor's stand-still (the new ranks have none)
+                stalls = [view[index][2] for view in views if view[index][2] is not None]
+                merged["survivors_stall"] = max(stalls) if stalls else None
+            out.append(merged)
         return out

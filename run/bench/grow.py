@@ -48,6 +48,7 @@ def one_run(hosts, work: Path, transport: str) -> dict:
     phases = grew["phases"]
     return {"transport": transport, "status": status, "grow_step": grew["step"], "phases_s": phases,
             "grow_downtime_s": sum(v for v in phases.values() if v is not None),
+            "survivors_stall_s": grew.get("survivors_stall"),
             "images_per_second_before_failure": statistics.median(before),
             "images_per_second_after_grow": statistics.median(after),
             "after_vs_before": statistics.median(after) / statistics.median(before),
@@ -83,6 +84,7 @@ def main() -> None:
             "runs": len(mine), "exit_0": sum(1 for r in mine if r["status"] == 0),
             "failed_runs": sum(1 for r in runs if r["transport"] == transport and r.get("failed")),
             "grow_downtime_s_median": statistics.median(r["grow_downtime_s"] for r in mine),
+            "survivors_stall_s_median": statistics.median(r["survivors_stall_s"] for r in mine),
             "phases_s_median": {name: statistics.median(r["phases_s"][name] for r in mine)
                                 for name in mine[0]["phases_s"]},
             "after_vs_before_median": statistics.median(r["after_vs_before"] for r in mine),
