@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from mpiddp.launch.command import (LAUNCHERS, NO_RECOVERY_FLAG, InJobRecovery, c
                                    decide_in_job_recovery, find_program, mpi_flavour, node_loss_args, ompi_info_text,
                                    users_ft_choice, version_text)
 from mpiddp.launch.hosts import HostListError, discover, place
+from mpiddp.launch.relay import RelayLayout, decide_layout
 from mpiddp.errors import EXIT_USER_ERROR, UserError
 from mpiddp.launch.supervisor import Plan, Supervisor, say
 from mpiddp.runname import DEFAULT_RUNS_ROOT, new_timestamped_dir
@@ -123,10 +125,14 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     run_dir = writable_run_dir(args.run_dir)
     launcher, program, flavour, extra, version = pick_launcher(args, env, bool(hosts))
     recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra, mode)
+    layout = RelayLayout(False, "relay layout is off: no host list")
+    if hosts and recovery.on:  # when off, its line says why host crashes end the job as every failure does
+        layout = decide_layout(recovery.on, launcher, flavour, version, free, socket.gethostname(), extra)
+        say(layout.why)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
                 extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
-                made_run_dir=not args.run_dir, in_job_recovery=recovery,
+                made_run_dir=not args.run_dir, in_job_recovery=recovery, relay_layout=layout,
                 node_loss_args=node_loss_args(launcher, flavour, version, extra))
 
 

@@ -1,0 +1,73 @@
+"""A host that crashes under `launch` (every process on it SIGKILLed, its Open MPI daemon too): with the relay
+layout (mpiddp.launch.relay) the survivors recover in the job, as from a lost rank, and the job finishes without a
+restart; launch then ends the mpirun that waits for the dead host's ranks."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+from conftest import REPO, rank_pids
+from fakehosts import FakeHosts, running_fake_hosts
+from test_drill import drill_env
+from test_launch_e2e import FAST, attempts, launch_command
+from test_leftovers import _trained, assert_nothing_left
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, mpirun):
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec"], tmp_path_factory.mktemp("crash-hosts"),
+                                      tag="h")) as hosts:
+        yield hosts
+
+
+def recovery_records(run_dir):
+    path = run_dir / "failures" / "recoveries.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def wait_for(condition, seconds, process):
+    """Poll `condition` with a generous deadline (not synchronisation: the test fails if it never holds)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return condition()
+
+
+def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "3", "--launcher", "mpirun", "--launcher-args",
+                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir), "--", *job)
+    env, mark = drill_env()
+    with log.open("w") as out:
+        process = subprocess.Popen(cluster.command_on("nodea", command), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=out)
+    try:
+        assert wait_for(lambda: len(rank_pids(run_dir)) == 3 and _trained(run_dir), 180, process), \
+            log.read_text()[-4000:]
+        survivors = {rank: pid for rank, pid in rank_pids(run_dir).items() if rank != 1}
+        assert cluster.kill_host("nodeb") > 0
+        assert wait_for(lambda: recovery_records(run_dir), 120, process), log.read_text()[-5000:]
+        for pid in survivors.values():  # the survivors went on in the job: the same processes
+            os.kill(pid, 0)
+        process.wait(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        assert_nothing_left(mark)
+    output = log.read_text()
+    assert "relay layout is on: 2 relays on this host carry 2 hosts" in output, output[-3000:]
+    assert process.returncode == 0, output[-5000:]
+    (attempt,) = attempts(run_dir)["attempts"]  # no restart
+    (lost,) = [r for r in attempt["recoveries"] if r.get("cause") != "grew"]
+    assert lost["hosts_lost"] == ["nodeb"] and lost["ranks_lost"] == [1], lost
+    assert recovery_records(run_dir)[0]["hosts_lost"] == ["nodeb"]
+    assert "the job marked its end after losing nodeb in the job" in output, output[-3000:]
+    print(f"host crash -> survivors' next step: {sum(v for v in lost['phases'].values() if v):.3f} s {lost['phases']}")
