@@ -1,6 +1,8 @@
 """A host that crashes under `launch` (every process on it SIGKILLed, its Open MPI daemon too): with the relay
 layout (mpiddp.launch.relay) the survivors recover in the job, as from a lost rank, and the job finishes without a
-restart; launch then ends the mpirun that waits for the dead host's ranks."""
+restart; launch then ends the mpirun that waits for the dead host's ranks.
+Not yet here: two ranks per host (both of nodeb's ranks lost at once: the survivors were seen to hang, with Open
+MPI's "NBC_Progress: an error 75 ... aborting the schedule", no recovery recorded)."""
 
 import json
 import os
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, mpirun):
-    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec"], tmp_path_factory.mktemp("crash-hosts"),
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec", "noded"], tmp_path_factory.mktemp("crash-hosts"),
                                       tag="h")) as hosts:
         yield hosts
 
@@ -40,19 +42,25 @@ def wait_for(condition, seconds, process):
     return condition()
 
 
-def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path):
+@pytest.mark.parametrize("hosts, num_ranks, relays, grown", [
+    ("nodea:1,nodeb:1,nodec:1", 3, "2 relays on this host carry 2 hosts", None),
+    ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "2 relays on this host carry 3 hosts", "noded"),
+], ids=["3-hosts", "4-hosts-spare"])
+def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path, hosts, num_ranks, relays, grown):
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
-    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "3", "--launcher", "mpirun", "--launcher-args",
+    command = launch_command("-H", hosts, "-np", str(num_ranks), "--launcher", "mpirun", "--launcher-args",
                              " ".join(cluster.transport_args()), "--run-dir", str(run_dir), "--", *job)
+    per_host = int(hosts.split(",")[0].split(":")[1])
     env, mark = drill_env()
     with log.open("w") as out:
         process = subprocess.Popen(cluster.command_on("nodea", command), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                    stdout=out, stderr=out)
     try:
-        assert wait_for(lambda: len(rank_pids(run_dir)) == 3 and _trained(run_dir), 180, process), \
+        assert wait_for(lambda: len(rank_pids(run_dir)) == num_ranks and _trained(run_dir), 180, process), \
             log.read_text()[-4000:]
-        survivors = {rank: pid for rank, pid in rank_pids(run_dir).items() if rank != 1}
+        lost_ranks = list(range(per_host, 2 * per_host))  # nodeb's (--map-by slot)
+        survivors = {rank: pid for rank, pid in rank_pids(run_dir).items() if rank not in lost_ranks}
         assert cluster.kill_host("nodeb") > 0
         assert wait_for(lambda: recovery_records(run_dir), 120, process), log.read_text()[-5000:]
         for pid in survivors.values():  # the survivors went on in the job: the same processes
@@ -63,11 +71,13 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
             process.kill()
         assert_nothing_left(mark)
     output = log.read_text()
-    assert "relay layout is on: 2 relays on this host carry 2 hosts" in output, output[-3000:]
+    assert f"relay layout is on: {relays}" in output, output[-3000:]
     assert process.returncode == 0, output[-5000:]
     (attempt,) = attempts(run_dir)["attempts"]  # no restart
     (lost,) = [r for r in attempt["recoveries"] if r.get("cause") != "grew"]
-    assert lost["hosts_lost"] == ["nodeb"] and lost["ranks_lost"] == [1], lost
+    assert lost["hosts_lost"] == ["nodeb"] and lost["ranks_lost"] == lost_ranks, lost
+    grew = [r for r in attempt["recoveries"] if r.get("cause") == "grew"]
+    assert [r["hosts_added"] for r in grew] == ([[grown]] if grown else []), attempt["recoveries"]
     assert recovery_records(run_dir)[0]["hosts_lost"] == ["nodeb"]
     assert "the job marked its end after losing nodeb in the job" in output, output[-3000:]
     print(f"host crash -> survivors' next step: {sum(v for v in lost['phases'].values() if v):.3f} s {lost['phases']}")
