@@ -1,8 +1,8 @@
 """A host that crashes under `launch` (every process on it SIGKILLed, its Open MPI daemon too): with the relay
 layout (mpiddp.launch.relay) the survivors recover in the job, as from a lost rank, and the job finishes without a
 restart; launch then ends the mpirun that waits for the dead host's ranks.
-Not yet here: two ranks per host (both of nodeb's ranks lost at once: the survivors were seen to hang, with Open
-MPI's "NBC_Progress: an error 75 ... aborting the schedule", no recovery recorded)."""
+The host is killed after step 2: a kill during step 1 can meet DDP's bucket rebuild in that step's forward, a
+collective the failure watch does not cover (the survivors then hang: seen with two ranks per host)."""
 
 import json
 import os
@@ -14,7 +14,9 @@ from conftest import REPO, rank_pids
 from fakehosts import FakeHosts, running_fake_hosts
 from test_drill import drill_env
 from test_launch_e2e import FAST, attempts, launch_command
-from test_leftovers import _trained, assert_nothing_left
+from test_leftovers import assert_nothing_left
+
+from mpiddp.failure import read_metrics
 
 pytestmark = pytest.mark.mpi
 
@@ -34,6 +36,10 @@ def recovery_records(run_dir):
         return []
 
 
+def last_step(run_dir):
+    return max((r["step"] for r in read_metrics(run_dir) if r.get("kind") != "start"), default=-1)
+
+
 def wait_for(condition, seconds, process):
     """Poll `condition` with a generous deadline (not synchronisation: the test fails if it never holds)."""
     deadline = time.monotonic() + seconds
@@ -44,8 +50,9 @@ def wait_for(condition, seconds, process):
 
 @pytest.mark.parametrize("hosts, num_ranks, relays, grown", [
     ("nodea:1,nodeb:1,nodec:1", 3, "2 relays on this host carry 2 hosts", None),
+    ("nodea:2,nodeb:2,nodec:2", 6, "2 relays on this host carry 2 hosts", None),
     ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "2 relays on this host carry 3 hosts", "noded"),
-], ids=["3-hosts", "4-hosts-spare"])
+], ids=["3-hosts", "3-hosts-2-ranks-each", "4-hosts-spare"])
 def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path, hosts, num_ranks, relays, grown):
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
@@ -57,7 +64,7 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
         process = subprocess.Popen(cluster.command_on("nodea", command), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                    stdout=out, stderr=out)
     try:
-        assert wait_for(lambda: len(rank_pids(run_dir)) == num_ranks and _trained(run_dir), 180, process), \
+        assert wait_for(lambda: len(rank_pids(run_dir)) == num_ranks and last_step(run_dir) >= 2, 180, process), \
             log.read_text()[-4000:]
         lost_ranks = list(range(per_host, 2 * per_host))  # nodeb's (--map-by slot)
         survivors = {rank: pid for rank, pid in rank_pids(run_dir).items() if rank not in lost_ranks}

@@ -377,7 +377,8 @@ class Supervisor:
         plan = self.plan
         if not plan.relay_layout.on:
             return ()
-        layout = decide_layout(plan.in_job_recovery.on, plan.launcher, plan.flavour, "Open MPI) 5.0.", hosts,
+        # the launcher passed make_plan's checks (relay_layout.on): only the attempt's hosts are judged again
+        layout = decide_layout(plan.in_job_recovery.on, plan.launcher, plan.flavour, "(Open MPI) 5.0.", hosts,
                                socket.gethostname(), plan.extra)
         if not layout.on:
             return ()
