@@ -57,7 +57,8 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
     command = launch_command("-H", hosts, "-np", str(num_ranks), "--launcher", "mpirun", "--launcher-args",
-                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir), "--", *job)
+                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir), "--host-crash-relays",
+                             "--", *job)
     per_host = int(hosts.split(",")[0].split(":")[1])
     env, mark = drill_env()
     with log.open("w") as out:

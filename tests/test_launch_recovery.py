@@ -442,7 +442,7 @@ def test_the_spare_hosts_go_to_mpirun_and_to_the_job_where_it_can_grow_back(tmp_
     command = attempt["command"]
     assert placed_hosts(command) == hosts and command[command.index("-np") + 1] == "2", command
     assert seen["exports"].get("MPIDDP_SPARE_HOSTS") == spares
-    assert ("--hostfile" in command) == (not flags)  # the relay layout, with in-job recovery on
+    assert "--hostfile" not in command  # the relay layout is opt-in (--host-crash-relays)
 
 
 def placed_hosts(command):

@@ -114,13 +114,17 @@ def test_a_host_that_cannot_be_reached_still_fails_the_start(wrapper):
     assert (status, out, calls) == (255, "", ["down"])
 
 
-def test_launch_says_the_layout_is_on_in_one_line_and_the_flag_turns_it_off(tmp_path, capsys):
+def test_launch_uses_the_layout_when_asked_saying_so_in_one_line_and_never_without_in_job_recovery(tmp_path, capsys):
     from test_launch_recovery import fake_open_mpi
 
     from mpiddp.launch.cli import make_plan
 
     launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls")  # Open MPI 5.0.3 with ULFM
     flags = ["-H", "nodea:1,nodeb:1,nodec:1", "--launcher-path", str(launcher), "--run-dir", str(tmp_path / "r")]
+    plan = make_plan([*flags, "--", "--epochs", "1"], {})
+    assert not plan.relay_layout.on  # opt-in: a silent host would no longer be noticed in seconds
+    assert "relay layout" not in capsys.readouterr().err
+    flags.append("--host-crash-relays")
     plan = make_plan([*flags, "--", "--epochs", "1"], {})
     assert plan.relay_layout.on and plan.relay_layout.num_relays == 2
     said = [line for line in capsys.readouterr().err.splitlines() if "relay layout" in line]

@@ -13,7 +13,10 @@ runs relays locally and, for a real host, has the remote side print a marker fir
 connection's end is reported as a clean one (exit 0), so a host lost mid-run is never a failed start. Before the
 marker, the agent's own status goes back (a host that cannot be reached still fails the start, as today).
 
-This rests on PRRTE's internals (errmgr_dvm.c vs errmgr_prted.c), so it is used with Open MPI 5.0 only.
+This rests on PRRTE's internals (errmgr_dvm.c vs errmgr_prted.c), so it is used with Open MPI 5.0 only. It is
+opt-in (RELAYS_FLAG): a *silent* host (power off, hung kernel: no connection reset) under the relays is noticed by
+no daemon that ends the job (mpirun's keepalive probes, command.NODE_LOSS_ARGS, end the attempt in ~16 s without
+the relays), so only the job's hang watchdog ends it (--hang-timeout, 600 s by default); seen on fake hosts.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ MARKER = "mpiddp-agent-connected"  # what the remote side prints once the agent'
 AGENT_FILE = "mpiddp-agent"  # the wrapper's file in the run dir
 HOSTFILE = "mpiddp-hostfile"
 RADIX_PARAM = "rml_base_radix"
+RELAYS_FLAG = "--host-crash-relays"  # launch's opt-in: a silent host is then no longer noticed in seconds
 
 
 @dataclass(frozen=True)
