@@ -87,5 +87,7 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
     grew = [r for r in attempt["recoveries"] if r.get("cause") == "grew"]
     assert [r["hosts_added"] for r in grew] == ([[grown]] if grown else []), attempt["recoveries"]
     assert recovery_records(run_dir)[0]["hosts_lost"] == ["nodeb"]
-    assert "the job marked its end after losing nodeb in the job" in output, output[-3000:]
+    # mpirun either waits for nodeb's ranks (launch ends it 5 s after the mark, from the job's records) or exits
+    # by itself after the mark (seen: 1, 134): never the 60 s wait of a launcher that lingers for no known reason
+    assert "s after the job marked its end: ending it" not in output, output[-3000:]
     print(f"host crash -> survivors' next step: {sum(v for v in lost['phases'].values() if v):.3f} s {lost['phases']}")

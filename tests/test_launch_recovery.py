@@ -551,10 +551,12 @@ def test_a_launcher_that_waits_for_a_host_the_job_lost_is_ended_soon_after_the_m
     the job as finished, not as a launcher crash."""
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
     monkeypatch.setattr(supervisor_module, "LOST_HOST_LINGER_S", 0.2)
+    monkeypatch.setattr(supervisor_module, "end_daemons", lambda *args, **kwargs: None)  # nodeb, nodec: not real
     run_dir = tmp_path / "run"
     launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=True)
-    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"],
-                     {})
+    plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:1", "--host-crash-relays", "--launcher-path",
+                      str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
+    assert plan.relay_layout.on
     assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     assert (attempt["status"], attempt["decision"], attempt["launcher_crash"]) == (0, "finished", ""), attempt

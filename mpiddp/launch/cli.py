@@ -15,7 +15,7 @@ from mpiddp.launch.command import (LAUNCHERS, NO_RECOVERY_FLAG, InJobRecovery, c
                                    decide_in_job_recovery, find_program, mpi_flavour, node_loss_args, ompi_info_text,
                                    users_ft_choice, version_text)
 from mpiddp.launch.hosts import HostListError, discover, place
-from mpiddp.launch.relay import RELAYS_FLAG, RelayLayout, decide_layout
+from mpiddp.launch.relay import NO_RELAYS, RELAYS_FLAG, decide_layout
 from mpiddp.errors import EXIT_USER_ERROR, UserError
 from mpiddp.launch.supervisor import Plan, Supervisor, say
 from mpiddp.runname import DEFAULT_RUNS_ROOT, new_timestamped_dir
@@ -131,7 +131,7 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     run_dir = writable_run_dir(args.run_dir)
     launcher, program, flavour, extra, version = pick_launcher(args, env, bool(hosts))
     recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra, mode)
-    layout = RelayLayout(False, "relay layout is off: no host list")
+    layout = NO_RELAYS
     if hosts and recovery.on and args.relays:  # recovery's own line says why it is off
         layout = decide_layout(recovery.on, launcher, flavour, version, free, socket.gethostname(), extra)
         say(layout.why)

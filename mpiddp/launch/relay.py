@@ -49,6 +49,9 @@ class RelayLayout:
     num_relays: int = 0
 
 
+NO_RELAYS = RelayLayout(False, "relay layout is off (launch --host-crash-relays asks for it)")
+
+
 def num_relays(num_hosts: int) -> int:
     """R relays for `num_hosts` compute hosts (besides the launch host): each carries at most R of them."""
     return max(1, math.ceil(math.sqrt(num_hosts)))

@@ -37,7 +37,7 @@ from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
-from mpiddp.launch.relay import RelayLayout, decide_layout, without_agent, write_layout
+from mpiddp.launch.relay import NO_RELAYS, RelayLayout, decide_layout, without_agent, write_layout
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -75,7 +75,7 @@ class Plan:
     made_run_dir: bool = False  # launch created run_dir: removed if training writes elsewhere and leaves it empty
     in_job_recovery: InJobRecovery = InJobRecovery(False, "in-job recovery is off")  # decided once per launch
     node_loss_args: tuple[str, ...] = ()  # so a silent host ends the attempt in seconds (command.node_loss_args)
-    relay_layout: RelayLayout = RelayLayout(False, "relay layout is off")  # a crashed host: in-job (launch.relay)
+    relay_layout: RelayLayout = NO_RELAYS  # a crashed host recovered in the job (launch.relay), when asked for
 
 
 @dataclass
@@ -356,11 +356,14 @@ class Supervisor:
             return attempt, ""
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
+        # Under the relays a host the job lost was lost whole (its daemon too): mpirun waits for its ranks forever,
+        # and nothing is left there to end. Elsewhere a lost rank's host keeps its daemon, which may need ending.
+        lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number), lambda: self._marked(attempt),
-                                          lambda: self._lost_hosts(attempt))
+                                          lost_whole)
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
-            lost = self._lost_hosts(attempt)  # nothing to end there, and a crashed host would not answer
+            lost = lost_whole()  # a crashed host would not answer
             end_daemons(host_agent(self.plan.extra, self.env),
                         [h.name for h in [*hosts, *spares] if not any(same_host(h.name, x) for x in lost)],
                         self.child.pid)
@@ -445,7 +448,7 @@ class Supervisor:
 
     def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path],
                 marked: Callable[[], bool] = lambda: False,
-                lost: Callable[[], list[str]] = lambda: []) -> tuple[int, str]:
+                lost: Callable[[], list[str]] = list) -> tuple[int, str]:
         """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
         until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (LOST_HOST_LINGER_S
         when the job's records say it `lost` a host: the launcher waits for that host's ranks; then it is ended);
@@ -572,7 +575,7 @@ def _pass_on(line: str, target: TextIO, tail: OutputKeeper) -> None:
 
 
 def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], bool],
-                           lost: Callable[[], list[str]] = lambda: []) -> int:
+                           lost: Callable[[], list[str]] = list) -> int:
     """The launcher's status once it exits; if it is still running FINISHED_LINGER_S after the job marked its
     end (a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return its -9. After a job
     whose records say it `lost` a host in the job (Open MPI's mpirun waits for that host's ranks forever), after
