@@ -5,16 +5,23 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from mpiddp import recoveries
-from mpiddp.launch.cli import LaunchError, make_plan
-from mpiddp.launch.command import (FT_ARGS, NODE_LOSS_ARGS, build_command, decide_in_job_recovery, node_loss_args,
-                                   open_mpi_major)
-from mpiddp.launch.hosts import Host
 from mpiddp.launch import supervisor as supervisor_module
+from mpiddp.launch.cli import LaunchError, make_plan
+from mpiddp.launch.command import (
+    FT_ARGS,
+    NODE_LOSS_ARGS,
+    build_command,
+    decide_in_job_recovery,
+    node_loss_args,
+    open_mpi_major,
+)
+from mpiddp.launch.hosts import Host
 from mpiddp.launch.supervisor import Supervisor
 from mpiddp.tools.report import attempt_lines, recovery_lines
 
@@ -79,7 +86,7 @@ def test_open_mpi_5_is_asked_to_notice_a_silent_host_in_seconds_unless_the_user_
     assert node_loss_args("srun", "openmpi", OPEN_MPI_5, []) == ()
 
 
-def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False):
+def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False, recovery=RECOVERY):
     """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
     launcher it writes a summary.json with one recovery into RUN_DIR (and, with `finishes`, the job's mark that it
     finished) and exits `status` (with `lingers`, never: it sleeps)."""
@@ -91,7 +98,7 @@ def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False
         f"#!{sys.executable}\nimport json, os, sys\n"
         "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
         "run_dir = os.environ['MPIDDP_RUN_DIR']\n"
-        f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{RECOVERY!r}]}}))\n"
+        f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{recovery!r}]}}))\n"
         + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else "")
         + ("import time\ntime.sleep(10**6)\n" if lingers else "")
         + f"sys.exit({status})\n")
@@ -129,7 +136,7 @@ def test_an_open_mpi_without_ulfm_or_the_flag_records_why_it_is_off(tmp_path, mo
         (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
         assert attempt["in_job_recovery"] is False and why in attempt["in_job_recovery_off"]
         assert "--with-ft" not in attempt["command"]
-        assert f"mpiddp launch: in-job recovery is off" in capsys.readouterr().err
+        assert "mpiddp launch: in-job recovery is off" in capsys.readouterr().err
     with pytest.raises(LaunchError, match="--no-in-job-recovery and --launcher-args --with-ft ulfm contradict"):
         make_plan(["-np", "2", "--launcher-path", str(launcher), "--no-in-job-recovery", "--launcher-args",
                    "--with-ft ulfm", "--run-dir", str(tmp_path), "--", "--epochs", "1"], {})
@@ -293,7 +300,8 @@ def test_a_launcher_that_lingers_after_the_jobs_finished_mark_is_ended_and_the_j
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
     monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.5)
     run_dir = tmp_path / "run"
-    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=True)
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=True,
+                             recovery={**RECOVERY, "cause": "hang", "hosts_lost": []})
     plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"],
                      {})
     assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
@@ -432,8 +440,18 @@ def test_the_spare_hosts_go_to_mpirun_and_to_the_job_where_it_can_grow_back(tmp_
     supervisor.run()
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     command = attempt["command"]
-    assert command[command.index("-H") + 1] == hosts and command[command.index("-np") + 1] == "2", command
+    assert placed_hosts(command) == hosts and command[command.index("-np") + 1] == "2", command
     assert seen["exports"].get("MPIDDP_SPARE_HOSTS") == spares
+    assert "--hostfile" not in command  # the relay layout is opt-in (--host-crash-relays)
+
+
+def placed_hosts(command):
+    """`-H`'s hosts, or the relay layout's hostfile's hosts with slots (the launch host and relays have none)."""
+    if "-H" in command:
+        return command[command.index("-H") + 1]
+    lines = Path(command[command.index("--hostfile") + 1]).read_text().split("\n")
+    entries = [line.split() for line in lines if line and not line.endswith("slots=0")]
+    return ",".join(f"{name}:{slots.split('=')[1]}" for name, slots in entries)
 
 
 @pytest.mark.parametrize("recovery_time", ["after the record", "not recorded"])
@@ -525,3 +543,23 @@ def test_a_launcher_that_fails_during_the_jobs_spawn_is_not_evidence_against_any
     assert first["launcher_crash"] == f"during the job's spawn onto {spare}", first
     assert second["hosts"] == [h for h in ("nodea", "nodec", "noded")[:np]], second
     assert f"a launcher's failure during a spawn is not held against {lost_daemon}" in capsys.readouterr().err
+
+
+def test_a_launcher_that_waits_for_a_host_the_job_lost_is_ended_soon_after_the_mark(tmp_path, monkeypatch, capsys):
+    """Open MPI's mpirun waits forever for the ranks of a host that crashed (the relay layout survives it): launch
+    learns the lost host from the job's records, ends the launcher LOST_HOST_LINGER_S after the mark, and takes
+    the job as finished, not as a launcher crash."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    monkeypatch.setattr(supervisor_module, "LOST_HOST_LINGER_S", 0.2)
+    monkeypatch.setattr(supervisor_module, "end_daemons", lambda *args, **kwargs: None)  # nodeb, nodec: not real
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=True)
+    plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:1", "--host-crash-relays", "--launcher-path",
+                      str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
+    assert plan.relay_layout.on
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert (attempt["status"], attempt["decision"], attempt["launcher_crash"]) == (0, "finished", ""), attempt
+    said = capsys.readouterr().err
+    assert "the job marked its end after losing nodeb in the job (its records)" in said, said
+    assert "the launcher exited" not in said, said

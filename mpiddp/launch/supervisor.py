@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +37,7 @@ from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
+from mpiddp.launch.relay import NO_RELAYS, RelayLayout, decide_layout, without_agent, write_layout
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -46,6 +48,9 @@ RELAY_DRAIN_S = 10.0
 # How long the launcher may outlive a job that marked its end (under MPI fault tolerance) before launch ends it:
 # a process that lingers after the job's results are written must not hold an unwatched run forever.
 FINISHED_LINGER_S = 60.0
+# The same after a job that lost a host in the job (its records say which): Open MPI's mpirun then waits for that
+# host's ranks forever, so it is ended once it had a moment to end by itself.
+LOST_HOST_LINGER_S = 5.0
 RELAY_POLL_S = 0.1  # how often a relay looks for new output
 
 
@@ -70,6 +75,7 @@ class Plan:
     made_run_dir: bool = False  # launch created run_dir: removed if training writes elsewhere and leaves it empty
     in_job_recovery: InJobRecovery = InJobRecovery(False, "in-job recovery is off")  # decided once per launch
     node_loss_args: tuple[str, ...] = ()  # so a silent host ends the attempt in seconds (command.node_loss_args)
+    relay_layout: RelayLayout = NO_RELAYS  # a crashed host recovered in the job (launch.relay), when asked for
 
 
 @dataclass
@@ -206,6 +212,7 @@ class Supervisor:
         self.launch_id = uuid.uuid4().hex[:12]
         self.earlier, self.launch = earlier_launches(plan.run_dir)
         self.num_ranks = plan.num_ranks  # the next attempt's: fewer after a shrink (--min-np)
+        self.ended_after_loss = False  # launch ended a launcher that waited for a lost host's ranks
 
     @property
     def child_stop(self) -> signal.Signals:
@@ -325,9 +332,13 @@ class Supervisor:
         if spares:  # where the job grows back after an in-job recovery (mpiddp.elastic.grow)
             exports[SPARE_HOSTS_ENV] = ",".join(f"{h.name}:{h.slots}" for h in spares)
         env = {**self.env, **exports}
-        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, [*hosts, *spares], num_ranks,
-                                list(self.plan.inner), exports, excluded, self.plan.extra,
-                                ft_args=(*self.plan.in_job_recovery.add_args, *self.plan.node_loss_args))
+        placed, extra, layout_args = [*hosts, *spares], self.plan.extra, self._relay_args([*hosts, *spares])
+        if layout_args:  # the hostfile with the relays, and the agent wrapper over the user's agent
+            placed, extra = [], without_agent(extra)
+        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, placed, num_ranks,
+                                list(self.plan.inner), exports, excluded, extra,
+                                ft_args=(*self.plan.in_job_recovery.add_args, *self.plan.node_loss_args,
+                                         *layout_args))
         failure.clear(self.failure_file)  # records from an earlier attempt must not explain this one
         (self.plan.run_dir / JOB_RECORD_FILE).unlink(missing_ok=True)  # nor an earlier job's record describe it
         recovery = self.plan.in_job_recovery
@@ -345,16 +356,37 @@ class Supervisor:
             return attempt, ""
         if self.stop_signal:  # a signal that came before the launcher existed (not counted again as a Ctrl-C)
             os.kill(self.child.pid, self.child_stop)
+        # Under the relays a host the job lost was lost whole (its daemon too): mpirun waits for its ranks forever,
+        # and nothing is left there to end. Elsewhere a lost rank's host keeps its daemon, which may need ending.
+        lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
-            status, output = self._follow(self.child, self._output_paths(number), lambda: self._marked(attempt))
+            status, output = self._follow(self.child, self._output_paths(number), lambda: self._marked(attempt),
+                                          lost_whole)
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
-            end_daemons(host_agent(self.plan.extra, self.env), [h.name for h in [*hosts, *spares]], self.child.pid)
+            lost = lost_whole()  # a crashed host would not answer
+            end_daemons(host_agent(self.plan.extra, self.env),
+                        [h.name for h in [*hosts, *spares] if not any(same_host(h.name, x) for x in lost)],
+                        self.child.pid)
         self.child = None
         attempt.status = 128 - status if status < 0 else status
         attempt.ended_at = time.time()
         if attempt.in_job_recovery:
             attempt.status = status_under_fault_tolerance(attempt.status, failure.read_all(self.failure_file))
         return attempt, output
+
+    def _relay_args(self, hosts: list[Host]) -> tuple[str, ...]:
+        """The launcher arguments of the relay layout for an attempt on `hosts` (none when it is off, or when the
+        attempt's hosts no longer need it); its hostfile and agent wrapper are written into the run dir."""
+        plan = self.plan
+        if not plan.relay_layout.on:
+            return ()
+        # the launcher passed make_plan's checks (relay_layout.on): only the attempt's hosts are judged again
+        layout = decide_layout(plan.in_job_recovery.on, plan.launcher, plan.flavour, "(Open MPI) 5.0.", hosts,
+                               socket.gethostname(), plan.extra)
+        if not layout.on:
+            return ()
+        return write_layout(plan.run_dir, host_agent(plan.extra, self.env), socket.gethostname(), hosts,
+                            layout.num_relays)
 
     def _ender(self, attempt: Attempt) -> contextlib.AbstractContextManager[Any]:
         """While the attempt runs under in-job recovery: ends the hung ranks the job names (mpiddp.launch.ender)."""
@@ -374,6 +406,12 @@ class Supervisor:
         return attempt.in_job_recovery and self.plan.mode == "train" and finished_since(self.plan.run_dir,
                                                                                          attempt.started_at)
 
+    def _lost_hosts(self, attempt: Attempt) -> list[str]:
+        """The hosts the job lost in this attempt and recovered from in the job, from its records."""
+        found = recoveries.of_attempt(self.plan.run_dir, self.failure_file, attempt.started_at)
+        return list(dict.fromkeys(host for item in found if not recoveries.is_grow(item)
+                                  for host in item.get("hosts_lost") or [] if isinstance(host, str)))
+
     def _job_status(self, attempt: Attempt) -> int | None:
         """The attempt's status as the job's evidence tells it. Under MPI fault tolerance a 0 counts only with
         training's mark that it ended (mpirun --with-ft ulfm exits 0 when every rank was killed), and the mark
@@ -382,6 +420,8 @@ class Supervisor:
         if attempt.status == 0 and not self._finished(attempt):
             return EXIT_CRASH
         if attempt.status not in (0, None) and not self.stop_signal and self._marked(attempt):
+            if self.ended_after_loss:  # launch ended it: not a crash of the launcher
+                return 0
             attempt.launcher_crash = f"after the job marked its end (exit status {attempt.status})"
             say(f"attempt {attempt.number}: the launcher exited {attempt.status} after the job marked its end "
                 f"(every rank finished and wrote its results): taken as finished")
@@ -407,9 +447,11 @@ class Supervisor:
                                     start_new_session=True, preexec_fn=supervision.launcher_preexec(self.child_stop))
 
     def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path],
-                marked: Callable[[], bool] = lambda: False) -> tuple[int, str]:
+                marked: Callable[[], bool] = lambda: False,
+                lost: Callable[[], list[str]] = list) -> tuple[int, str]:
         """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
-        until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (then it is ended);
+        until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (LOST_HOST_LINGER_S
+        when the job's records say it `lost` a host: the launcher waits for that host's ranks; then it is ended);
         then kill what is left of its session, so nothing of the attempt stays.
         (launcher's status, the last lines of its output)."""
         tail = OutputKeeper(OUTPUT_TAIL_LINES)  # evidence lines wherever they appear, and the last lines
@@ -418,7 +460,9 @@ class Supervisor:
                   for path, target in zip(paths, (sys.stdout, sys.stderr))]
         for relay in relays:
             relay.start()
-        status = _wait_unless_lingering(child, marked)
+        self.ended_after_loss = False
+        status = _wait_unless_lingering(child, marked, lost)
+        self.ended_after_loss = status == -signal.SIGKILL and bool(lost()) and marked()
         end_session(child.pid)
         done.set()  # the relays read to the end of what was written, then stop
         deadline = time.monotonic() + RELAY_DRAIN_S
@@ -530,10 +574,14 @@ def _pass_on(line: str, target: TextIO, tail: OutputKeeper) -> None:
     tail.append(line)
 
 
-def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], bool]) -> int:
+def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], bool],
+                           lost: Callable[[], list[str]] = list) -> int:
     """The launcher's status once it exits; if it is still running FINISHED_LINGER_S after the job marked its
-    end (a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return its -9."""
+    end (a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return its -9. After a job
+    whose records say it `lost` a host in the job (Open MPI's mpirun waits for that host's ranks forever), after
+    LOST_HOST_LINGER_S."""
     mark_seen: float | None = None
+    hosts: list[str] = []
     while True:
         try:
             return child.wait(timeout=1.0)
@@ -541,8 +589,15 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
             pass
         if mark_seen is None:
             mark_seen = time.monotonic() if marked() else None
-        elif time.monotonic() - mark_seen > FINISHED_LINGER_S:
-            say(f"the launcher still runs {FINISHED_LINGER_S:g} s after the job marked its end: ending it")
+            hosts = lost() if mark_seen is not None else []
+            continue
+        allowed = LOST_HOST_LINGER_S if hosts else FINISHED_LINGER_S
+        if time.monotonic() - mark_seen > allowed:
+            if hosts:
+                say(f"the job marked its end after losing {', '.join(hosts)} in the job (its records): the launcher "
+                    f"waits for that host's ranks, which never end; ending it")
+            else:
+                say(f"the launcher still runs {FINISHED_LINGER_S:g} s after the job marked its end: ending it")
             end_session(child.pid)
             return child.wait()
 
