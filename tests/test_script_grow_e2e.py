@@ -12,6 +12,7 @@ import pytest
 
 from conftest import find_mpirun
 from fakehosts import FakeHosts, running_fake_hosts
+from mpiddp import failure
 from test_recovery_e2e import _ulfm_missing
 from test_script_recovery_e2e import AT_STEP, PROGRAM, STEPS, Script
 
@@ -88,6 +89,12 @@ def test_under_launch_a_script_grows_back_onto_its_spare_host(hosts, tmp_path):
     status = script.finish()
     output = script.output()
     finals = script.finals_by_key()
+    spawn = failure.spawning(run_dir / failure.FAILURES_DIR)  # the job's mark: a spawn that never ended
+    if status != 0 and spawn is not None:
+        # Open MPI 5.0.11's prterun can crash in MPI_Comm_spawn ("free(): invalid pointer"): with --max-restarts
+        # 0 the attempt is lost (the spare-joins issue; test_one_rank_lost shows launch's relaunch finishing)
+        pytest.xfail(f"mpirun crashed (status {status}) during the spawn onto {', '.join(spawn[0])}: Open MPI "
+                     "5.0.11's spawn bug (docs/recovery.md)")
     assert status == 0, output[-6000:]
     assert sorted(finals) == ["0", "2", "joined.2"], output[-6000:]
     assert {(final["step"], final["world_size"]) for final in finals.values()} == {(STEPS, 3)}, finals
