@@ -38,6 +38,18 @@ def attempts(run_dir):
     return record
 
 
+def describe_attempts(run_dir, tried):
+    """Each attempt's hosts, cause and decision with the end of its launcher output: what a failed count needs."""
+    parts = []
+    for attempt in tried:
+        err = run_dir / f"attempt{attempt['number']}.err"
+        tail = err.read_text()[-1500:] if err.exists() else "(no output kept)"
+        parts.append(f"attempt {attempt['number']} on {attempt['hosts']}: status {attempt['status']}, cause "
+                     f"{attempt['cause']} {attempt['failed_hosts']}, {attempt['message']!r}, {attempt['decision']!r}"
+                     f"\n{tail}")
+    return "\n".join(parts)
+
+
 def assert_downtime(attempt):
     """A failed attempt's downtime is there, positive, and its phases (all of them, in order) add up to it."""
     from mpiddp.failure import DOWNTIME_PHASES
@@ -426,6 +438,8 @@ def test_mpich_a_host_it_cannot_reach_is_left_out_for_the_spare(hosts, mpich, tm
     job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300,
                       env=mpich_env(mpich, FI_TCP_IFACE="eth0"))
     assert job.returncode == 0, job.output[-5000:]
-    first, second = attempts(run_dir)["attempts"]
+    tried = attempts(run_dir)["attempts"]
+    assert len(tried) == 2, describe_attempts(run_dir, tried)  # seen once in CI: 3 (cause unknown, hence the detail)
+    first, second = tried
     assert (first["cause"], first["failed_hosts"]) == ("unreachable", ["nodeb"]), first  # Hydra: ssh's own line
     assert second["hosts"] == ["nodea", "nodec"] and job.summary["hosts"] == {"nodea": [0], "nodec": [1]}
