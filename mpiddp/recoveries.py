@@ -4,7 +4,8 @@ failures directory (recoveries.jsonl, for a job that a later failure ends), read
 Stdlib only: `launch` (which mentions them in its attempts) and `report` both read them. Each item is
 {"cause", "ranks_lost", "hosts_lost", "step", "steps_lost", "world_before", "world_after", "phases"}, with
 `phases` in seconds per RECOVERY_PHASES; the downtime is their sum (from the failure to the first step after).
-`cause`: "process_failed" (a rank died), or "hang" (the hang watchdog ended a rank that stopped answering).
+`cause`: "process_failed" (a rank died), "hang" (the hang watchdog ended a rank that stopped answering), or
+"silent_host" (a host went silent and the survivors cut it off: mpiddp.job.silenthost).
 A grow back to full size is an item of the same list with cause "grew", `ranks_added`, `hosts_added` and
 GROW_PHASES (its downtime: from the spawn to the first step on the grown job).
 """

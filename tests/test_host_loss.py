@@ -15,6 +15,7 @@ from fakehosts import FakeHosts, running_fake_hosts
 from test_drill import drill_env
 from test_launch_e2e import FAST, attempts, launch_command
 from test_leftovers import assert_nothing_left
+from test_node_loss import go_silent, power_off
 
 from mpiddp.failure import read_metrics
 
@@ -91,3 +92,41 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
     # by itself after the mark (seen: 1, 134): never the 60 s wait of a launcher that lingers for no known reason
     assert "s after the job marked its end: ending it" not in output, output[-3000:]
     print(f"host crash -> survivors' next step: {sum(v for v in lost['phases'].values() if v):.3f} s {lost['phases']}")
+
+
+def test_a_silent_host_is_cut_off_by_the_survivors_and_costs_an_in_job_recovery(cluster, tmp_path):
+    """Every process of nodeb stopped and its link down (power lost, kernel hung): nothing closes a connection.
+    Rank 0's hang watchdog sees nodeb's rank stop reporting and nodeb answer no connection, and every survivor cuts
+    its connections to it: MPI declares the rank failed, and the survivors go on in the job, long before the
+    --hang-timeout (600 s here) or TCP's own minutes."""
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "3", "--launcher", "mpirun", "--launcher-args",
+                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir), "--host-crash-relays",
+                             "--", *job)
+    env, mark = drill_env()
+    with log.open("w") as out:
+        process = subprocess.Popen(cluster.command_on("nodea", command), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=out)
+    stopped = []
+    try:
+        assert wait_for(lambda: len(rank_pids(run_dir)) == 3 and last_step(run_dir) >= 2, 180, process), \
+            log.read_text()[-4000:]
+        survivors = {rank: pid for rank, pid in rank_pids(run_dir).items() if rank != 1}
+        stopped = go_silent(cluster, "nodeb")
+        assert wait_for(lambda: recovery_records(run_dir), 120, process), log.read_text()[-5000:]
+        for pid in survivors.values():  # the same processes went on
+            os.kill(pid, 0)
+        process.wait(timeout=240)
+    finally:
+        power_off(cluster, "nodeb", stopped)
+        if process.poll() is None:
+            process.kill()
+        assert_nothing_left(mark)
+    output = log.read_text()
+    assert process.returncode == 0, output[-5000:]
+    assert "host nodeb (ranks 1) went silent: no report for 10 s and no answer at 10.77.0.2" in output, output[-4000:]
+    (attempt,) = attempts(run_dir)["attempts"]  # no restart
+    (lost,) = attempt["recoveries"]
+    assert (lost["cause"], lost["hosts_lost"], lost["ranks_lost"]) == ("silent_host", ["nodeb"], [1]), lost
+    print(f"silent host -> survivors' next step: {sum(v for v in lost['phases'].values() if v):.3f} s {lost['phases']}")

@@ -166,6 +166,12 @@ def test_watchers_pace_themselves_so_rank_0s_store_load_stays_flat_as_the_world_
         watchdog = Watchdog(600, 0, world, "rank 0", None, lambda code: None)
         assert store_rate(world, REQUESTS_PER_INTERVAL, watchdog.interval) <= STORE_REQUESTS_PER_S + 1e-9
         assert watchdog.interval <= 600 / 5  # still several reports within the timeout
+    for world in (2, 256, 1024, 3000):  # in-job recovery asks one more (silent hosts): up to 3,000 ranks
+        watchdog = Watchdog(600, 0, world, "rank 0", object(), lambda code: None, {0: "a", 1: "b"})
+        watchdog.watch_hosts()
+        assert store_rate(world, watchdog.requests_per_interval, watchdog.interval) <= STORE_REQUESTS_PER_S + 1e-9
+        assert watchdog.requests_per_interval == REQUESTS_PER_INTERVAL + 1 and watchdog.interval <= 600 / 5
+    assert watchdog.quiet is not None and watchdog.quiet.bound_s == 3 * watchdog.interval  # a big job: its pace
     # a timeout too short for the pace: the timeout wins, so a hang is still caught and its culprit still judged
     short = Watchdog(20, 0, 4096, "rank 0", None, lambda code: None)
     assert short.interval == 20 / 5

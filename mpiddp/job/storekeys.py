@@ -18,6 +18,9 @@ HANG_REPORTS = f"{PREFIX}/hang-reports"  # the first watchdog to fire (its add r
 # in-job recovery: the ranks behind, to be ended so that MPI declares them failed (JSON: rank -> pid, host, and
 # whether to end them now: only once the hang file is written)
 HANG_EXCLUDE = f"{PREFIX}/hang-exclude"
+# in-job recovery: the hosts gone silent (mpiddp.job.silenthost), named by rank 0's watchdog (JSON: a list of
+# host, its addresses, its ranks, how long they were quiet): every rank cuts its connections to them
+SILENT_HOSTS = f"{PREFIX}/silent-hosts"
 
 # the finish watch (mpiddp.job.finishwatch)
 FINISHED = f"{PREFIX}/finished"  # how many ranks' scripts finished

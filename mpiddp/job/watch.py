@@ -51,7 +51,8 @@ class StoreMixin:
 
     def progress_of_all(self) -> dict[int, dict[str, Any]]:
         keys = [storekeys.progress(rank) for rank in range(self.world_size)]
-        present = [key for key in keys if self.store.check([key])]
+        # one request when every rank reported (as a running job's have), else one per key
+        present = keys if self.store.check(keys) else [key for key in keys if self.store.check([key])]
         values = self.store.multi_get(present) if present else []
         return {storekeys.rank_of_progress(key): json.loads(value) for key, value in zip(present, values)}
 
@@ -85,6 +86,14 @@ class StoreMixin:
         """The first watchdog's plan for the ranks behind (in-job recovery), or None when there is none."""
         key = storekeys.HANG_EXCLUDE
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def put_silent_hosts(self, hosts: list[dict[str, Any]]) -> None:
+        self.store.set(storekeys.SILENT_HOSTS, json.dumps(hosts))
+
+    def silent_hosts(self) -> list[dict[str, Any]]:
+        """The hosts rank 0's watchdog found silent (in-job recovery), each with its addresses and ranks."""
+        key = storekeys.SILENT_HOSTS
+        return json.loads(self.store.get(key)) if self.store.check([key]) else []
 
     def put_trace_answer(self, failed: str | None) -> None:
         self.store.set(storekeys.trace(self.rank), failed or "")

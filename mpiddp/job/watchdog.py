@@ -25,7 +25,8 @@ from mpiddp.failure import FailureRecord, ask_to_end, records_dir, write_rank
 from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
 from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
-from mpiddp.job.storeload import store_rate
+from mpiddp.job.silenthost import SILENT_HOST_S, QuietHosts, cut_connections, host_addresses, kernel_answers
+from mpiddp.job.storeload import paced_interval, store_rate
 from mpiddp.job.watch import Ending, Watcher, own_stacks
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ READ_DUMPS_S = 30.0  # the most the hang report spends reading the ranks' flight
 STEP_PHASES = ("data", "compute", "communication")
 EXCLUDE_WAIT_MIN_S = 10.0  # in-job recovery: at least this long for a hung rank to be ended and the recovery to begin
 REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advance the clock, publish, look for a request
+# in-job recovery: one more, to look for silent hosts (rank 0 also reads every rank's record: two requests)
+HOST_WATCH_REQUESTS = REQUESTS_PER_INTERVAL + 1
+HOST_WATCH_INTERVAL_S = 2.0  # in-job recovery: reports this often (in a small job), for the silent-host watch
 
 
 class Watchdog(Watcher):
@@ -72,6 +76,13 @@ class Watchdog(Watcher):
         self.exclude_hung = False
         self.excluded: set[int] = set()  # ranks of this world that a hang ends (the recovery's cause is "hang")
         self.ended: set[int] = set()  # pids this watchdog ended
+        self.requests_per_interval = REQUESTS_PER_INTERVAL
+        # In-job recovery: the silent-host watch (mpiddp.job.silenthost); rank 0 judges, every rank cuts
+        self.addresses: list[str] = []  # this host's addresses, in the progress record: where peers connect to it
+        self.quiet: QuietHosts | None = None  # rank 0's view of which hosts stopped reporting
+        self.judged: set[str] = set()  # hosts rank 0 found quiet and probed (each once)
+        self.cut_hosts: set[str] = set()  # hosts this rank cut its connections to
+        self.silenced: set[int] = set()  # ranks of this world on the hosts cut off (the recovery's cause)
 
     @classmethod
     def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None, exclude_hung: bool = False) -> Watchdog:
@@ -86,13 +97,29 @@ class Watchdog(Watcher):
         watchdog = cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
                        records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
         watchdog.exclude_hung = exclude_hung
+        if exclude_hung and watchdog.active:
+            watchdog.watch_hosts()
         return watchdog
+
+    def watch_hosts(self) -> None:
+        """In-job recovery: rank 0 looks for silent hosts, every rank cuts its connections to those it names, and
+        every rank reports often enough for a silent host to be noticed after SILENT_HOST_S (in a big job, after
+        STALE_INTERVALS of the intervals the store's pace allows)."""
+        self.addresses = host_addresses()
+        self.requests_per_interval = HOST_WATCH_REQUESTS
+        self.interval = paced_interval(min(self.interval, HOST_WATCH_INTERVAL_S), self.world_size,
+                                       HOST_WATCH_REQUESTS, self.timeout_s)
+        own = self.host_of_rank.get(self.rank, "")
+        if self.rank == 0 and len(set(self.host_of_rank.values())) > 1:
+            self.quiet = QuietHosts(self.host_of_rank, own, max(SILENT_HOST_S, STALE_INTERVALS * self.interval))
 
     def starting(self) -> None:
         self._publish_now()
         if self.rank == 0:
-            log.info("hang watchdog: each rank reports every %.1f s (%.0f requests/s to rank 0's store)",
-                     self.interval, store_rate(self.world_size, REQUESTS_PER_INTERVAL, self.interval))
+            log.info("hang watchdog: each rank reports every %.1f s (%.0f requests/s to rank 0's store)%s",
+                     self.interval, store_rate(self.world_size, self.requests_per_interval, self.interval),
+                     f"; a host whose ranks stop reporting for {self.quiet.bound_s:.0f} s and whose kernel does not "
+                     "answer is cut off (in-job recovery)" if self.quiet else "")
 
     def beat(self, phase: str, step: int) -> None:
         self.phase, self.step, self.last_beat = phase, step, time.monotonic()
@@ -113,12 +140,13 @@ class Watchdog(Watcher):
 
     def follow(self, dist: Dist, run_dir: Path | None = None) -> None:
         """In-job recovery ended: watch again, on the survivors' new store, under this rank's new number."""
-        fresh = Watchdog.for_job(self.timeout_s, dist, run_dir or self.run_dir)
+        fresh = Watchdog.for_job(self.timeout_s, dist, run_dir or self.run_dir, self.exclude_hung)
         self.stopped.set()  # the old thread ends at its next wake-up (it holds the old event)
         self.interval, self.host_of_rank, self.failure_dir = fresh.interval, fresh.host_of_rank, fresh.failure_dir
         self.rank, self.world_size, self.label, self.store = fresh.rank, fresh.world_size, fresh.label, fresh.store
         self.answered, self.last_beat = False, time.monotonic()
         self.excluded = set()  # rank numbers of the old world
+        self.quiet, self.judged, self.cut_hosts, self.silenced = fresh.quiet, set(), set(), set()
         self.own_ticks.clear()
         self.stopped = threading.Event()
         self.recovering = False
@@ -139,8 +167,9 @@ class Watchdog(Watcher):
         # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
         # counter in the store that every publish advances, never off wall clocks, which differ across hosts.
         tick = self.advance_clock()
-        self.put_progress({"phase": self.phase, "step": self.step,
-                           "idle_s": round(time.monotonic() - self.last_beat, 1), "tick": tick, "pid": os.getpid()})
+        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1),
+                  "tick": tick, "pid": os.getpid()}
+        self.put_progress({**record, "addresses": self.addresses} if self.addresses else record)
         self.own_ticks.append(tick)
 
     def poll(self) -> Ending | None:
@@ -154,7 +183,45 @@ class Watchdog(Watcher):
             self._answer()
         elif self.exclude_hung and self.answered:  # a hang under in-job recovery: end a rank behind on this host
             self._end_here(self.exclusion(), first=False)
+        if self.addresses:
+            self._watch_for_silent_hosts()
         return None
+
+    def _watch_for_silent_hosts(self) -> None:
+        """Cut this rank's connections to the hosts rank 0 named silent; rank 0 first judges the quiet ones."""
+        named = self.silent_hosts()
+        if self.quiet is not None:
+            progress = self.progress_of_all()
+            for host in [h for h in self.quiet.observe(progress, time.monotonic()) if h not in self.judged]:
+                self.judged.add(host)
+                entry = self._judge(host, progress)
+                if entry is not None:
+                    named.append(entry)
+                    self.put_silent_hosts(named)
+        for entry in named:
+            if entry["host"] not in self.cut_hosts and entry["host"] != self.host_of_rank.get(self.rank):
+                self.cut_hosts.add(entry["host"])
+                self.silenced.update(int(rank) for rank in entry["ranks"])
+                cut_connections(entry["addresses"])
+
+    def _judge(self, host: str, progress: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+        """Rank 0: a host whose ranks all stopped reporting, named silent when its kernel answers no connection
+        either (the entry for the store); None when it answers (stopped ranks: the hang watchdog's case)."""
+        assert self.quiet is not None
+        ranks = sorted(rank for rank, where in self.host_of_rank.items() if where == host)
+        addresses = sorted({a for r in ranks for a in progress.get(r, {}).get("addresses", [])} - set(self.addresses))
+        quiet_s = self.quiet.bound_s
+        shown = f"host {host} (ranks {', '.join(map(str, ranks))})"
+        if not addresses or kernel_answers(addresses):
+            log.warning("hang watchdog: %s stopped reporting %.0f s ago, but %s: not cut off (if its ranks are "
+                        "stuck, --hang-timeout ends them)", shown, quiet_s,
+                        "it answers connections" if addresses else "its addresses are unknown")
+            return None
+        sys.stderr.write(f"mpiddp: hang watchdog: {shown} went silent: no report for {quiet_s:.0f} s and no answer "
+                         f"at {', '.join(addresses)}; every rank cuts its connections to it, so that MPI declares "
+                         "its ranks failed and the job goes on without it\n")
+        sys.stderr.flush()
+        return {"host": host, "addresses": addresses, "ranks": ranks, "quiet_s": quiet_s}
 
     def store_failed(self, exc: Exception) -> None:
         if not self.recovering and STORE_UNANSWERED.search(str(exc)):

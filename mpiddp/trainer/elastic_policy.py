@@ -66,7 +66,8 @@ class TrainerPolicy(Policy):
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
         self.where = ""  # what `attempt` runs now: train or eval
         self.grower = GrowBack.from_env()  # back to full size after a recovery
-        self._failure: tuple[bool, set[int], int] = (False, set(), 0)  # in a step, hung ranks, step: at the shrink
+        # in a step, hung ranks, ranks cut off with a silent host, step: at the shrink
+        self._failure: tuple[bool, set[int], set[int], int] = (False, set(), set(), 0)
 
     @classmethod
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
@@ -156,8 +157,10 @@ class TrainerPolicy(Policy):
 
     def before_shrink(self) -> None:
         parts = self.parts
-        hung = set(getattr(parts.watchdog, "excluded", ()))  # ranks the hang watchdog ended (before it follows)
-        self._failure = (self.in_step, hung, parts.state.step)
+        # ranks the hang watchdog ended, or cut off with their silent host (before it follows the survivors)
+        hung = set(getattr(parts.watchdog, "excluded", ()))
+        silent = set(getattr(parts.watchdog, "silenced", ()))
+        self._failure = (self.in_step, hung, silent, parts.state.step)
         parts.watchdog.suspend()
 
     def resume(self, dist: Dist, before: Any, failed: tuple[int, ...]) -> tuple[str, Any]:
@@ -176,13 +179,13 @@ class TrainerPolicy(Policy):
 
     def settle(self, before: Any, failed: tuple[int, ...], phases: dict[str, Any], outcome: Any) -> None:
         """The recovery into this rank's records (summary.json's, the failures directory's) and rank 0's lines."""
-        (caught_up, split), (in_step, hung, step), dist = outcome, self._failure, self.dists[0]
+        (caught_up, split), (in_step, hung, silent, step), dist = outcome, self._failure, self.dists[0]
         phases["first_step"] = None
         hosts, directory = hosts_of(before, failed), self.records_dir()
         unless_end_decided(directory, failed)  # decided during the shrink: nothing goes on record
         self.records.append({
             "time": time.time(),  # launch weighs it against the failure records' times (the end decided before it?)
-            "cause": "hang" if hung & set(failed) else "process_failed",
+            "cause": "hang" if hung & set(failed) else "silent_host" if silent & set(failed) else "process_failed",
             "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
             "steps_lost": 1 if in_step and not caught_up else 0,
             "world_before": before.world_size, "world_after": dist.world_size, "phases": phases,
