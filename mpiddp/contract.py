@@ -27,6 +27,10 @@ SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of `launch`: the job records it
 HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"  # set by a rank for its loader helpers: the pid they must die with
 MIN_NP_ENV = "MPIDDP_MIN_NP"  # launch --min-np: in-job recovery goes on with no fewer ranks (1 when unset)
 SPARE_HOSTS_ENV = "MPIDDP_SPARE_HOSTS"  # host[:slots],...: where a job that lost ranks grows back (MPI_Comm_spawn)
+# "1" when launch runs the job under its relay layout (mpiddp.launch.relay): a lost host's daemon no longer ends the
+# job, so the survivors may cut a silent host off and go on (mpiddp.job.silenthost); without the relays mpirun ends
+# the job on such a host by itself, and launch relaunches without it
+HOST_RELAYS_ENV = "MPIDDP_HOST_RELAYS"
 MASTER_ADDR_ENV = "MPIDDP_MASTER_ADDR"  # --master-addr's default (set by the user, not by launch)
 JOB_RECORD_FILE = "job.json"
 # Written by a training job under `launch` when it ended as it should (trained, or nothing left to train): Open MPI's

@@ -151,3 +151,27 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
     assert built == [(backend, expected)]
     assert joined.device == (expected or torch.device("cpu"))
     assert (joined.topology.rank, joined.topology.world_size, joined.added[0]) == (2, 3, [2])
+
+
+def test_a_spawn_that_never_returns_ends_the_process_after_its_bound_with_a_record_that_blames_no_host(tmp_path,
+                                                                                                      capsys):
+    import threading
+
+    from mpiddp import failure
+    from mpiddp.elastic.grow import bounded, spawn_stuck
+
+    ended = threading.Event()
+    with bounded(0.05, ended.set):  # a block that outlives the bound: the helper thread acts
+        assert ended.wait(30)
+    quick = threading.Event()
+    with bounded(0.5, quick.set):
+        pass
+    assert not quick.wait(1.0)  # a block that ended in time: nothing happens, ever
+
+    statuses = []
+    dist = SimpleNamespace(is_main=True, rank=0, abort_from_thread=statuses.append)
+    spawn_stuck(dist, ["nodec"], tmp_path, 31)
+    assert statuses == [4]  # EXIT_HANG: the process ends (nothing can interrupt the MPI call)
+    (record,) = failure.read_all(tmp_path)
+    assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [], [], 31)  # no host blamed
+    assert "MPI_Comm_spawn onto nodec has not returned after 60 s" in capsys.readouterr().err

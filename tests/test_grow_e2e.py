@@ -54,9 +54,11 @@ def test_the_job_grows_back_onto_the_spare_host_and_finishes_at_full_size(hosts,
     status = job.finish()
     output = job.output()
     spawn = failure.spawning(job.run_dir / failure.FAILURES_DIR)  # the job's mark: a spawn that never ended
-    if status != 0 and spawn is not None and not (job.run_dir / "summary.json").exists():
+    launcher_failed = status != 0 or "lost communication with a remote daemon" in output  # --with-ft ulfm: exit 0
+    if launcher_failed and spawn is not None and not (job.run_dir / "summary.json").exists():
         # Open MPI 5.0.11's prterun can crash during MPI_Comm_spawn ("PMIX ERROR ... pmix_server_dyn.c", then
-        # "corrupted double-linked list"): the launcher's luck, not the job's. The product's answer is launch's
+        # "corrupted double-linked list", or "PRTE has lost communication with a remote daemon" naming a survivor's
+        # host, then exit 0 under ULFM): the launcher's luck, not the job's. The product's answer is launch's
         # relaunch with the spawn's host kept: test_one_rank_lost tests that this case finishes under launch.
         pytest.xfail(f"mpirun crashed (status {status}) during the spawn onto {', '.join(spawn[0])}: Open MPI "
                      "5.0.11's spawn bug (docs/recovery.md); under launch the run is relaunched and finishes")

@@ -58,7 +58,7 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
     command = launch_command("-H", hosts, "-np", str(num_ranks), "--launcher", "mpirun", "--launcher-args",
-                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir), "--host-crash-relays",
+                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir),
                              "--", *job)
     per_host = int(hosts.split(",")[0].split(":")[1])
     env, mark = drill_env()
@@ -102,7 +102,7 @@ def test_a_silent_host_is_cut_off_by_the_survivors_and_costs_an_in_job_recovery(
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "3", "--launcher", "mpirun", "--launcher-args",
-                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir), "--host-crash-relays",
+                             " ".join(cluster.transport_args()), "--run-dir", str(run_dir),
                              "--", *job)
     env, mark = drill_env()
     with log.open("w") as out:

@@ -86,10 +86,11 @@ def test_open_mpi_5_is_asked_to_notice_a_silent_host_in_seconds_unless_the_user_
     assert node_loss_args("srun", "openmpi", OPEN_MPI_5, []) == ()
 
 
-def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False, recovery=RECOVERY):
+def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False, recovery=RECOVERY, job_dir=None):
     """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
-    launcher it writes a summary.json with one recovery into RUN_DIR (and, with `finishes`, the job's mark that it
-    finished) and exits `status` (with `lingers`, never: it sleeps)."""
+    launcher it writes a summary.json with one recovery into RUN_DIR (with `job_dir`, into that directory, which
+    its job record names, as training's own --run-dir does; with `finishes`, the job's mark that it finished too)
+    and exits `status` (with `lingers`, never: it sleeps)."""
     folder.mkdir()
     info = folder / "ompi_info"
     info.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'options:ft_mpi_support:{ft_line}'\n")
@@ -97,8 +98,11 @@ def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False
     launcher.write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
         "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
-        "run_dir = os.environ['MPIDDP_RUN_DIR']\n"
-        f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{recovery!r}]}}))\n"
+        + ("run_dir = os.environ['MPIDDP_RUN_DIR']\n" if job_dir is None else
+           f"run_dir = {str(job_dir)!r}\nos.makedirs(run_dir, exist_ok=True)\n"
+           f"open(os.environ['MPIDDP_JOB_RECORD'], 'w').write(json.dumps({{'run_dir': run_dir, 'checkpoint_dir': "
+           "run_dir, 'world_size': 2, 'global_batch': 64, 'max_per_rank_batch': 32}))\n")
+        + f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{recovery!r}]}}))\n"
         + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else "")
         + ("import time\ntime.sleep(10**6)\n" if lingers else "")
         + f"sys.exit({status})\n")
@@ -442,7 +446,9 @@ def test_the_spare_hosts_go_to_mpirun_and_to_the_job_where_it_can_grow_back(tmp_
     command = attempt["command"]
     assert placed_hosts(command) == hosts and command[command.index("-np") + 1] == "2", command
     assert seen["exports"].get("MPIDDP_SPARE_HOSTS") == spares
-    assert "--hostfile" not in command  # the relay layout is opt-in (--host-crash-relays)
+    # the relay layout's word to the job: it may cut a silent host off (its daemon's loss no longer ends the job)
+    assert seen["exports"].get("MPIDDP_HOST_RELAYS") == (None if flags else "1")
+    assert ("--hostfile" in command) == (not flags)  # the relay layout: on by default with in-job recovery
 
 
 def placed_hosts(command):
@@ -545,17 +551,23 @@ def test_a_launcher_that_fails_during_the_jobs_spawn_is_not_evidence_against_any
     assert f"a launcher's failure during a spawn is not held against {lost_daemon}" in capsys.readouterr().err
 
 
-def test_a_launcher_that_waits_for_a_host_the_job_lost_is_ended_soon_after_the_mark(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("job_names_its_run_dir", [False, True])
+def test_a_launcher_that_waits_for_a_host_the_job_lost_is_ended_soon_after_the_mark(tmp_path, monkeypatch, capsys,
+                                                                                     job_names_its_run_dir):
     """Open MPI's mpirun waits forever for the ranks of a host that crashed (the relay layout survives it): launch
     learns the lost host from the job's records, ends the launcher LOST_HOST_LINGER_S after the mark, and takes
-    the job as finished, not as a launcher crash."""
+    the job as finished, not as a launcher crash. Also when training's own --run-dir names where it writes (its
+    mark is there, while the attempt runs: once, it was never seen and mpirun was never ended)."""
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
     monkeypatch.setattr(supervisor_module, "LOST_HOST_LINGER_S", 0.2)
     monkeypatch.setattr(supervisor_module, "end_daemons", lambda *args, **kwargs: None)  # nodeb, nodec: not real
+    monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "run"
-    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=True)
-    plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:1", "--host-crash-relays", "--launcher-path",
-                      str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=True,
+                             job_dir=run_dir if job_names_its_run_dir else None)
+    own = [] if job_names_its_run_dir else ["--run-dir", str(run_dir)]
+    plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:1", "--launcher-path", str(launcher), *own, "--",
+                      "--epochs", "1"], {})
     assert plan.relay_layout.on
     assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
@@ -563,3 +575,5 @@ def test_a_launcher_that_waits_for_a_host_the_job_lost_is_ended_soon_after_the_m
     said = capsys.readouterr().err
     assert "the job marked its end after losing nodeb in the job (its records)" in said, said
     assert "the launcher exited" not in said, said
+    if job_names_its_run_dir:  # launch's own run dir, the relay layout's files in it too, went with its records
+        assert list((tmp_path / "runs").iterdir()) == []

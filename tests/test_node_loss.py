@@ -1,7 +1,9 @@
-"""A host that goes silent under `launch`: its processes stopped and its network down at once, as when a node loses
-power or its kernel hangs (no process exits, no connection is closed). Open MPI 5 notices only when the TCP
-connection to the host's daemon fails; launch asks mpirun to probe it (command.NODE_LOSS_ARGS), so the attempt ends
-in seconds, not in the 8 minutes of the defaults (or the 10 of --hang-timeout), and launch goes on without the host."""
+"""A host that goes silent under `launch` without the relay layout: its processes stopped and its network down at
+once, as when a node loses power or its kernel hangs (no process exits, no connection is closed). Open MPI 5
+notices only when the TCP connection to the host's daemon fails; launch asks mpirun to probe it
+(command.NODE_LOSS_ARGS), so the attempt ends in seconds, not in the 8 minutes of the defaults (or the 10 of
+--hang-timeout), and launch goes on without the host. With the relays (training's default) the survivors cut the
+host off and go on in the job instead: test_host_loss.py."""
 
 import json
 import os
@@ -50,7 +52,9 @@ def test_a_host_gone_silent_ends_the_attempt_in_seconds_and_launch_finishes_with
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     # --hang-timeout 600 (the default): only mpirun's probe of the silent daemon can end the attempt in time
     job = ("--run-dir", str(run_dir), "--epochs", "4", *FAST, "--log-every", "1")
-    process, mark = start_on(cluster, job, log)
+    # without the relay layout (its default for training, where the survivors cut a silent host off in the job:
+    # test_host_loss.py): the path of a script under `run`, and of --no-host-crash-relays
+    process, mark = start_on(cluster, job, log, launch=("--no-host-crash-relays",))
     silent = go_silent(cluster, "nodeb")
     try:
         process.wait(timeout=240)

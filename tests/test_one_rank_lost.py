@@ -106,10 +106,12 @@ def test_a_job_that_ends_itself_on_a_hang_leaves_no_recovery_record(hosts, tmp_p
 
 def test_a_launcher_that_loses_the_spare_during_the_spawn_does_not_lose_the_run(hosts, tmp_path):
     """Rank 1 (nodeb) killed; the survivor recovers in the job and grows back onto the spare nodec. Just as the
-    spawn begins (the job's spawn mark), nodec's processes die, as when Open MPI 5.0.11's prterun crashes during
-    MPI_Comm_spawn and reports "lost communication with a remote daemon ... on node nodec". That is no evidence
-    against nodec: launch relaunches on nodea and nodec and the run finishes (before: "cannot relaunch without
-    nodeb, nodec", exit 1)."""
+    spawn begins (the job's spawn mark), nodec's processes die (its MPI daemon too). Under launch's relay layout
+    the runtime survives the daemon's loss, and the spawn then never returns: the survivor gives up after
+    grow.SPAWN_TIMEOUT_S, saying so, and launch ends the mpirun that waits for the spawn (before: a hang). Without
+    the relays Open MPI 5.0.11's prterun reports "lost communication with a remote daemon ... on node nodec".
+    Either way that is no evidence against nodec: launch relaunches on nodea and nodec and the run finishes
+    (before: "cannot relaunch without nodeb, nodec", exit 1)."""
     run_dir = tmp_path / "run"
     env = job_env()
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")
@@ -140,4 +142,5 @@ def test_a_launcher_that_loses_the_spare_during_the_spawn_does_not_lose_the_run(
     assert all("nodec" not in attempt["excluded_hosts"] and "nodea" not in attempt["excluded_hosts"]
                for attempt in every), every
     assert every[-1]["hosts"] == ["nodea", "nodec"] and every[-1]["status"] == 0, every
+    assert "MPI_Comm_spawn onto nodec has not returned after 60 s" in output, output[-6000:]
 

@@ -6,10 +6,12 @@ import textwrap
 
 import pytest
 
+from mpiddp.launch.diagnose import unreachable
 from mpiddp.launch.hosts import Host
 from mpiddp.launch.relay import (
     AGENT_FILE,
     MARKER,
+    agent_failures,
     decide_layout,
     hostfile_text,
     marked_args,
@@ -83,7 +85,7 @@ def wrapper(tmp_path):
         while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
         host="$1"; shift
         echo "$host" >> {calls}
-        [ "$host" = down ] && exit 255
+        [ "$host" = down ] && {{ echo "ssh: connect to host down port 22: No route to host" >&2; exit 255; }}
         exec /bin/sh -c "$*"
         """))
     agent.chmod(0o755)
@@ -94,6 +96,7 @@ def wrapper(tmp_path):
     def run(*argv):
         done = subprocess.run([str(tmp_path / AGENT_FILE), *argv], check=False, capture_output=True, text=True,
                               timeout=60)
+        run.stderr = done.stderr
         return done.returncode, done.stdout, calls.read_text().split() if calls.exists() else []
     return run
 
@@ -109,26 +112,42 @@ def test_a_connection_that_ended_after_it_came_up_is_reported_as_a_clean_end(wra
     assert wrapper("nodeb", "exit 3")[0] == 0
 
 
-def test_a_host_that_cannot_be_reached_still_fails_the_start(wrapper):
+def test_a_host_that_cannot_be_reached_still_fails_the_start_and_is_named_for_launch(wrapper, tmp_path):
     status, out, calls = wrapper("down", "prted")
     assert (status, out, calls) == (255, "", ["down"])
+    # under the relays mpirun exits 255 saying nothing: the wrapper's file names the host, with the agent's word
+    said = ("mpiddp agent: could not reach down: the agent exited 255 before the host's daemon started (ssh: connect "
+            "to host down port 22: No route to host)\n")
+    assert agent_failures(tmp_path) == said and said in wrapper.stderr
+    assert unreachable(agent_failures(tmp_path)) == ("down",)  # what launch's diagnosis reads
+    assert wrapper("nodeb", "exit 3")[0] == 0 and agent_failures(tmp_path) == said  # a host reached: nothing
 
 
-def test_launch_uses_the_layout_when_asked_saying_so_in_one_line_and_never_without_in_job_recovery(tmp_path, capsys):
+def test_launch_uses_the_layout_for_training_by_default_and_for_a_script_when_asked_saying_so_in_one_line(
+        tmp_path, capsys):
     from test_launch_recovery import fake_open_mpi
 
     from mpiddp.launch.cli import make_plan
 
     launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls")  # Open MPI 5.0.3 with ULFM
     flags = ["-H", "nodea:1,nodeb:1,nodec:1", "--launcher-path", str(launcher), "--run-dir", str(tmp_path / "r")]
-    plan = make_plan([*flags, "--", "--epochs", "1"], {})
-    assert not plan.relay_layout.on  # opt-in: a silent host would no longer be noticed in seconds
-    assert "relay layout" not in capsys.readouterr().err
-    flags.append("--host-crash-relays")
-    plan = make_plan([*flags, "--", "--epochs", "1"], {})
-    assert plan.relay_layout.on and plan.relay_layout.num_relays == 2
-    said = [line for line in capsys.readouterr().err.splitlines() if "relay layout" in line]
-    assert len(said) == 1 and said[0].startswith("mpiddp launch: relay layout is on: 2 relays"), said
-    plan = make_plan([*flags, "--no-in-job-recovery", "--", "--epochs", "1"], {})
-    assert not plan.relay_layout.on
-    assert "relay layout" not in capsys.readouterr().err  # the in-job recovery line says why it is off
+
+    def layout_and_line(*args):
+        plan = make_plan([*flags, *args], {})
+        said = [line for line in capsys.readouterr().err.splitlines() if "relay layout" in line]
+        assert len(said) <= 1, said
+        return plan.relay_layout, (said or [""])[0]
+
+    layout, line = layout_and_line("--", "--epochs", "1")  # training: on (its hang watchdog cuts a silent host off)
+    assert layout.on and layout.num_relays == 2 and line.startswith("mpiddp launch: relay layout is on: 2 relays")
+    assert "a silent one is cut off by the trainer's hang watchdog" in line
+    layout, line = layout_and_line("--no-host-crash-relays", "--", "--epochs", "1")
+    assert not layout.on and "relay layout is off (--no-host-crash-relays)" in line
+    ulfm = ["--launcher-args", "--with-ft ulfm"]  # a script's in-job recovery is its author's choice
+    layout, line = layout_and_line(*ulfm, "--", "run", "train.py")
+    assert not layout.on and "relay layout is off for a script (launch --host-crash-relays turns it on)" in line
+    layout, line = layout_and_line(*ulfm, "--host-crash-relays", "--", "run", "train.py")
+    assert layout.on and line.startswith("mpiddp launch: relay layout is on")
+    assert "a silent one is noticed only by the script's own timeouts" in line
+    layout, line = layout_and_line("--no-in-job-recovery", "--", "--epochs", "1")
+    assert not layout.on and line == ""  # the in-job recovery line says why it is off

@@ -122,3 +122,37 @@ def test_without_in_job_recovery_nothing_is_watched_or_cut(monkeypatch):
     monkeypatch.setattr(silenthost, "cut_connections", lambda addresses: pytest.fail("cut"))
     assert dog.poll() is None
     assert dog.quiet is None and "addresses" not in json.loads(store.get(storekeys.progress(0)))
+
+
+def test_a_host_that_reported_again_is_judged_anew_when_it_goes_quiet_later(three_watchdogs, monkeypatch):
+    watchdogs, store, cuts, round_of = three_watchdogs
+    answers = [True, False]  # the first stall: b's kernel answers (its ranks were busy); later it is really gone
+    monkeypatch.setattr(watchdog_module, "kernel_answers", lambda addresses: answers.pop(0))
+    round_of([1, 2, 3, 0])
+    round_of([3, 0])  # b quiet, but it answers: not cut
+    assert not store.check([storekeys.SILENT_HOSTS])
+    round_of([1, 2, 3, 0])  # b reports again
+    round_of([3, 0])  # and goes quiet for good
+    assert json.loads(store.get(storekeys.SILENT_HOSTS))[0]["host"] == "b" and answers == []
+
+
+def test_a_rank_of_a_host_named_silent_ends_itself_when_its_link_comes_back(three_watchdogs, monkeypatch):
+    watchdogs, store, cuts, round_of = three_watchdogs
+    monkeypatch.setattr(watchdog_module, "kernel_answers", lambda addresses: False)
+    round_of([1, 2, 3, 0])
+    round_of([3, 0])  # b named
+    ended = watchdogs[1].poll()  # b's rank runs again: the others went on without it
+    assert ended is not None and 1 not in cuts
+
+
+@pytest.mark.parametrize("error, answers", [
+    (TimeoutError(), False),
+    (OSError(113, "No route to host"), False),
+    (OSError(24, "Too many open files"), True),  # this side's own trouble says nothing of the host: never cut
+])
+def test_only_silence_counts_as_no_answer(monkeypatch, error, answers):
+    def connect(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(socket, "create_connection", connect)
+    assert kernel_answers(["10.0.0.2"], timeout_s=0.1) is answers

@@ -29,7 +29,11 @@ import logging
 import os
 import pickle
 import socket
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +42,13 @@ from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: 
 from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, spare_hosts_in
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
 from mpiddp.elastic.survivors import topology_over
+from mpiddp.errors import EXIT_HANG
 
 log = logging.getLogger("mpiddp")
+# A spawn that has not returned by then never will (a spare lost during it: seen under the relay layout, where its
+# daemon's loss no longer ends the job). A healthy one takes 0.2-3 s here; a cold start on a busy shared file
+# system can take tens of seconds.
+SPAWN_TIMEOUT_S = 60.0
 
 
 class Regrown(Exception):
@@ -112,7 +121,8 @@ class GrowBack:
         records = recovery.records_dir() if dist.is_main else None
         failure.mark_spawning(records, list(plan.hosts))
         try:
-            merged, phases = mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command())
+            with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, plan.hosts, records, step)):
+                merged, phases = mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command())
         except mpi_error as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             recovery.follow_watch(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
@@ -147,6 +157,35 @@ class GrowBack:
         started = time.monotonic()
         recovery.rewrap_grown(split, dist)
         phases["ddp"] = time.monotonic() - started
+
+
+@contextmanager
+def bounded(seconds: float, on_timeout: Callable[[], None]) -> Iterator[None]:
+    """Run the block; if it has not ended after `seconds`, `on_timeout` runs on a helper thread (it ends the
+    process: nothing can interrupt an MPI call in progress)."""
+    done = threading.Event()
+    timer = threading.Thread(target=lambda: done.wait(seconds) or on_timeout(), name="mpiddp-spawn-timer",
+                             daemon=True)
+    timer.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def spawn_stuck(dist: Any, hosts: tuple[str, ...] | list[str], records: Any, step: int | None) -> None:
+    """MPI_Comm_spawn never returned: a spare whose host or MPI daemon died during the spawn (PRRTE then waits for
+    it forever). The survivors cannot leave the call: each ends its process; rank 0 says why and records it (a
+    hang that blames no host: the spare's relaunch start finds out), which also tells launch, whose mpirun waits
+    for the spawn forever, that the job is over while its spawn mark stands."""
+    if dist.is_main:
+        message = (f"MPI_Comm_spawn onto {', '.join(hosts)} has not returned after {SPAWN_TIMEOUT_S:g} s (its host "
+                   "or its MPI daemon is gone?); the survivors cannot leave the call")
+        sys.stderr.write(f"mpiddp: growing back: {message}: ending the job (launch relaunches it)\n")
+        if records is not None:
+            failure.write_rank(records, dist.rank, failure.FailureRecord(
+                "hang", [], [], message, step=step, rank=dist.rank, status=EXIT_HANG, progressed=True))
+    dist.abort_from_thread(EXIT_HANG)
 
 
 def say_grown(dist: Any, initial_world: int, record: dict[str, Any], how: str) -> None:

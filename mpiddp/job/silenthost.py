@@ -16,6 +16,7 @@ hang watchdog (mpiddp.job.watchdog) covers it in three steps:
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -28,6 +29,7 @@ SILENT_HOST_S = 10.0  # a host's ranks quiet this long, and its kernel silent: c
 PROBE_PORT = 22  # sshd on a cluster's hosts; a closed port answers too (the kernel refuses the connection)
 PROBE_TIMEOUT_S = 3.0
 _LISTEN = "0A"  # /proc/net/tcp's state of a listening socket: no peer
+_NO_ROUTE = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
 
 
 class QuietHosts:
@@ -69,10 +71,12 @@ def kernel_answers(addresses: Iterable[str], port: int = PROBE_PORT, timeout_s: 
         try:
             with socket.create_connection((address, port), timeout=timeout_s / max(1, len(targets))):
                 return True
-        except ConnectionRefusedError:
-            return True
-        except OSError:  # timed out, or no route (the host's link is down): no answer from this address
+        except (TimeoutError, socket.timeout):  # no answer from this address
             continue
+        except OSError as exc:
+            if exc.errno in _NO_ROUTE:  # the host's link is down: no answer either
+                continue
+            return True  # refused (the kernel answered), or this side's own trouble (no descriptor): never cut
     return False
 
 

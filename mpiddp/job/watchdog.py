@@ -85,9 +85,11 @@ class Watchdog(Watcher):
         self.silenced: set[int] = set()  # ranks of this world on the hosts cut off (the recovery's cause)
 
     @classmethod
-    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None, exclude_hung: bool = False) -> Watchdog:
+    def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None, exclude_hung: bool = False,
+                watch_hosts: bool = False) -> Watchdog:
         """A watchdog on this rank's one connection to the rendezvous store (none when it is turned off);
-        `exclude_hung`: under in-job recovery, a hung rank is ended rather than the job."""
+        `exclude_hung`: under in-job recovery, a hung rank is ended rather than the job; `watch_hosts`: a silent
+        host is cut off (in-job recovery where the runtime survives a lost host: contract.HOST_RELAYS_ENV)."""
         store = None
         if timeout_s > 0:
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
@@ -97,7 +99,7 @@ class Watchdog(Watcher):
         watchdog = cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
                        records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
         watchdog.exclude_hung = exclude_hung
-        if exclude_hung and watchdog.active:
+        if watch_hosts and watchdog.active:
             watchdog.watch_hosts()
         return watchdog
 
@@ -140,7 +142,8 @@ class Watchdog(Watcher):
 
     def follow(self, dist: Dist, run_dir: Path | None = None) -> None:
         """In-job recovery ended: watch again, on the survivors' new store, under this rank's new number."""
-        fresh = Watchdog.for_job(self.timeout_s, dist, run_dir or self.run_dir, self.exclude_hung)
+        fresh = Watchdog.for_job(self.timeout_s, dist, run_dir or self.run_dir, self.exclude_hung,
+                                 watch_hosts=bool(self.addresses))
         self.stopped.set()  # the old thread ends at its next wake-up (it holds the old event)
         self.interval, self.host_of_rank, self.failure_dir = fresh.interval, fresh.host_of_rank, fresh.failure_dir
         self.rank, self.world_size, self.label, self.store = fresh.rank, fresh.world_size, fresh.label, fresh.store
@@ -184,25 +187,39 @@ class Watchdog(Watcher):
         elif self.exclude_hung and self.answered:  # a hang under in-job recovery: end a rank behind on this host
             self._end_here(self.exclusion(), first=False)
         if self.addresses:
-            self._watch_for_silent_hosts()
+            return self._watch_for_silent_hosts()
         return None
 
-    def _watch_for_silent_hosts(self) -> None:
-        """Cut this rank's connections to the hosts rank 0 named silent; rank 0 first judges the quiet ones."""
+    def _watch_for_silent_hosts(self) -> Ending | None:
+        """Cut this rank's connections to the hosts rank 0 named silent; rank 0 first judges the quiet ones. A
+        rank of a host named silent (its link came back) ends itself: the others went on without it."""
         named = self.silent_hosts()
+        here = self.host_of_rank.get(self.rank)
         if self.quiet is not None:
             progress = self.progress_of_all()
-            for host in [h for h in self.quiet.observe(progress, time.monotonic()) if h not in self.judged]:
+            quiet = self.quiet.observe(progress, time.monotonic())
+            self.judged.intersection_update(quiet)  # a host that reported again is judged anew if it goes quiet
+            for host in [h for h in quiet if h not in self.judged and h not in {e["host"] for e in named}]:
                 self.judged.add(host)
                 entry = self._judge(host, progress)
                 if entry is not None:
                     named.append(entry)
                     self.put_silent_hosts(named)
         for entry in named:
-            if entry["host"] not in self.cut_hosts and entry["host"] != self.host_of_rank.get(self.rank):
+            if entry["host"] == here:
+                return lambda: self.end_job(f"mpiddp: hang watchdog: {self.label}: this host ({here}) was found "
+                                            "silent and the other ranks went on without it; ending this rank\n")
+            if entry["host"] not in self.cut_hosts:
                 self.cut_hosts.add(entry["host"])
                 self.silenced.update(int(rank) for rank in entry["ranks"])
-                cut_connections(entry["addresses"])
+                self._cut(entry)
+        return None
+
+    def _cut(self, entry: dict[str, Any]) -> None:
+        try:
+            cut_connections(entry["addresses"])
+        except Exception as exc:  # never let this end the hang watchdog's thread: MPI may notice by itself
+            log.warning("hang watchdog: %s: could not cut its connections to %s: %s", self.label, entry["host"], exc)
 
     def _judge(self, host: str, progress: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
         """Rank 0: a host whose ranks all stopped reporting, named silent when its kernel answers no connection

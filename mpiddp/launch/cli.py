@@ -15,14 +15,14 @@ from mpiddp.launch.command import (LAUNCHERS, NO_RECOVERY_FLAG, InJobRecovery, c
                                    decide_in_job_recovery, find_program, mpi_flavour, node_loss_args, ompi_info_text,
                                    users_ft_choice, version_text)
 from mpiddp.launch.hosts import HostListError, discover, place
-from mpiddp.launch.relay import NO_RELAYS, RELAYS_FLAG, decide_layout
+from mpiddp.launch.relay import NO_RELAYS, NO_RELAYS_FLAG, RELAYS_FLAG, decide_layout
 from mpiddp.errors import EXIT_USER_ERROR, UserError
 from mpiddp.launch.supervisor import Plan, Supervisor, say
 from mpiddp.runname import DEFAULT_RUNS_ROOT, new_timestamped_dir
 
 USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] "
          "[--host-strikes 1] [--exclude HOST,...] "
-         "[--launcher auto|mpirun|mpiexec|srun] [--no-in-job-recovery] [--host-crash-relays] "
+         "[--launcher auto|mpirun|mpiexec|srun] [--no-in-job-recovery] [--[no-]host-crash-relays] "
          "-- TRAINING FLAGS | run SCRIPT ARGS")
 
 
@@ -59,11 +59,12 @@ def parser() -> argparse.ArgumentParser:
                         "launch relaunches it. By default launch passes --with-ft ulfm to Open MPI 5's mpirun when "
                         "its ompi_info says it has ULFM, so the survivors can recover in the job (never with MPICH "
                         "or srun, which cannot; launch says why in one line)")
-    p.add_argument(RELAYS_FLAG, dest="relays", action="store_true",
+    p.add_argument(RELAYS_FLAG, dest="relays", action="store_true", default=None,
                    help="with in-job recovery (Open MPI 5.0, two hosts or more): run mpirun with relays on this "
-                        "host so that a crashed host (its processes gone, connections reset) is recovered in the job "
-                        "instead of relaunched; a silent host (power off, hung kernel) is then noticed only by the "
-                        "hang watchdog (--hang-timeout), not in ~16 s (docs/recovery.md)")
+                        "host so that a crashed or silent host is recovered in the job instead of relaunched. On by "
+                        "default for training; a script under `run` asks for it with this flag (docs/recovery.md)")
+    p.add_argument(NO_RELAYS_FLAG, dest="relays", action="store_false",
+                   help="no relays: a crashed or silent host ends the job and launch relaunches without it")
     p.add_argument("--run-dir", help="where failures/ (every rank's record) and attempts.json go, and training's outputs unless its "
                                      "own --run-dir or --runs-root names another place, which launch then follows "
                                      "(default: a new directory under runs/)")
@@ -132,8 +133,9 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     launcher, program, flavour, extra, version = pick_launcher(args, env, bool(hosts))
     recovery = in_job_recovery(args.in_job_recovery, launcher, flavour, program, version, extra, mode)
     layout = NO_RELAYS
-    if hosts and recovery.on and args.relays:  # recovery's own line says why it is off
-        layout = decide_layout(recovery.on, launcher, flavour, version, free, socket.gethostname(), extra)
+    if hosts and recovery.on:  # recovery's own line says why it is off
+        layout = decide_layout(recovery.on, launcher, flavour, version, free, socket.gethostname(), extra,
+                               args.relays, mode)
         say(layout.why)
     return Plan(mode=mode, inner=job, run_dir=run_dir, num_ranks=num_ranks, hosts=hosts, excluded=excluded,
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,

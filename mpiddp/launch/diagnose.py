@@ -69,7 +69,8 @@ OPENMPI_DAEMON_LOST = re.compile(r"lost communication with a remote daemon.*?Rem
 # (reproduced on fake hosts), so for Hydra ssh's line is the evidence. Older Hydra: "HYDU_sock_connect (...): unable
 # to connect from "nodea" to "nodeb" (Connection refused)"; srun: "Task launch for StepId=5.0 failed on node nodeb:"
 SSH_UNREACHABLE = re.compile(r"ssh: connect to host (\S+?) port|ssh: Could not resolve hostname (\S+?):"
-                             r"|unable to connect from \S+ to \"?([^\s\"]+)\"?|Task launch for \S+ failed on node (\S+?):")
+                             r"|unable to connect from \S+ to \"?([^\s\"]+)\"?|Task launch for \S+ failed on node (\S+?):"
+                             r"|mpiddp agent: could not reach (\S+?):")  # launch's own agent wrapper (relay.py)
 # An exception about a lost peer or a collective that timed out waiting for one: the rank that raised it is a
 # witness, not the culprit (gloo, NCCL, MPI, plain sockets)
 LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"

@@ -13,10 +13,11 @@ runs relays locally and, for a real host, has the remote side print a marker fir
 connection's end is reported as a clean one (exit 0), so a host lost mid-run is never a failed start. Before the
 marker, the agent's own status goes back (a host that cannot be reached still fails the start, as today).
 
-This rests on PRRTE's internals (errmgr_dvm.c vs errmgr_prted.c), so it is used with Open MPI 5.0 only. It is
-opt-in (RELAYS_FLAG): a *silent* host (power off, hung kernel: no connection reset) under the relays is noticed by
-no daemon that ends the job (mpirun's keepalive probes, command.NODE_LOSS_ARGS, end the attempt in ~16 s without
-the relays), so only the job's hang watchdog ends it (--hang-timeout, 600 s by default); seen on fake hosts.
+This rests on PRRTE's internals (errmgr_dvm.c vs errmgr_prted.c), so it is used with Open MPI 5.0 only. Under the
+relays a *silent* host (power off, hung kernel: no connection reset) is noticed by no daemon that ends the job
+(without them, mpirun's keepalive probes, command.NODE_LOSS_ARGS, end the attempt in ~16 s): the trainer's hang
+watchdog notices it and the survivors cut it off (mpiddp.job.silenthost). So the layout is on by default for
+training, and off for a script under `run` (which has no such watch) unless RELAYS_FLAG asks for it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mpiddp.launch.ender import AGENT_PARAMS, MCA_FLAGS
 from mpiddp.launch.hosts import Host
@@ -36,8 +39,13 @@ RELAY_PREFIX = "mpiddp-relay"  # relay entries are mpiddp-relay0, mpiddp-relay1,
 MARKER = "mpiddp-agent-connected"  # what the remote side prints once the agent's connection is up
 AGENT_FILE = "mpiddp-agent"  # the wrapper's file in the run dir
 HOSTFILE = "mpiddp-hostfile"
+# The wrapper's account of hosts whose daemon it could not start: under the relays the agent runs below a relay's
+# daemon, whose output mpirun does not pass on (it exits 255 and says nothing), so launch reads this file instead
+AGENT_FAILURES = "mpiddp-agent-failures"
+UNREACHED = "mpiddp agent: could not reach {host}: {why}"  # one line per host, in AGENT_FAILURES and on stderr
 RADIX_PARAM = "rml_base_radix"
-RELAYS_FLAG = "--host-crash-relays"  # launch's opt-in: a silent host is then no longer noticed in seconds
+RELAYS_FLAG = "--host-crash-relays"  # on for a script under `run` too (training: on by default)
+NO_RELAYS_FLAG = "--no-host-crash-relays"  # off: a crashed host ends the job and launch relaunches it
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class RelayLayout:
     num_relays: int = 0
 
 
-NO_RELAYS = RelayLayout(False, "relay layout is off (launch --host-crash-relays asks for it)")
+NO_RELAYS = RelayLayout(False, "relay layout is off")
 
 
 def num_relays(num_hosts: int) -> int:
@@ -76,11 +84,19 @@ def same_name(a: str, b: str) -> bool:
 
 
 def decide_layout(recovery_on: bool, launcher: str, flavour: str, version: str, hosts: Sequence[Host],
-                  launch_host: str, extra: Sequence[str]) -> RelayLayout:
-    """Pure: whether the attempt's hosts get the relay layout (`hosts`: every host mpirun will run daemons on)."""
+                  launch_host: str, extra: Sequence[str], wanted: bool | None = None,
+                  mode: str = "train") -> RelayLayout:
+    """Pure: whether the attempt's hosts get the relay layout (`hosts`: every host mpirun will run daemons on).
+    `wanted`: the user's RELAYS_FLAG (True) or NO_RELAYS_FLAG (False), None when neither was given."""
     off = "host crashes end the job and launch relaunches it"
+    if wanted is False:
+        return RelayLayout(False, f"relay layout is off ({NO_RELAYS_FLAG}); {off}")
     if not recovery_on:
         return RelayLayout(False, f"relay layout is off: no in-job recovery; {off}")
+    if wanted is None and mode != "train":
+        return RelayLayout(False, f"relay layout is off for a script (launch {RELAYS_FLAG} turns it on): under it "
+                                  "only the trainer's hang watchdog notices a silent host; without it mpirun ends "
+                                  f"the attempt in ~16 s; {off}")
     if launcher == "srun" or flavour != "openmpi":
         return RelayLayout(False, f"relay layout is off: it needs Open MPI's mpirun; {off}")
     if "Open MPI) 5.0." not in version:
@@ -91,16 +107,19 @@ def decide_layout(recovery_on: bool, launcher: str, flavour: str, version: str, 
     if len(others) < 1 or len(hosts) < 2:
         return RelayLayout(False, "relay layout is off: one compute host (nothing to survive)")
     count = num_relays(len(others))
+    silent = ("a silent one is cut off by the trainer's hang watchdog" if mode == "train" else
+              "a silent one is noticed only by the script's own timeouts")
     return RelayLayout(True, f"relay layout is on: {count} relay{'s' if count > 1 else ''} on this host carry "
                              f"{len(others)} host{'s' if len(others) > 1 else ''}, so a crashed host costs an "
-                             f"in-job recovery, not a restart (this host stays a single point of failure)", count)
+                             f"in-job recovery, not a restart ({silent}; this host stays a single point of "
+                             "failure)", count)
 
 
-def agent_script(agent: Sequence[str], python: str = sys.executable) -> str:
+def agent_script(agent: Sequence[str], failures: Path, python: str = sys.executable) -> str:
     """The wrapper's text: this python running run_agent over the user's agent."""
     package = str(Path(__file__).resolve().parents[2])
-    return (f"#!{python}\nimport sys\nsys.path.insert(0, {package!r})\n"
-            f"from mpiddp.launch.relay import run_agent\nsys.exit(run_agent({list(agent)!r}, sys.argv[1:]))\n")
+    return (f"#!{python}\nimport sys\nsys.path.insert(0, {package!r})\nfrom mpiddp.launch.relay import run_agent\n"
+            f"sys.exit(run_agent({list(agent)!r}, sys.argv[1:], {str(failures.resolve())!r}))\n")
 
 
 def write_layout(folder: Path, agent: Sequence[str], launch_host: str, hosts: Sequence[Host],
@@ -108,10 +127,17 @@ def write_layout(folder: Path, agent: Sequence[str], launch_host: str, hosts: Se
     """Write the hostfile and the agent wrapper into `folder`; the launcher arguments that use them."""
     hostfile, wrapper = folder / HOSTFILE, folder / AGENT_FILE
     hostfile.write_text(hostfile_text(launch_host, hosts, count))
-    wrapper.write_text(agent_script(agent))
+    (folder / AGENT_FAILURES).unlink(missing_ok=True)  # an earlier attempt's hosts do not explain this one
+    wrapper.write_text(agent_script(agent, folder / AGENT_FAILURES))
     wrapper.chmod(0o755)
     return ("--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", str(wrapper), "--prtemca", RADIX_PARAM,
             str(count))
+
+
+def remove_layout(folder: Path) -> None:
+    """The layout's files in `folder`, gone (launch's records moved to the job's run dir)."""
+    for name in (HOSTFILE, AGENT_FILE, AGENT_FAILURES):
+        (folder / name).unlink(missing_ok=True)
 
 
 def relay_command(args: Sequence[str]) -> list[str] | None:
@@ -131,13 +157,17 @@ def marked_args(args: Sequence[str]) -> list[str]:
     return [*args[:at + 1], f"echo {MARKER};", *args[at + 1:]]
 
 
-def run_agent(agent: Sequence[str], args: Sequence[str]) -> int:
-    """The agent wrapper: PRRTE runs it as `WRAPPER [options] HOST COMMAND...`."""
+def run_agent(agent: Sequence[str], args: Sequence[str], failures: str | None = None) -> int:
+    """The agent wrapper: PRRTE runs it as `WRAPPER [options] HOST COMMAND...`. A host it could not reach (the
+    agent ended, not 0, before the marker came back) goes into `failures` with the agent's last line."""
     local = relay_command(args)
     if local is not None:
         os.execv(local[0], local)
-    child = subprocess.Popen([*agent, *marked_args(args)], stdout=subprocess.PIPE)
-    assert child.stdout is not None
+    child = subprocess.Popen([*agent, *marked_args(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout is not None and child.stderr is not None
+    said: list[bytes] = []
+    passing = threading.Thread(target=_pass_on, args=(child.stderr, said), daemon=True)
+    passing.start()
     connected = False
     for line in child.stdout:
         if not connected and line.strip() == MARKER.encode():
@@ -146,7 +176,44 @@ def run_agent(agent: Sequence[str], args: Sequence[str]) -> int:
         sys.stdout.buffer.write(line)
         sys.stdout.buffer.flush()
     status = child.wait()
+    passing.join(5)
+    if not connected and status != 0:
+        _record_unreached(failures, host_of(args), status, said)
     return 0 if connected else (status if status >= 0 else 128 - status)
+
+
+def _pass_on(stream: Any, said: list[bytes]) -> None:
+    """The agent's stderr, passed on as it comes; its last lines kept."""
+    for line in stream:
+        sys.stderr.buffer.write(line)
+        sys.stderr.buffer.flush()
+        said[:] = [*said[-4:], line]
+
+
+def host_of(args: Sequence[str]) -> str:
+    """The host of an agent command line `[options] HOST COMMAND...`."""
+    return next((arg for arg in args if not arg.startswith("-")), "?")
+
+
+def _record_unreached(failures: str | None, host: str, status: int, said: list[bytes]) -> None:
+    last = next((line.decode(errors="replace").strip() for line in reversed(said) if line.strip()), "")
+    why = f"the agent exited {status} before the host's daemon started" + (f" ({last})" if last else "")
+    line = UNREACHED.format(host=host, why=why)
+    sys.stderr.write(line + "\n")
+    if failures is not None:
+        try:
+            with open(failures, "a") as out:  # one short line per host: appends of this size do not interleave
+                out.write(line + "\n")
+        except OSError:
+            pass
+
+
+def agent_failures(folder: Path) -> str:
+    """What the wrapper recorded of the hosts it could not reach in this attempt ("" when none)."""
+    try:
+        return (folder / AGENT_FAILURES).read_text()
+    except OSError:
+        return ""
 
 
 def without_agent(extra: Sequence[str]) -> list[str]:

@@ -26,9 +26,9 @@ from typing import Any, TextIO
 
 from mpiddp import failure, recoveries, supervision
 from mpiddp.atomicfile import write_text_atomic
-from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE, LAUNCH_ID_ENV,
-                             MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, SPARE_HOSTS_ENV, JobRecord, finished_since,
-                             read_job_record)
+from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, HOST_RELAYS_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE,
+                             LAUNCH_ID_ENV, MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, SPARE_HOSTS_ENV, JobRecord,
+                             finished_since, read_job_record)
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
@@ -37,7 +37,8 @@ from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
-from mpiddp.launch.relay import NO_RELAYS, RelayLayout, decide_layout, without_agent, write_layout
+from mpiddp.launch.relay import (NO_RELAYS, RelayLayout, agent_failures, decide_layout, remove_layout, without_agent,
+                                 write_layout)
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -331,10 +332,11 @@ class Supervisor:
         spares = growth_hosts(self.plan.hosts, hosts, excluded, self.plan.in_job_recovery.on)
         if spares:  # where the job grows back after an in-job recovery (mpiddp.elastic.grow)
             exports[SPARE_HOSTS_ENV] = ",".join(f"{h.name}:{h.slots}" for h in spares)
-        env = {**self.env, **exports}
         placed, extra, layout_args = [*hosts, *spares], self.plan.extra, self._relay_args([*hosts, *spares])
         if layout_args:  # the hostfile with the relays, and the agent wrapper over the user's agent
             placed, extra = [], without_agent(extra)
+            exports[HOST_RELAYS_ENV] = "1"  # the job may cut a silent host off: its daemon's loss is survived
+        env = {**self.env, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, placed, num_ranks,
                                 list(self.plan.inner), exports, excluded, extra,
                                 ft_args=(*self.plan.in_job_recovery.add_args, *self.plan.node_loss_args,
@@ -360,8 +362,11 @@ class Supervisor:
         # and nothing is left there to end. Elsewhere a lost rank's host keeps its daemon, which may need ending.
         lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
-            status, output = self._follow(self.child, self._output_paths(number), lambda: self._marked(attempt),
+            status, output = self._follow(self.child, self._output_paths(number),
+                                          lambda: self._marked(attempt) or self._gave_up_spawning(attempt),
                                           lost_whole)
+        if layout_args:  # a host the agent could not reach: mpirun says nothing of it under the relays
+            output += agent_failures(self.plan.run_dir)
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
             lost = lost_whole()  # a crashed host would not answer
             end_daemons(host_agent(self.plan.extra, self.env),
@@ -402,13 +407,26 @@ class Supervisor:
         return finished_since(self.plan.run_dir, attempt.started_at)
 
     def _marked(self, attempt: Attempt) -> bool:
-        """Under MPI fault tolerance: whether training marked the end of this attempt's job."""
-        return attempt.in_job_recovery and self.plan.mode == "train" and finished_since(self.plan.run_dir,
+        """Under MPI fault tolerance: whether training marked the end of this attempt's job (while the attempt
+        runs, in the run dir its job record names: launch's records follow it there only afterwards)."""
+        return attempt.in_job_recovery and self.plan.mode == "train" and finished_since(self._job_run_dir(),
                                                                                          attempt.started_at)
+
+    def _gave_up_spawning(self, attempt: Attempt) -> bool:
+        """Under MPI fault tolerance: whether the job ended itself during a spawn that never returned (its spawn
+        mark, then a failure record after it: mpiddp.elastic.grow.spawn_stuck); mpirun then waits for the spawn
+        forever, and is ended as after the finished mark."""
+        mark = failure.spawning(self.failure_file) if attempt.in_job_recovery else None
+        return mark is not None and any((r.time or 0) >= mark[1] for r in failure.read_all(self.failure_file))
+
+    def _job_run_dir(self) -> Path:
+        """Where training writes its outputs: the run dir its job record names, else launch's own."""
+        record = read_job_record(self.plan.run_dir / JOB_RECORD_FILE)
+        return Path(record.run_dir) if record is not None else self.plan.run_dir
 
     def _lost_hosts(self, attempt: Attempt) -> list[str]:
         """The hosts the job lost in this attempt and recovered from in the job, from its records."""
-        found = recoveries.of_attempt(self.plan.run_dir, self.failure_file, attempt.started_at)
+        found = recoveries.of_attempt(self._job_run_dir(), self.failure_file, attempt.started_at)
         return list(dict.fromkeys(host for item in found if not recoveries.is_grow(item)
                                   for host in item.get("hosts_lost") or [] if isinstance(host, str)))
 
@@ -517,6 +535,7 @@ class Supervisor:
             attempt.launch = self.launch
         self._save()
         (before / ATTEMPTS_FILE).unlink(missing_ok=True)
+        remove_layout(before)  # the relay layout's files: the next attempt writes them where the records are now
         if self.plan.made_run_dir:
             try:
                 before.rmdir()  # only when empty: nothing else of the job's is ever deleted

@@ -95,16 +95,15 @@ class Joined:
 
     def train(self, stop: Any) -> Any:
         """Collective: the rest of the run, entered at the survivors' epoch and batch."""
-        from mpiddp.job.watchdog import Watchdog
         from mpiddp.trainer.metrics import NullLogger
         from mpiddp.elastic.engine import Engine
         from mpiddp.trainer.elastic_policy import TrainerPolicy
-        from mpiddp.trainer.run import Saver, checkpoint_dir_of
+        from mpiddp.trainer.run import Saver, checkpoint_dir_of, start_watchdog
         from mpiddp.trainer.saveclock import SaveClock
         from mpiddp.trainer.train import Hooks, train
 
         cfg, dist, state = self.cfg, self.dist, self.state
-        self.watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, self.run_dir).start()
+        self.watchdog = start_watchdog(cfg, dist, self.run_dir, recovery_on=True)  # as the survivors' own
         parent, wandb_run_id = self.payload["saver"]
         saver = Saver(self.current, dist, checkpoint_dir_of(cfg.checkpoint, self.run_dir), self.watchdog,
                       wandb_run_id, Path(parent) if parent else None)

@@ -4,6 +4,7 @@ shares the bootstrap)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any, NoReturn
 
 from mpiddp import failure, supervision
-from mpiddp.contract import JobRecord, default_checkpoint_dir, mark_finished, write_job_record
+from mpiddp.contract import HOST_RELAYS_ENV, JobRecord, default_checkpoint_dir, mark_finished, write_job_record
 from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
 from mpiddp.errors import UserError
 from mpiddp.failure import read_attempts
@@ -152,12 +153,25 @@ def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_a
     return summary
 
 
+def start_watchdog(cfg: Config, dist: Dist, run_dir: Path, recovery_on: bool) -> Any:
+    """The hang watchdog. Under in-job recovery it ends a hung rank rather than the job, and cuts a silent host off
+    where launch's relay layout lets the job outlive a lost host (mpiddp.job.silenthost)."""
+    from mpiddp.job.watchdog import Watchdog
+
+    relays = recovery_on and os.environ.get(HOST_RELAYS_ENV) == "1"
+    if relays and cfg.dist.hang_timeout_s <= 0 and dist.is_main:
+        log.warning("--hang-timeout 0 turns the hang watchdog off: under launch's relay layout a silent host is then "
+                    "never noticed and the job waits for it; give a --hang-timeout, or launch with "
+                    "--no-host-crash-relays (mpirun then ends the attempt in ~16 s and launch relaunches)")
+    return Watchdog.for_job(cfg.dist.hang_timeout_s, dist, run_dir, exclude_hung=recovery_on,
+                            watch_hosts=relays).start()
+
+
 def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: StartupClock,
         guard: FailFast | None = None) -> dict[str, Any] | None:
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
     None when a resumed run had nothing left to train; the summary on global rank 0, an empty dict elsewhere.
     `guard` learns the step a failure happens after."""
-    from mpiddp.job.watchdog import Watchdog
     from mpiddp.trainer import checkpoint
     from mpiddp.trainer.saveclock import SaveClock
     from mpiddp.trainer.train import Hooks, train
@@ -174,7 +188,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     state, loaders, restored, datasets = built
     resumed_at_step = state.step
     run_logger, wandb_run_id = start_logger(cfg, dist, run_dir, state, restored, job_started_at, startup)
-    watchdog = Watchdog.for_job(cfg.dist.hang_timeout_s, dist, run_dir, exclude_hung=recovery is not None).start()
+    watchdog = start_watchdog(cfg, dist, run_dir, recovery is not None)
     if guard is not None:  # a failure record carries the last completed step, and whether this job made progress
         guard.progress = lambda: (state.step, watchdog.progressed)
     # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).
