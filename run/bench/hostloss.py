@@ -36,7 +36,7 @@ def steps_of(run_dir: Path) -> list[dict]:
     return [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("kind") == "step"]
 
 
-def one_run(hosts, work: Path, variant: str) -> dict:
+def one_run(hosts, work: Path, variant: str, extra: tuple[str, ...] = ()) -> dict:
     """variant: relays, no-relays (nothing fails), crash or silent (nodeb lost after step 2, with the relays)."""
     from conftest import rank_pids
     from test_drill import drill_env
@@ -50,7 +50,7 @@ def one_run(hosts, work: Path, variant: str) -> dict:
     epochs = "3" if variant in ("relays", "no-relays") else "2"
     command = launch_command("-H", HOSTS, "-np", "3", "--launcher", "mpirun", "--launcher-args",
                              " ".join(hosts.transport_args()), "--run-dir", str(run_dir), *relays, "--",
-                             "--run-dir", str(run_dir), "--epochs", epochs, *FAST, "--log-every", "1")
+                             "--run-dir", str(run_dir), "--epochs", epochs, *FAST, "--log-every", "1", *extra)
     env, mark = drill_env()
     started, lost_at, stopped = time.time(), None, []
     with log.open("w") as out:
@@ -115,6 +115,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="relays,no-relays,crash,silent", help="interleaved, in this order")
+    parser.add_argument("--grad-transport", default="auto", help="training's: fix it to compare like with like")
+    parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
     os.chdir(REPO)
     runs = []
@@ -122,17 +125,18 @@ def main() -> None:
         hosts = FakeHosts(["nodea", "nodeb", "nodec"], Path(tmp), tag="l").up()
         try:
             for repeat in range(args.repeats):
-                for variant in ("relays", "no-relays", "crash", "silent"):  # interleaved
+                for variant in args.variants.split(","):  # interleaved
                     work = Path(tmp) / f"{variant}{repeat}"
                     work.mkdir()
-                    runs.append(one_run(hosts, work, variant))
+                    runs.append(one_run(hosts, work, variant, ("--grad-transport", args.grad_transport)))
                     print(json.dumps(runs[-1]), flush=True)
         finally:
             hosts.down()
     table = summarise(runs)
-    RESULT.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cores": os.cpu_count(),
-                                  "python": platform.python_version(), "hosts": HOSTS, "summary": table,
-                                  "runs": runs}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cores": os.cpu_count(),
+                                          "python": platform.python_version(), "hosts": HOSTS,
+                                          "grad_transport": args.grad_transport, "summary": table, "runs": runs},
+                                         indent=1) + "\n")
     print(json.dumps(table, indent=1))
 
 
