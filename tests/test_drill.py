@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, JobResult, rank_pid, run_command
 from fakehosts import FakeHosts, running_fake_hosts
-from test_launch_e2e import FAST, attempts, launch_command, refusing_transport
+from test_launch_e2e import FAST, attempts, launch_command, refusing_transport, relaunched_after_a_spawn_crash
 from test_leftovers import _trained, assert_nothing_left, data_dir, kill_supervisor_and_wait, marked_env  # noqa: F401
 
 pytestmark = pytest.mark.mpi
@@ -96,12 +96,9 @@ def test_1_a_rank_killed_with_loader_workers_is_left_behind_and_the_survivor_fin
                                        "--num-workers", "2", "--epochs", "2", *FAST, "--inject-fault", "kill:1:3"))
     assert job.returncode == 0, job.output[-5000:]
     tried = attempts(run_dir)["attempts"]
-    spawn_crash = "pmix_server_dyn.c" in (run_dir / "attempt0.err").read_text()
-    if len(tried) == 2 and tried[0]["status"] in (134, 139) and spawn_crash:
-        # Open MPI 5.0.11's prterun crashed in the spawn onto nodec (about 1 grow in 8; the spare-joins issue): no
-        # host is blamed, and the relaunch, without the host lost in the job, finishes on the survivor and the spare
+    if relaunched_after_a_spawn_crash(tried):  # the relaunch finishes on the survivor and the spare
         first, second = tried
-        assert first["blamed_hosts"] == [] and first["recoveries"][0]["hosts_lost"] == ["nodeb"], first
+        assert first["recoveries"][0]["hosts_lost"] == ["nodeb"], first
         assert (second["hosts"], second["status"]) == (["nodea", "nodec"], 0), second
         assert json.loads((run_dir / "summary.json").read_text())["hosts"] == SPARE_USED
         return

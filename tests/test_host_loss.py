@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, rank_pids
 from fakehosts import FakeHosts, running_fake_hosts
 from test_drill import drill_env
-from test_launch_e2e import FAST, attempts, launch_command
+from test_launch_e2e import FAST, attempts, describe_attempts, launch_command, relaunched_after_a_spawn_crash
 from test_leftovers import assert_nothing_left
 from test_node_loss import go_silent, power_off
 
@@ -82,11 +82,17 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
     output = log.read_text()
     assert f"relay layout is on: {relays}" in output, output[-3000:]
     assert process.returncode == 0, output[-5000:]
-    (attempt,) = attempts(run_dir)["attempts"]  # no restart
+    tried = attempts(run_dir)["attempts"]
+    attempt = tried[0]
     (lost,) = [r for r in attempt["recoveries"] if r.get("cause") != "grew"]
     assert lost["hosts_lost"] == ["nodeb"] and lost["ranks_lost"] == lost_ranks, lost
-    grew = [r for r in attempt["recoveries"] if r.get("cause") == "grew"]
-    assert [r["hosts_added"] for r in grew] == ([[grown]] if grown else []), attempt["recoveries"]
+    if grown and relaunched_after_a_spawn_crash(tried):
+        # the host crash cost no restart; Open MPI 5.0.11's launcher crashed in the grow that followed (issue 35)
+        assert tried[1]["hosts"] == ["nodea", "nodec", grown], describe_attempts(run_dir, tried)
+    else:
+        assert len(tried) == 1, describe_attempts(run_dir, tried)  # no restart
+        grew = [r for r in attempt["recoveries"] if r.get("cause") == "grew"]
+        assert [r["hosts_added"] for r in grew] == ([[grown]] if grown else []), attempt["recoveries"]
     assert recovery_records(run_dir)[0]["hosts_lost"] == ["nodeb"]
     # mpirun either waits for nodeb's ranks (launch ends it 5 s after the mark, from the job's records) or exits
     # by itself after the mark (seen: 1, 134): never the 60 s wait of a launcher that lingers for no known reason

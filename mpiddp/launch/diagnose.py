@@ -228,12 +228,16 @@ def during_spawn(found: Failure, spawning: list[str]) -> tuple[Failure, str]:
     own bookkeeping of the spawn (Open MPI 5.0.11's prterun: "PMIX ERROR ... pmix_server_dyn.c", then "lost
     communication with a remote daemon" naming the spare, or a survivor's host: both seen), which is no evidence
     against any host: the failure then blames none. A host that is really down fails the relaunch's start ("daemon
-    failed to report back") and is left out then."""
-    if not spawning or found.source != "launcher output" or found.kind not in ("unreachable", "killed") \
-            or not found.hosts:
+    failed to report back") and is left out then. A launcher that dies in the spawn naming no host and with no
+    rank's record ("double free or corruption", exit 134: seen) blames none already; the crash is still named."""
+    if not spawning:
+        return found, ""
+    crash = f"during the job's spawn onto {', '.join(spawning)}"
+    if found.kind == "exit" and not found.hosts and not found.recorded:
+        return found, crash
+    if found.source != "launcher output" or found.kind not in ("unreachable", "killed") or not found.hosts:
         return found, ""
     hosts = ", ".join(found.hosts)
-    crash = f"during the job's spawn onto {', '.join(spawning)}"
     message = (f"the launcher failed {crash} ({found.message}); a launcher's failure during a spawn is not held "
                f"against {hosts}")
     return Failure("exit", found.status, message=message, step=found.step, source="launcher output",
