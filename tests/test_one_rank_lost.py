@@ -71,7 +71,7 @@ def test_a_stopped_rank_is_ended_through_the_agent_as_open_mpi_5_reads_it_and_th
                "--run-dir", str(run_dir), "--epochs", "6", *FAST, *HANG]
     status, output = stop_rank_1_and_wait(hosts, command, env, run_dir)
     assert status == 0, output[-6000:]
-    assert f"ending hung rank 1 (pid " in output and f"on nodeb for in-job recovery: {hosts.agent} nodeb kill -KILL" \
+    assert "ending hung rank 1 (pid " in output and f"on nodeb for in-job recovery: {hosts.agent} nodeb kill -KILL" \
         in output, output[-6000:]
     assert "cannot end it through" not in output, output[-6000:]
     every = attempts(run_dir)
