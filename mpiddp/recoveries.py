@@ -121,6 +121,9 @@ def describe(recovery: dict[str, Any]) -> str:
     stall = recovery.get("survivors_stall")
     if isinstance(stall, (int, float)):
         parts.append(f"survivors stood still {stall:.2f} s")
+    warm = recovery.get("warm_up")
+    if isinstance(warm, (int, float)):
+        parts.append(f"new ranks warmed up {warm:.2f} s while the job trained")
     return ", ".join(parts)
 
 

@@ -72,40 +72,172 @@ def test_a_grow_is_recorded_and_told_next_to_the_recoveries():
     assert describe({**record, "survivors_stall": 2.61}).endswith(", survivors stood still 2.61 s")
 
 
-def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatch):
-    """The spawn and merge worked, then the new rank died: a reduction over the merged job may fail or return
-    garbage (ULFM). The survivors fall back, naming the host the rank was joining on, and record no grow."""
-    import pickle
+class MpiError(Exception):
+    """MPI's exception, as a test's fake communicator raises it."""
 
-    from mpiddp.elastic import grow as trainer_grow
-    from mpiddp.elastic.grow import GrowBack
 
-    class MpiError(Exception):
-        pass
+class Request:
+    """A fake of rank 0's receive of a new rank's word that it is ready."""
 
-    said = []
+    def __init__(self, outcomes):
+        self.outcomes = list(outcomes)  # per test(): True, False, or an exception to raise
+
+    def test(self):
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome, None
+
+
+class Merged:
+    """A fake of the survivors' merged communicator during a grow."""
+
+    def __init__(self):
+        self.sent, self.revoked = [], False
+
+    def send(self, value, dest, tag):
+        self.sent.append((value, dest))
+
+    def Revoke(self):
+        self.revoked = True
+
+
+def survivors(monkeypatch, said, grown):
+    """(rank 0's Dist, a policy of the survivors bound to it) as GrowBack asks them."""
+    from mpiddp.elastic import grow
 
     def fall_back(reason, ranks):
         said.append((reason, ranks))
         raise RuntimeError("fell back")
 
-    dist = SimpleNamespace(world_size=2, is_main=True, topology=SimpleNamespace(failure_file=""))
-    grown = []
+    monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
+    dist = SimpleNamespace(world_size=2, is_main=True, topology=SimpleNamespace(failure_file=""),
+                           transport=SimpleNamespace(bcast=lambda value: value))
     recovery = SimpleNamespace(members=SimpleNamespace(_mpi=SimpleNamespace(Exception=MpiError), comm=None),
                                dists=[dist], steps_done=lambda: 7, records_dir=lambda: None,
                                pause_watch=lambda: None, follow_watch=lambda dist: None,
                                spawn_command=lambda: ["python"], grown=lambda *args: grown.append(args),
-                               fall_back=fall_back)
-    monkeypatch.setattr(trainer_grow.mpigrow, "spawn_and_merge", lambda comm, plan, command: (object(), {"spawn": 0.1}))
+                               fall_back=fall_back, grow_split=lambda world, grown: Resplit(16, 1, 5),
+                               stepped_since_change=True, engine=SimpleNamespace(initial_world=3))
+    return dist, recovery
+
+
+def warming(outcomes, merged=None):
+    from mpiddp.elastic.grow import Warming
+
+    return Warming(merged or Merged(), GrowPlan(("noded",)), None, ["a", "b", "noded"], {"spawn": 0.1, "merge": 0.02},
+                   0.15, 0.0, [Request(outcomes)])
+
+
+def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatch):
+    """The spawn and merge worked, the new rank said it was ready, then died: a reduction over the merged job may
+    fail or return garbage (ULFM). The survivors fall back, naming the host the rank was joining on, and record
+    no grow."""
+    import pickle
+
+    from mpiddp.elastic.grow import GrowBack
+
+    said, grown = [], []
+    dist, recovery = survivors(monkeypatch, said, grown)
     for error in (MpiError("MPI_ERR_PROC_FAILED: Process Failure"), pickle.UnpicklingError("invalid load key")):
         def join(*args, error=error):
             raise error
         monkeypatch.setattr(GrowBack, "_join", staticmethod(join))
+        grower = GrowBack([("noded", 1)])
+        grower.warming = warming([True])
         with pytest.raises(RuntimeError, match="fell back"):
-            GrowBack([("noded", 1)]).grow(recovery, GrowPlan(("noded",)), Resplit(16, 1, 5))
+            grower.at_boundary(recovery)
         reason, ranks = said.pop()
         assert reason.startswith("a new rank failed while joining on noded (") and ranks == (2,), reason
         assert "\n" not in reason and grown == []
+
+
+def test_the_survivors_train_on_while_the_new_rank_warms_up_and_take_it_in_once_it_is_ready(monkeypatch):
+    """Step 2 of a grow: at each boundary rank 0 looks without waiting; the survivors go on while the new rank
+    warms up, and take it in (its word to join, then the merged job's collectives) at the first boundary after
+    it said it is ready. Their stand-still counts step 1's too."""
+    from mpiddp.elastic.grow import GrowBack, Regrown
+
+    said, grown = [], []
+    dist, recovery = survivors(monkeypatch, said, grown)
+    joined = []
+    monkeypatch.setattr(GrowBack, "_join", staticmethod(lambda *args: joined.append(args)))
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.warming = warming([False, False, True], merged)
+    grower.at_boundary(recovery)
+    grower.at_boundary(recovery)
+    assert (joined, merged.sent, grower.warming is not None) == ([], [], True)  # warming: the survivors train on
+    with pytest.raises(Regrown):
+        grower.at_boundary(recovery)
+    assert merged.sent == [("join", 2)] and len(joined) == 1 and grower.warming is None
+    ((record, split, stalled_from),) = grown
+    assert record["ranks_added"] == [2] and record["hosts_added"] == ["noded"] and record["warm_up"] > 0
+    assert record["phases"]["spawn"] == 0.1 and split == Resplit(16, 1, 5)
+    import time
+
+    assert time.monotonic() - stalled_from >= 0.15  # step 1's stand-still is the survivors' too
+
+
+def test_a_new_rank_that_ends_while_warming_up_leaves_the_survivors_as_they_were(monkeypatch, caplog):
+    """A new rank that dies before it is ready (its host lost, an import that failed): rank 0's receive ends with
+    MPI's error; the survivors give the grow up (the merged communicator revoked, the spare slot free again), say
+    why once, and never grow again (no fall-back: the job goes on at reduced size)."""
+    from mpiddp.elastic.grow import GrowBack
+
+    said, grown = [], []
+    dist, recovery = survivors(monkeypatch, said, grown)
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.used = {"noded": 1}  # taken at the spawn
+    grower.warming = warming([MpiError("MPI_ERR_PROC_FAILED: Process Failure")], merged)
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        grower.at_boundary(recovery)
+        grower.at_boundary(recovery)  # said once
+    assert merged.revoked and grower.warming is None and grower.used == {"noded": 0} and (said, grown) == ([], [])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("not growing back: a new rank on noded ended while warming up "
+                                                   "(MPI_ERR_PROC_FAILED"), lines
+
+
+def test_a_survivor_lost_while_the_new_rank_warms_up_gives_the_grow_up(monkeypatch, caplog):
+    """The merged communicator numbers the survivors of the world before the failure: the recovery revokes it (the
+    new rank, waiting on it, leaves) and says so on rank 0; the job may grow again later from the new world."""
+    from mpiddp.elastic.grow import GrowBack
+
+    dist = SimpleNamespace(is_main=True)
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.used = {"noded": 1}
+    grower.warming = warming([False], merged)
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        grower.abandon(dist, "ranks 1 of the job failed while they warmed up")
+        grower.abandon(dist, "again")  # nothing under way: nothing said
+    assert merged.revoked and grower.warming is None and grower.used == {"noded": 0} and not grower.said_off
+    assert [r.getMessage() for r in caplog.records] == [
+        "growing back given up: ranks 1 of the job failed while they warmed up; the new ranks on noded leave"]
+
+
+def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch):
+    """The survivors revoked the merged communicator (or rank 0 ended) while the new rank warmed up: its word
+    that it is ready, or its wait for the word to join, ends with MPI's error; it frees the merged communicator
+    (MPI_Finalize then returns at once) and raises Abandoned, on which the process ends with status 0."""
+    from mpiddp.elastic import grow
+
+    freed = []
+
+    class Revoked:
+        def send(self, value, dest, tag):
+            pass
+
+        def recv(self, source, tag):
+            raise MpiError("MPI_ERR_REVOKED: Communication Object Revoked")
+
+        def Free(self):
+            freed.append(True)
+
+    monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
+    arrival = grow.Arrival(Revoked(), {}, None, ["a", "b", "c"], None, 0.0)
+    with pytest.raises(grow.Abandoned, match="gave up this rank's grow before it joined .MPI_ERR_REVOKED"):
+        grow.enter(arrival)
+    assert freed == [True]
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
@@ -130,6 +262,12 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
 
         def Get_rank(self):
             return 2
+
+        def send(self, value, dest, tag):
+            pass
+
+        def recv(self, source, tag):
+            return "join"
 
     built = []
 

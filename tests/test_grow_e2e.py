@@ -65,7 +65,7 @@ def test_the_job_grows_back_onto_the_spare_host_and_finishes_at_full_size(hosts,
     # mpirun itself (prterun 5.0.11) sometimes crashes once such a job has finished (SIGSEGV or glibc "free():
     # invalid pointer", when the spawned rank ends, after the summary is written): xfail after every other check
     finished = (job.run_dir / "summary.json").exists()
-    assert status == 0 or (status in (-11, -6, 139, 134) and finished), output[-6000:]
+    assert status == 0 or (status in (-11, -6, 139, 134) and finished), f"status {status}\n{output[-6000:]}"
     assert survivors_pids(output) == {0: pids[0], 1: pids[2]}, output[-3000:]
     assert "running at reduced size 2 of 3 ranks" in output
     assert "grow: this process" in output and "joins as rank 2 of 3" in output, output[-3000:]
@@ -77,7 +77,10 @@ def test_the_job_grows_back_onto_the_spare_host_and_finishes_at_full_size(hosts,
         ("process_failed", [1], 3, 2), recovery
     assert (grew["cause"], grew["ranks_added"], grew["hosts_added"], grew["world_before"], grew["world_after"],
             grew["steps_lost"]) == ("grew", [2], ["noded"], 2, 3, 0), grew
-    assert grew["step"] == 6, grew  # one step at reduced size, then the next step boundary
+    # spawned after one step at reduced size; taken in at the first boundary after it warmed up, the survivors
+    # training meanwhile (the warm-up, interpreter to model, took 2.6 s here)
+    assert "growing back: ranks [2] started on noded" in output and "they warm up while the job trains" in output
+    assert grew["step"] >= 6 and grew["warm_up"] > 0, grew
     assert set(grew["phases"]) == {"spawn", "merge", "process_group", "state_transfer", "ddp", "first_step"}
     assert all(isinstance(v, float) and v >= 0 for v in grew["phases"].values()), grew
     # the survivors stood still from the boundary to their next step's end: every phase of the grow lies inside

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from mpiddp.contract import MIN_NP_ENV
 from mpiddp.elastic.decide import furthest
-from mpiddp.elastic.grow import Regrown
+from mpiddp.elastic.grow import GrowBack, Regrown
 from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, WatchedTransport, members_lost,
                                        mpi_error_of)
 from mpiddp.elastic.survivors import bind_topology, mark_recovered, shrunk_topology, unless_end_decided
@@ -86,6 +86,7 @@ class Policy:
     guard: FailFast | None = None  # follows the survivors with every Dist (survivors.bind_topology), as log_level
     log_level: str | None = None
     hide_cause = False  # a fall-back's NotRecovered without the exception it was raised in (a script's report)
+    grower: GrowBack | None = None  # growing back after a recovery (mpiddp.elastic.grow), where the policy grows
 
     def alive_at(self) -> float: ...  # this rank's last sign of life of the job (time.time()): detect runs from it
     def records_dir(self) -> Path | None: ...  # the failures directory: an end recorded there stops the recovery
@@ -176,6 +177,8 @@ class Engine:
         reason = policy.refusal()
         if reason is not None:
             self.fall_back(reason, lost.ranks)
+        if policy.grower is not None:  # a grow under way spans the old world: its new ranks leave
+            policy.grower.abandon(dist, f"ranks {', '.join(map(str, lost.ranks))} of the job failed while they warmed up")
         policy.before_shrink()
         before = dist.topology
         try:

@@ -12,13 +12,19 @@ without MPI_Finalize makes mpirun exit 1, so a grown rank finalises (the survivo
 Where the spare hosts come from: MPIDDP_SPARE_HOSTS (`host[:slots],...`), which `launch` sets from its host
 list and which a user of plain mpirun sets beside `-H`. The failed host counts once it is named there again.
 
-At a step boundary after a recovery (and after one step at reduced size), the survivors spawn the missing ranks,
-merge them in after themselves, rebuild the process group on a new store, send them the state from rank 0's
-memory (what the user's policy hands over; nothing from disk), wrap DDP again and re-split the global batch at
-the same sample, as a recovery does, the other way. Both sides run the same collectives in the same order over
-the merged communicator:
-  hello (rank 0's topology and settings; every host name)  ->  Membership + process group  ->  the state
-  ->  DDP  ->  the loop (the survivors go on in their epoch, the new ranks enter it at the same batch).
+A grow takes two step boundaries, and the survivors train between them while the new ranks warm up:
+  1. after a recovery (and one step at reduced size) the survivors spawn the missing ranks, merge them in after
+     themselves and say hello (rank 0's topology and settings; every host name): a fraction of a second. Then
+     they go back to training. Each new rank meanwhile imports torch, reads its config, loads its data and builds
+     its model (the trainer's: mpiddp.trainer.join), then says it is ready to rank 0 (a message on the merged
+     communicator).
+  2. at each later boundary rank 0 looks (MPI_Test, no wait) and tells the survivors (one small broadcast); once
+     every new rank is ready, rank 0 tells them to join, and both sides run the same collectives in the same
+     order over the merged communicator: Membership + process group  ->  the state (what the user's policy hands
+     over, from rank 0's memory; nothing from disk)  ->  DDP  ->  the loop (the survivors go on in their epoch,
+     the new ranks enter it at the same batch), re-split at the same sample as a recovery does, the other way.
+A grow under way is given up (the merged communicator revoked: the new ranks leave, exit 0) when a survivor
+fails before it ends; a new rank that dies while warming up leaves the survivors as they were, said once.
 Where growing cannot work (no spare slot, the spawn fails, the global batch does not split) rank 0 says why
 once, and the job goes on at reduced size.
 """
@@ -51,8 +57,40 @@ log = logging.getLogger("mpiddp")
 SPAWN_TIMEOUT_S = 60.0
 
 
+# the merged communicator's tags between rank 0 and a new rank warming up (its only point-to-point messages)
+READY_TAG, JOIN_TAG = 7701, 7702
+
+
 class Regrown(Exception):
     """New ranks joined the job at a step boundary: the epoch goes on with the new split."""
+
+
+class Abandoned(Exception):
+    """A new rank's grow was given up before it joined: a survivor failed, or the job ended, meanwhile."""
+
+
+@dataclass
+class Warming:
+    """A grow under way on the survivors: the new ranks were spawned and merged in, and warm up while the
+    survivors train (mpiddp.elastic.grow's step 1 done, step 2 not yet)."""
+
+    merged: Any  # the merged intracommunicator: survivors first, then the new ranks
+    plan: GrowPlan
+    template: Any  # rank 0's Topology, as the new ranks got it in the hello
+    hostnames: list[str]  # every rank's host in the merged job
+    phases: dict[str, float]  # spawn, merge (the survivors' stand-still at step 1)
+    stall: float  # this survivor's seconds stood still at step 1 (spawn, merge, hello)
+    since: float  # monotonic time step 1 ended: the new ranks' warm-up, hidden behind training, runs from here
+    ready: list[Any]  # rank 0's receives of each new rank's word that it is ready (empty elsewhere)
+    records: Any = None  # rank 0's failures directory, where the spawn's mark stands until the grow ends
+
+    def poll(self) -> str:
+        """Rank 0, not collective: "ready" once every new rank said so, "warming" before; why not, when a new
+        rank ended (ULFM completes a receive from a failed process with an error)."""
+        try:
+            return "ready" if all(request.test()[0] for request in self.ready) else "warming"
+        except mpigrow.mpi_exception() as exc:
+            return f"a new rank on {', '.join(self.plan.hosts)} ended while warming up ({str(exc).splitlines()[0]})"
 
 
 # ---- the survivors' side -------------------------------------------------------------------------------------------
@@ -69,6 +107,7 @@ class GrowBack:
         self.spares = spares
         self.used: dict[str, int] = {}  # spare slots taken by earlier grows
         self.off = off  # why the job does not grow (said once), None while it may
+        self.warming: Warming | None = None  # a grow under way: its new ranks warm up while the survivors train
 
     @classmethod
     def from_env(cls) -> GrowBack:
@@ -78,6 +117,8 @@ class GrowBack:
     def at_boundary(self, recovery: Any) -> None:
         """Collective, at each training step's boundary: grow when due; Regrown when new ranks joined."""
         dist = recovery.dists[0]
+        if self.warming is not None:
+            return self._take_in_when_ready(recovery)
         if not grow_due(recovery.stepped_since_change, dist.world_size, recovery.engine.initial_world, self.said_off):
             return
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
@@ -89,10 +130,7 @@ class GrowBack:
         split = recovery.grow_split(dist.world_size, dist.world_size + decision.count)
         if isinstance(split, str):
             return self.stop_growing(dist, split)
-        if split is None:  # not at this position (the trainer's: at the next epoch's start it is)
-            return
-        if self.grow(recovery, decision, split):
-            raise Regrown()
+        self.start(recovery, decision)  # where the split is None here, the new ranks warm up while the job reaches one
 
     @property
     def said_off(self) -> bool:
@@ -108,13 +146,12 @@ class GrowBack:
             log.warning("not growing back: %s; the job goes on with %d ranks", reason, dist.world_size)
         self.off = "said"
 
-    def grow(self, recovery: Any, plan: GrowPlan, split: Any) -> bool:
-        """Collective over the survivors: spawn, merge, rebuild, send the state, wrap again. False (one line on
-        rank 0) when the spawn fails: the job goes on at reduced size. A new rank that fails while joining ends
-        the job (fall_back: one line, then fail fast; `launch` relaunches)."""
+    def start(self, recovery: Any, plan: GrowPlan) -> None:
+        """Collective over the survivors, step 1: spawn, merge and hello; the new ranks then warm up while the
+        survivors train. When the spawn fails, one line on rank 0 and the job goes on at reduced size."""
         members, dist = recovery.members, recovery.dists[0]
         mpi_error = mpi_error_of(members)
-        before, step, stalled_from = dist.world_size, recovery.steps_done(), time.monotonic()
+        step, stalled_from = recovery.steps_done(), time.monotonic()
         recovery.pause_watch()
         # launch's evidence that a launcher failing now failed during the spawn (Open MPI 5.0.11's prterun can
         # crash in MPI_Comm_spawn), which says nothing against the hosts spawned onto
@@ -126,34 +163,106 @@ class GrowBack:
         except mpi_error as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             recovery.follow_watch(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
-            return False
-        failure.spawned(records)
+            return
         try:
-            self._join(recovery, merged, split, phases)
+            hello = merged.bcast(hello_of(dist, recovery) if dist.is_main else None, root=0)
+            hostnames = merged.allgather(dist.topology.hostname)
+        except mpi_error as exc:  # a new rank died at once: nothing else changed
+            failure.spawned(records)
+            recovery.follow_watch(dist)
+            self.stop_growing(dist, f"a new rank on {', '.join(plan.hosts)} ended as it started "
+                                    f"({str(exc).splitlines()[0]})")
+            return
+        new_ranks = range(dist.world_size, dist.world_size + plan.count)
+        ready = [merged.irecv(source=rank, tag=READY_TAG) for rank in new_ranks] if dist.is_main else []
+        now = time.monotonic()
+        # the spawn mark stays until the new ranks joined or were given up: Open MPI 5.0.11's prterun also crashes
+        # after MPI_Comm_spawn returned (seen: "free(): invalid pointer" while the new rank warmed up)
+        self.warming = Warming(merged, plan, hello["topology"], hostnames, phases, now - stalled_from, now, ready,
+                               records)
+        for host in plan.hosts:  # taken while it warms up: a grow given up frees it again
+            self.used[host] = self.used.get(host, 0) + 1
+        recovery.follow_watch(dist)
+        if dist.is_main:
+            log.warning("growing back: ranks %s started on %s (spawn %.3f s, merge %.3f s); they warm up while the "
+                        "job trains on %d ranks", list(new_ranks), ", ".join(plan.hosts), phases["spawn"],
+                        phases["merge"], dist.world_size)
+
+    def _take_in_when_ready(self, recovery: Any) -> None:
+        """Collective over the survivors, step 2: rank 0 looks whether every new rank is ready (no wait) and says
+        so in one small broadcast; Regrown once they joined. A new rank that ended meanwhile is given up."""
+        warming, dist = self.warming, recovery.dists[0]
+        assert warming is not None
+        word = dist.transport.bcast(warming.poll() if dist.is_main else None)
+        if word == "warming":
+            return
+        if word != "ready":
+            self.abandon()
+            return self.stop_growing(dist, word)
+        split = recovery.grow_split(dist.world_size, dist.world_size + warming.plan.count)
+        if isinstance(split, str):
+            self.abandon()
+            return self.stop_growing(dist, split)
+        if split is None:  # not at this position (the trainer's: at the next epoch's start it is)
+            return
+        self.take_in(recovery, split)
+        raise Regrown()
+
+    def take_in(self, recovery: Any, split: Any) -> None:
+        """Collective over the merged job, step 2: tell the new ranks to join, then the process group, the state
+        and the wrapper. A new rank that fails while joining ends the job (fall_back: one line, then fail fast;
+        `launch` relaunches)."""
+        warming, members, dist = self.warming, recovery.members, recovery.dists[0]
+        assert warming is not None
+        self.warming = None
+        mpi_error = mpi_error_of(members)
+        before, step, stalled_from = dist.world_size, recovery.steps_done(), time.monotonic()
+        phases = dict(warming.phases)
+        recovery.pause_watch()
+        joining = tuple(range(before, before + warming.plan.count))
+        try:
+            if dist.is_main:
+                for rank in joining:
+                    warming.merged.send("join", dest=rank, tag=JOIN_TAG)
+            self._join(recovery, warming, split, phases)
         except (mpi_error, MembersLost, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
             # a new rank died while joining: a reduction over the merged job can even return garbage (ULFM)
-            joining = tuple(range(before, before + plan.count))
-            recovery.fall_back(f"a new rank failed while joining on {', '.join(plan.hosts)} "
+            recovery.fall_back(f"a new rank failed while joining on {', '.join(warming.plan.hosts)} "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", joining)
+        failure.spawned(warming.records)
         recovery.follow_watch(dist)
-        for host in plan.hosts:
-            self.used[host] = self.used.get(host, 0) + 1
-        added = list(range(before, dist.world_size))
-        recovery.grown(grow_record(step, added, list(plan.hosts), before, dist.world_size, phases), split, stalled_from)
-        return True
+        record = grow_record(step, list(joining), list(warming.plan.hosts), before, dist.world_size, phases)
+        record["warm_up"] = stalled_from - warming.since
+        # the survivors' stand-still: step 1's, and step 2's from its boundary to the next step's end (the policy's)
+        recovery.grown(record, split, stalled_from - warming.stall)
+
+    def abandon(self, dist: Any = None, why: str = "") -> None:
+        """Every survivor, not collective: give up the grow under way (a survivor failed, the job ends, a new rank
+        ended); rank 0 of `dist` says `why` where given. Revoking the merged communicator wakes every new rank
+        waiting on it, which then leaves; its spare slot is free again."""
+        warming, self.warming = self.warming, None
+        if warming is None:
+            return
+        if dist is not None and dist.is_main and why:
+            log.warning("growing back given up: %s; the new ranks on %s leave", why, ", ".join(warming.plan.hosts))
+        for host in warming.plan.hosts:
+            self.used[host] -= 1
+        failure.spawned(warming.records)
+        try:
+            warming.merged.Revoke()
+        except Exception:  # noqa: BLE001 - revoked already by another survivor, or MPI without ULFM's revoke
+            pass
 
     @staticmethod
-    def _join(recovery: Any, merged: Any, split: Any, phases: dict[str, float]) -> None:
-        """Collective over the merged job (the survivors' half of `join`): hello, the process group, the state,
+    def _join(recovery: Any, warming: Warming, split: Any, phases: dict[str, float]) -> None:
+        """Collective over the merged job (the survivors' half of `join`'s step 2): the process group, the state,
         the topology, the wrapper again."""
         members, dist = recovery.members, recovery.dists[0]
-        hello = merged.bcast(hello_of(dist, recovery) if dist.is_main else None, root=0)
-        hostnames = merged.allgather(dist.topology.hostname)
-        phases["process_group"] = members.adopt(merged)
+        phases["process_group"] = members.adopt(warming.merged)
         started = time.monotonic()
         members.bcast_large(recovery.handover(split) if dist.is_main else None)
         phases["state_transfer"] = time.monotonic() - started
-        recovery.bind(topology_over(hello["topology"], hostnames, members.comm.Get_rank()), "stays")
+        recovery.bind(topology_over(warming.template, warming.hostnames, members.comm.Get_rank()), "stays")
         started = time.monotonic()
         recovery.rewrap_grown(split, dist)
         phases["ddp"] = time.monotonic() - started
@@ -193,8 +302,9 @@ def say_grown(dist: Any, initial_world: int, record: dict[str, Any], how: str) -
     if not dist.is_main:
         return
     phases = record["phases"]
-    log.warning("grew back: ranks %s joined on %s; %d ranks go on %s; spawn %.3f s, merge %.3f s, process group "
-                "%.3f s, state transfer %.3f s, DDP %.3f s", record["ranks_added"], ", ".join(record["hosts_added"]),
+    log.warning("grew back: ranks %s joined on %s after warming up %.3f s while the job trained; %d ranks go on %s; "
+                "spawn %.3f s, merge %.3f s, process group %.3f s, state transfer %.3f s, DDP %.3f s",
+                record["ranks_added"], ", ".join(record["hosts_added"]), record.get("warm_up") or 0.0,
                 dist.world_size, how, phases["spawn"], phases["merge"], phases["process_group"],
                 phases["state_transfer"], phases["ddp"])
     if dist.world_size >= initial_world:
@@ -228,15 +338,45 @@ def joining() -> bool:
     return mpigrow.joining()
 
 
-def join() -> Joining:
-    """Collective over the merged job: the new rank's half of GrowBack._join up to the state (hello, the
-    process group on the survivors' backend, the topology)."""
+@dataclass
+class Arrival:
+    """A new rank after step 1 of a grow (merged in, hello heard): what it needs to warm up on its own."""
+
+    merged: Any
+    hello: dict[str, Any]  # rank 0's: topology, backend, initial_world, interface_per_host, min_size, timeout
+    topology: Any  # this rank's in the grown job
+    hostnames: list[str]
+    device: Any  # this rank's torch.device (joining_device)
+    since: float  # monotonic time step 1 ended: this rank's warm-up runs from here
+
+
+def arrive() -> Arrival:
+    """Collective over the merged job, step 1 (the survivors' GrowBack.start): merge, hello, every host's name;
+    then this rank's device (local). The survivors go back to training: what follows until `enter` is this rank's
+    own warm-up."""
     merged = mpigrow.merge_with_parent()
     hello = merged.bcast(None, root=0)
     hostnames = merged.allgather(own_host())
     point_gloo_at(hello["interface_per_host"], hello["topology"].hostname)
     topology = topology_over(hello["topology"], hostnames, merged.Get_rank())
     device = joining_device(hello["backend"], topology)
+    return Arrival(merged, hello, topology, hostnames, device, time.monotonic())
+
+
+def enter(arrival: Arrival) -> Joining:
+    """Step 2, once this rank is warm: say so to rank 0, wait for its word to join (the survivors take it in at a
+    step boundary), then, collective over the merged job, the process group on the survivors' backend.
+    Abandoned (the merged communicator freed) when the grow was given up meanwhile: the survivors revoked it, or
+    rank 0 ended."""
+    merged, hello, topology, device = arrival.merged, arrival.hello, arrival.topology, arrival.device
+    warm = time.monotonic() - arrival.since
+    try:
+        merged.send("ready", dest=0, tag=READY_TAG)
+        merged.recv(source=0, tag=JOIN_TAG)
+    except mpigrow.mpi_exception() as exc:
+        mpigrow.leave(merged)
+        raise Abandoned(f"the job gave up this rank's grow before it joined ({str(exc).splitlines()[0]}): a rank "
+                        "failed, or the job ended, meanwhile") from None
     started = time.monotonic()
     # the survivors adopt the merged job on their own backend (Membership.adopt): NCCL on GPUs, so must this rank
     members = Membership(merged, hello["collective_timeout_s"], backend=hello["backend"],
@@ -244,8 +384,21 @@ def join() -> Joining:
     members.start_process_group()
     phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
     before = hello["topology"].world_size
+    hostnames = arrival.hostnames
     added = (list(range(before, len(hostnames))), list(hostnames[before:]), before, len(hostnames))
+    log.info("grow: warmed up in %.3f s while the job trained", warm)
     return Joining(members, hello, topology, device, added, phases)
+
+
+def join() -> Joining:
+    """Both steps at once (a script's new rank under plain mpirun: its own code imported torch before
+    mpiddp.init, and builds its model after it): `arrive`, then `enter`. Abandoned as `enter`."""
+    return enter(arrive())
+
+
+def say_abandoned(exc: Abandoned) -> None:
+    """A new rank's one line when its grow was given up: it never joined, and the job goes on without it."""
+    log.warning("grow: %s; this process ends (exit 0)", exc)
 
 
 def joining_device(backend: str, topology: Any) -> Any:

@@ -492,6 +492,25 @@ def spawn_and_merge(comm: Any, plan: GrowPlan, command: list[str]) -> tuple[Any,
     return merged, {"spawn": spawned - started, "merge": time.monotonic() - spawned}
 
 
+def mpi_exception() -> type[Exception]:
+    """MPI's exception class (mpi4py's), for code that holds a communicator but no Membership."""
+    from mpi4py import MPI
+
+    return MPI.Exception
+
+
+def leave(merged: Any) -> None:
+    """A spawned rank whose grow was given up before it joined: free the merged communicator (revoked, or with a
+    failed rank 0), so that MPI_Finalize does not wait on it; the parent's stays (as Membership.release).
+    Measured: MPI_Finalize then returns at once, and mpirun's status stays 0."""
+    try:
+        merged.Free()
+    except Exception:  # noqa: BLE001 - freed already
+        pass
+    if merged in _spanning:
+        _spanning.remove(merged)
+
+
 def joining() -> bool:
     """Whether this process was spawned by a job growing back (it has an MPI parent). Initialises MPI."""
     from mpiddp.job.mpistart import init_mpi

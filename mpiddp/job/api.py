@@ -121,7 +121,11 @@ def _bootstrap(settings: InitSettings) -> Session:
 
     guard = FailFast()
     _abort_on_unhandled_exception(guard)
-    joining = grow.join() if grow.joining() else None  # spawned by a job growing back after a recovery
+    try:
+        joining = grow.join() if grow.joining() else None  # spawned by a job growing back after a recovery
+    except grow.Abandoned as exc:  # given up before it joined: this process was never part of the job
+        grow.say_abandoned(exc)
+        raise SystemExit(0) from None
     if joining is not None:
         dist = grow.joined_dist(joining, set_threads(settings.dist, joining.topology))
         guard.dist = dist

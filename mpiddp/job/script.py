@@ -35,7 +35,7 @@ from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, DistSe
 from mpiddp.job.topology import Topology
 
 if TYPE_CHECKING:
-    from mpiddp.elastic.grow import Joining
+    from mpiddp.elastic.grow import Arrival, Joining
     from mpiddp.job.collective import Dist
 
 log = logging.getLogger(__name__)
@@ -268,8 +268,12 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     from mpiddp.job import api
     from mpiddp.job.bootstrap import enable_flight_recorder, teardown
 
-    joining = grow.join() if grow.joining() else None  # spawned by a job growing back after a recovery
-    dist, cfg, target, (rendezvous, store, num_threads) = start_job(argv, guard, joining)
+    arrival = grow.arrive() if grow.joining() else None  # spawned by a job growing back after a recovery
+    try:
+        dist, cfg, target, (rendezvous, store, num_threads), joining = start_job(argv, guard, arrival)
+    except grow.Abandoned as exc:  # given up before it joined: this process was never part of the job
+        grow.say_abandoned(exc)
+        return 0
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
     gpus_per_rank = dist.allgather(visible_gpus()) if joining is None else [visible_gpus()]
     if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose
@@ -311,16 +315,19 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     return 0
 
 
-def start_job(argv: list[str], guard: FailFast, joining: Joining | None) -> tuple[Dist, RunConfig, Target, tuple]:
-    """Collective: the job's Dist, `run`'s options, the target, (rendezvous, store, thread share). A rank
-    that joined a grown job (`joining`) runs the command line the survivors checked at start-up: it checks nothing
-    with them, and takes their rendezvous."""
+def start_job(argv: list[str], guard: FailFast, arrival: Arrival | None,
+              ) -> tuple[Dist, RunConfig, Target, tuple, Joining | None]:
+    """Collective: the job's Dist, `run`'s options, the target, (rendezvous, store, thread share), and how this
+    rank joined a grown job. A rank spawned by a grow (`arrival`: mpiddp.elastic.grow) runs the command line the
+    survivors checked at start-up: it checks nothing with them, warms up (its options, logging, torch) while they
+    train, joins when they take it in (grow.enter: Abandoned when they gave it up), and takes their rendezvous."""
     from mpiddp.elastic import grow
     from mpiddp.job import api
     from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
     from mpiddp.job.log import setup_logging
 
-    if joining is None:
+    joining = None
+    if arrival is None:
         dist = connect(guard)
         own, target = dist.agree(lambda: split_argv(argv))
         cfg = dist.agree(lambda: parse_run_args(own))
@@ -332,16 +339,17 @@ def start_job(argv: list[str], guard: FailFast, joining: Joining | None) -> tupl
     else:
         own, target = split_argv(argv)
         cfg = parse_run_args(own)
-        setup_logging(joining.topology, cfg.log_level)
-    num_threads = set_threads(cfg.dist, dist.topology if joining is None else joining.topology)
+        setup_logging(arrival.topology, cfg.log_level)
+    num_threads = set_threads(cfg.dist, dist.topology if arrival is None else arrival.topology)
     if cfg.dist.num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
-    if joining is not None:
+    if arrival is not None:
+        joining = grow.enter(arrival)
         dist = guard.dist = grow.joined_dist(joining, num_threads)
-        return dist, cfg, target, (*api.joined_rendezvous(dist), num_threads)
-    return dist, cfg, target, (*open_rendezvous(cfg.dist, dist, guard), num_threads)
+        return dist, cfg, target, (*api.joined_rendezvous(dist), num_threads), joining
+    return dist, cfg, target, (*open_rendezvous(cfg.dist, dist, guard), num_threads), joining
 
 
 def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, collective_timeout_s: float,

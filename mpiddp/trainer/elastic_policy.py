@@ -314,8 +314,9 @@ class TrainerPolicy(Policy):
         }
 
     def gathered(self, dist: Dist) -> list[dict[str, Any]]:
-        """Collective: the recoveries, each phase the slowest survivor's (detect: the earliest notice); on rank 0,
-        an empty list elsewhere."""
+        """Collective, at the job's end: the recoveries, each phase the slowest survivor's (detect: the earliest
+        notice); on rank 0, an empty list elsewhere. A grow whose new ranks still warm up never joins: given up."""
+        self.grower.abandon(self.dists[0], "training ended while they warmed up")
         views = dist.gather([(record["phases"], record["cause"], record.get("survivors_stall"))
                              for record in self.records])
         if views is None:

@@ -36,7 +36,11 @@ def join_main(args: list[str], stop: Any) -> int:
     from mpiddp.trainer.metrics import process_start_time
 
     startup = StartupClock(process_start_time())
-    joined = Joined.enter(args)
+    try:
+        joined = Joined.enter(args)
+    except grow.Abandoned as exc:
+        grow.say_abandoned(exc)
+        return 0
     try:
         outcome = joined.train(stop)
     except Stopped:
@@ -52,28 +56,39 @@ class Joined:
 
     @classmethod
     def enter(cls, args: list[str]) -> Joined:
-        """Collective over the merged job: the new rank's half of GrowBack.grow."""
-        joining = grow.join()
+        """The new rank's half of GrowBack's two steps: arrive (collective), warm up while the survivors train
+        (local), then join when they take it in (collective). Abandoned when the grow was given up meanwhile."""
+        arrival = grow.arrive()
         joined = cls()
+        joined.warm(args, arrival)
+        joining = grow.enter(arrival)
         joined.members, joined.hello, joined.added = joining.members, joining.hello, joining.added
-        joined.prepare(args, joining)
+        joined.dist = grow.joined_dist(joining, joined.num_threads)
         payload = grow.receive(joining)
         joined.build(payload, joining.phases)
         return joined
 
-    def prepare(self, args: list[str], joining: grow.Joining) -> None:
-        """Local: the config, Dist, logging and data of this rank (no collective)."""
+    def warm(self, args: list[str], arrival: grow.Arrival) -> None:
+        """Local, while the survivors train: the config, logging, data, and the model and optimizer (their state
+        comes with the survivors' word, in `build`): what kept the survivors waiting, before."""
+        import torch
+
         from mpiddp.job.bootstrap import set_threads
         from mpiddp.job.log import setup_logging
         from mpiddp.trainer.data import load_datasets
-        from mpiddp.trainer.models import input_channels
+        from mpiddp.trainer.models import build_model, input_channels
+        from mpiddp.trainer.optim import build_optimizer
         from mpiddp.trainer.run import parse_for_world
 
-        _, cfg = parse_for_world(args, self.hello["initial_world"])
+        _, cfg = parse_for_world(args, arrival.hello["initial_world"])
         self.cfg, _ = cfg.replace(inject_fault=None).ordered_timeouts()  # drills name ranks of the first job
-        setup_logging(joining.topology, self.cfg.outputs.log_level)
-        self.dist = grow.joined_dist(joining, set_threads(self.cfg.dist, joining.topology))
+        setup_logging(arrival.topology, self.cfg.outputs.log_level)
+        self.num_threads = set_threads(self.cfg.dist, arrival.topology)
         self.datasets = load_datasets(self.cfg, lambda channels: input_channels(self.cfg.data.model_name, channels))
+        torch.manual_seed(self.cfg.training.seed)
+        model = build_model(self.cfg.data.model_name, self.datasets.num_classes, self.datasets.channels,
+                            self.cfg.data.input_size).to(arrival.device)
+        self.model, self.optimizer = model, build_optimizer(self.cfg.training, model.parameters())
 
     def build(self, payload: dict[str, Any], phases: dict[str, float | None]) -> None:
         """Collective (DDP): the state from `payload` in DDP over the grown job, the loaders at the same sample."""
@@ -84,7 +99,7 @@ class Joined:
         started = time.monotonic()
         self.current = cfg.replace(batch_size=split.batch_size, grad_accum=split.grad_accum)
         self.loaders = build_loaders(self.current, self.datasets, dist)
-        self.state = restored_state(cfg, self.current, dist, self.loaders, self.datasets, payload, self.members)
+        self.state = restored_state(cfg, self.current, dist, (self.model, self.optimizer), payload, self.members)
         self.state.batches_done = split.batches_done
         own_rng(payload["rng"], dist.rank)
         phases["ddp"] = time.monotonic() - started
@@ -150,21 +165,18 @@ class Joined:
         self.members.release()  # before MPI_Finalize, which would wait for the survivors (gone by then)
 
 
-def restored_state(cfg: Any, current: Any, dist: Any, loaders: Any, datasets: Any, payload: dict[str, Any],
+def restored_state(cfg: Any, current: Any, dist: Any, built: tuple[Any, Any], payload: dict[str, Any],
                    members: Any) -> Any:
-    """Collective (DDP): a TrainState from a survivor's state in memory, wrapped in DDP over the grown job."""
+    """Collective (DDP): a TrainState from a survivor's state in memory (into the model and optimizer `built` while
+    warming up, on this rank's device), wrapped in DDP over the grown job."""
     import torch
 
-    from mpiddp.trainer.models import build_model
-    from mpiddp.trainer.optim import build_optimizer, build_scheduler
+    from mpiddp.trainer.optim import build_scheduler
     from mpiddp.trainer.state import TrainState, optimizer_steps_per_epoch, wrap
 
     step, epoch, batches_per_epoch, pending = payload["position"]
-    torch.manual_seed(cfg.training.seed)
-    model = build_model(cfg.data.model_name, loaders.num_classes, datasets.channels, cfg.data.input_size)
+    model, optimizer = built
     model.load_state_dict(payload["model"])
-    model = model.to(dist.device)
-    optimizer = build_optimizer(cfg.training, model.parameters())
     optimizer.load_state_dict(payload["optimizer"])
     # the schedule's length is the job's first split's (its steps per epoch), as on the survivors
     scheduler = build_scheduler(cfg.training, optimizer, optimizer_steps_per_epoch(batches_per_epoch, cfg.training.grad_accum))

@@ -47,7 +47,7 @@ def one_run(hosts, work: Path, transport: str) -> dict:
     phases = grew["phases"]
     return {"transport": transport, "status": status, "grow_step": grew["step"], "phases_s": phases,
             "grow_downtime_s": sum(v for v in phases.values() if v is not None),
-            "survivors_stall_s": grew.get("survivors_stall"),
+            "survivors_stall_s": grew.get("survivors_stall"), "warm_up_s": grew.get("warm_up"),
             "images_per_second_before_failure": statistics.median(before),
             "images_per_second_after_grow": statistics.median(after),
             "after_vs_before": statistics.median(after) / statistics.median(before),
@@ -60,6 +60,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULT, help="where the results go (default: %(default)s)")
     args = parser.parse_args()
     os.chdir(REPO)
     runs = []
@@ -88,7 +89,7 @@ def main() -> None:
                                 for name in mine[0]["phases_s"]},
             "after_vs_before_median": statistics.median(r["after_vs_before"] for r in mine),
         }
-    RESULT.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cores": os.cpu_count(),
+    args.out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cores": os.cpu_count(),
                                   "python": platform.python_version(), "kill_at_step": KILL_AT,
                                   "settle_steps": SETTLE, "summary": table, "runs": runs}, indent=1) + "\n")
     print(json.dumps(table, indent=1))

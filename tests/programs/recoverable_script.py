@@ -1,6 +1,8 @@
 """A script written against `mpiddp.init()` that recovers in the job (`mpirun --with-ft ulfm python THIS ...`).
 
 usage: recoverable_script.py OUT_DIR STEPS VICTIM AT_STEP [WHERE]
+STEPS: a number, or N+full: N steps, and after a failure on until the job is back at its first size (a grow, whose
+new rank warms up while the survivors train on; at most 120 s), then 5 steps more.
 A linear model learns y = X w on a fixed synthetic set, at a global batch of 24 samples per step whatever the number
 of ranks (24 / world per rank, a contiguous slice each), so every survivor's model follows the same trajectory. The
 VICTIM rank (its rank at the start; -1: nobody), when it reaches step AT_STEP, writes OUT_DIR/victim (its pid) and
@@ -27,10 +29,13 @@ NUM_SAMPLES = 240
 
 
 def main() -> None:
-    out, steps, victim, at_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    out, victim, at_step = Path(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4])
+    steps, until_full = int(sys.argv[2].split("+")[0]), sys.argv[2].endswith("+full")
     where = sys.argv[5] if len(sys.argv) > 5 else "step"
     dist = mpiddp.init(device="cpu")
     mpiddp.setup_logging(dist)
+    first_size, deadline = dist.world_size, time.monotonic() + 120
+    full_again = {}  # (+full) the step where the job was back at its first size: 5 more steps at that size
     start_rank = dist.rank
     # a rank that joined a grown job runs this too: its files are named apart from the first ranks'
     key = f"joined.{start_rank}" if (out / f"pid.{start_rank}").exists() else str(start_rank)
@@ -48,7 +53,8 @@ def main() -> None:
     def train(state: mpiddp.State) -> None:
         ddp = mpiddp.watch_gradients(DDP(state.model))  # wrapped anew on every (re-)entry: the group may be new
         per_rank = GLOBAL_BATCH // dist.world_size  # re-split on every entry: after a recovery and after a grow
-        while state.step < steps:
+        while state.step < steps or (until_full and time.monotonic() < deadline and (
+                dist.world_size < first_size or state.step < full_again.setdefault("step", state.step) + 5)):
             stalls = key == str(victim) and state.step == at_step
             if stalls and where == "step":
                 stall(out)
