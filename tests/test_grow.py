@@ -313,3 +313,30 @@ def test_a_spawn_that_never_returns_ends_the_process_after_its_bound_with_a_reco
     (record,) = failure.read_all(tmp_path)
     assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [], [], 31)  # no host blamed
     assert "MPI_Comm_spawn onto nodec has not returned after 60 s" in capsys.readouterr().err
+
+
+def test_after_a_rank_lost_in_a_grown_job_open_mpi_5_0_grows_no_more():
+    """Open MPI 5.0's launcher fails to spawn into a job that lost a rank after it grew (tests/test_grow_e2e.py):
+    refused there, with the library named; not before the job grew, and not with another MPI."""
+    from mpiddp.elastic.decide import regrow_refusal
+
+    version = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+    assert regrow_refusal(version, lost_after_grow=False) is None
+    assert regrow_refusal(version, lost_after_grow=True).startswith(
+        "Open MPI v5.0.11 cannot spawn again into a job that lost a rank after it grew")
+    assert regrow_refusal("Open MPI v6.0.0, package: Open MPI", lost_after_grow=True) is None
+
+
+def test_a_recovery_in_a_grown_job_is_remembered_and_gives_up_a_grow_under_way(caplog):
+    from mpiddp.elastic.grow import GrowBack
+
+    grower = GrowBack([("noded", 2)])
+    grower.members_lost(SimpleNamespace(is_main=True), (1,))
+    assert not grower.lost_after_grow  # lost before any grow: the job may grow
+    grower.grew, grower.used, merged = True, {"noded": 2}, Merged()
+    grower.warming = warming([False], merged)
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        grower.members_lost(SimpleNamespace(is_main=True), (2,))
+    assert grower.lost_after_grow and merged.revoked and grower.used == {"noded": 1}
+    assert [r.getMessage() for r in caplog.records] == [
+        "growing back given up: ranks 2 of the job failed while they warmed up; the new ranks on noded leave"]

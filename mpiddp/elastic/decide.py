@@ -280,6 +280,18 @@ def plan_growth(world: int, full: int, spares: Sequence[tuple[str, int]], used: 
     return GrowPlan(tuple(hosts))
 
 
+def regrow_refusal(library_version: str, lost_after_grow: bool) -> str | None:
+    """None when the job may grow again, else one line why not. Open MPI 5.0's launcher (PRRTE 3.0) cannot spawn
+    into a job that lost a rank after it grew: the new rank's Intercomm_merge fails (opal_modex_recv -46, its
+    address never reaches the survivors: PRRTE's connect_release drops the spawn's process data, the "PMIX ERROR
+    ... pmix_server_dyn.c at line 1113") and prterun then crashes or hangs (3 of 3 e2e runs, Open MPI 5.0.11):
+    the job would be lost where it can go on at reduced size."""
+    if lost_after_grow and re.match(r"Open MPI v5\.0\.", library_version):
+        return (f"{library_version.split(',')[0]} cannot spawn again into a job that lost a rank after it grew "
+                "(its launcher fails in MPI_Comm_spawn: docs/recovery.md)")
+    return None
+
+
 def grow_due(stepped_since: bool, world: int, full: int, off: bool) -> bool:
     """Whether the job grows at this step boundary: while a recovery has left it below full size, once it has
     trained a step since the last change of size (that change's first step is recorded), and while growing is

@@ -177,8 +177,8 @@ class Engine:
         reason = policy.refusal()
         if reason is not None:
             self.fall_back(reason, lost.ranks)
-        if policy.grower is not None:  # a grow under way spans the old world: its new ranks leave
-            policy.grower.abandon(dist, f"ranks {', '.join(map(str, lost.ranks))} of the job failed while they warmed up")
+        if policy.grower is not None:
+            policy.grower.members_lost(dist, lost.ranks)
         policy.before_shrink()
         before = dist.topology
         try:

@@ -45,7 +45,7 @@ from typing import Any
 
 from mpiddp import failure
 from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: spawn, merge, the parent
-from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, spare_hosts_in
+from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, regrow_refusal, spare_hosts_in
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
 from mpiddp.elastic.survivors import topology_over
 from mpiddp.errors import EXIT_HANG
@@ -108,6 +108,8 @@ class GrowBack:
         self.used: dict[str, int] = {}  # spare slots taken by earlier grows
         self.off = off  # why the job does not grow (said once), None while it may
         self.warming: Warming | None = None  # a grow under way: its new ranks warm up while the survivors train
+        self.grew = False  # new ranks joined this job
+        self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
 
     @classmethod
     def from_env(cls) -> GrowBack:
@@ -123,6 +125,9 @@ class GrowBack:
             return
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
             return self.stop_growing(dist, self.off)
+        refusal = regrow_refusal(mpigrow.library_version(), self.lost_after_grow)
+        if refusal is not None:
+            return self.stop_growing(dist, refusal)
         decision = plan_growth(dist.world_size, recovery.engine.initial_world, self.spares, self.used)
         decision = dist.transport.bcast(decision if dist.is_main else None)  # rank 0 decides
         if isinstance(decision, str):
@@ -230,11 +235,18 @@ class GrowBack:
             recovery.fall_back(f"a new rank failed while joining on {', '.join(warming.plan.hosts)} "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", joining)
         failure.spawned(warming.records)
+        self.grew = True
         recovery.follow_watch(dist)
         record = grow_record(step, list(joining), list(warming.plan.hosts), before, dist.world_size, phases)
         record["warm_up"] = stalled_from - warming.since
         # the survivors' stand-still: step 1's, and step 2's from its boundary to the next step's end (the policy's)
         recovery.grown(record, split, stalled_from - warming.stall)
+
+    def members_lost(self, dist: Any, lost: tuple[int, ...]) -> None:
+        """Every survivor, at a recovery (not collective): a grow under way is given up (its merged communicator
+        numbers the old world); once the job has grown, what it may do later changes (regrow_refusal)."""
+        self.lost_after_grow = self.lost_after_grow or self.grew
+        self.abandon(dist, f"ranks {', '.join(map(str, lost))} of the job failed while they warmed up")
 
     def abandon(self, dist: Any = None, why: str = "") -> None:
         """Every survivor, not collective: give up the grow under way (a survivor failed, the job ends, a new rank

@@ -492,6 +492,13 @@ def spawn_and_merge(comm: Any, plan: GrowPlan, command: list[str]) -> tuple[Any,
     return merged, {"spawn": spawned - started, "merge": time.monotonic() - spawned}
 
 
+def library_version() -> str:
+    """MPI_Get_library_version's text."""
+    from mpi4py import MPI
+
+    return str(MPI.Get_library_version())
+
+
 def mpi_exception() -> type[Exception]:
     """MPI's exception class (mpi4py's), for code that holds a communicator but no Membership."""
     from mpi4py import MPI

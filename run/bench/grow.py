@@ -1,10 +1,11 @@
-"""Growing back after an in-job recovery (mpiddp/trainer/grow.py), measured on four fake hosts: the built-in
+"""Growing back after an in-job recovery (mpiddp/elastic/grow.py), measured on four fake hosts: the built-in
 trainer (digits) under `mpirun --with-ft ulfm -np 3` on nodea-nodec with noded as the spare
 (MPIDDP_SPARE_HOSTS=noded); the rank on nodeb is held at step KILL_AT (--inject-fault stall-data) and SIGKILLed,
 the survivors recover, train a step on 2 ranks, and spawn a rank on noded. Per run: the grow's phases as the job
 recorded them (spawn, merge, process group, state transfer, DDP, first step) and the throughput (images/s per
 step, from metrics.jsonl) before the failure against after the grow (from 5 steps after it), for the gloo and
-MPI gradient transports. Writes run/bench/results/only-grow.json.
+MPI gradient transports, the survivors' stand-still and the new rank's warm-up. Writes run/bench/results/only-grow.json
+(or --out).
 
 usage: sudo python run/bench/grow.py [--repeats 3]   (root: fake hosts are network namespaces)
 """
