@@ -77,16 +77,26 @@ class MpiError(Exception):
 
 
 class Request:
-    """A fake of rank 0's receive of a new rank's word that it is ready."""
+    """A fake of one of rank 0's receives from a new rank: per test(), "ready" (its word, warmed up in 1.5 s),
+    False (nothing yet), ("failed", why), or an exception to raise (MPI's, when the rank failed); the last
+    outcome repeats."""
 
     def __init__(self, outcomes):
-        self.outcomes = list(outcomes)  # per test(): True, False, or an exception to raise
+        self.outcomes = list(outcomes)
+        self.cancelled = False
 
     def test(self):
-        outcome = self.outcomes.pop(0)
+        outcome = self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
         if isinstance(outcome, Exception):
             raise outcome
-        return outcome, None
+        if outcome == "ready" or outcome is True:
+            return True, ("ready", 1.5)
+        if isinstance(outcome, tuple):
+            return True, outcome
+        return False, None
+
+    def Cancel(self):
+        self.cancelled = True
 
 
 class Merged:
@@ -122,11 +132,12 @@ def survivors(monkeypatch, said, grown):
     return dist, recovery
 
 
-def warming(outcomes, merged=None):
+def warming(outcomes, merged=None, lost=(False,)):
+    """A grow under way onto noded: rank 0's receive of the new rank's word, and of its failure (`lost`)."""
     from mpiddp.elastic.grow import Warming
 
     return Warming(merged or Merged(), GrowPlan(("noded",)), None, ["a", "b", "noded"], {"spawn": 0.1, "merge": 0.02},
-                   0.15, 0.0, [Request(outcomes)])
+                   0.15, 0.0, [Request(outcomes)], [Request(lost)])
 
 
 def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatch):
@@ -171,7 +182,7 @@ def test_the_survivors_train_on_while_the_new_rank_warms_up_and_take_it_in_once_
         grower.at_boundary(recovery)
     assert merged.sent == [("join", 2)] and len(joined) == 1 and grower.warming is None
     ((record, split, stalled_from),) = grown
-    assert record["ranks_added"] == [2] and record["hosts_added"] == ["noded"] and record["warm_up"] > 0
+    assert record["ranks_added"] == [2] and record["hosts_added"] == ["noded"] and record["warm_up"] == 1.5
     assert record["phases"]["spawn"] == 0.1 and split == Resplit(16, 1, 5)
     import time
 
@@ -327,16 +338,82 @@ def test_after_a_rank_lost_in_a_grown_job_open_mpi_5_0_grows_no_more():
     assert regrow_refusal("Open MPI v6.0.0, package: Open MPI", lost_after_grow=True) is None
 
 
-def test_a_recovery_in_a_grown_job_is_remembered_and_gives_up_a_grow_under_way(caplog):
+def test_a_recovery_gives_up_a_grow_under_way_said_by_the_next_rank_0_and_remembered(tmp_path, caplog):
+    """Old rank 0 lost while the new rank warms up: the survivor that becomes rank 0 says so, every survivor
+    removes the spawn mark (rank 0 wrote it, and may be the one gone), and the job counts as one that lost a
+    rank after it spawned (regrow_refusal)."""
+    from mpiddp import failure
     from mpiddp.elastic.grow import GrowBack
 
     grower = GrowBack([("noded", 2)])
-    grower.members_lost(SimpleNamespace(is_main=True), (1,))
+    grower.members_lost(SimpleNamespace(rank=1, world_size=3), (0,), tmp_path)
     assert not grower.lost_after_grow  # lost before any grow: the job may grow
-    grower.grew, grower.used, merged = True, {"noded": 2}, Merged()
+    failure.mark_spawning(tmp_path, ["noded"])
+    grower.used, merged = {"noded": 1}, Merged()
     grower.warming = warming([False], merged)
     with caplog.at_level("WARNING", logger="mpiddp"):
-        grower.members_lost(SimpleNamespace(is_main=True), (2,))
-    assert grower.lost_after_grow and merged.revoked and grower.used == {"noded": 1}
+        grower.members_lost(SimpleNamespace(rank=2, world_size=3), (0,), tmp_path)  # not the next rank 0: quiet
+    assert caplog.records == [] and grower.lost_after_grow and merged.revoked and grower.used == {"noded": 0}
+    assert failure.spawning(tmp_path) is None
+    grower.warming = warming([False])
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        grower.members_lost(SimpleNamespace(rank=1, world_size=3), (0,), tmp_path)
     assert [r.getMessage() for r in caplog.records] == [
-        "growing back given up: ranks 2 of the job failed while they warmed up; the new ranks on noded leave"]
+        "growing back given up: ranks 0 of the job failed while they warmed up; the new ranks on noded leave"]
+
+
+def test_a_new_rank_lost_after_it_said_ready_or_that_could_not_warm_up_is_given_up_not_fatal(monkeypatch, caplog):
+    """The trainer takes a ready rank in only where the split allows (else at the next epoch's start): a new rank
+    that dies meanwhile is seen by rank 0's receive on LOST_TAG, and one whose warm-up failed says why; either
+    way the survivors go on at reduced size, saying why once (no fall-back, no collective over the merged job)."""
+    from mpiddp.elastic.grow import GrowBack
+
+    said, grown = [], []
+    dist, recovery = survivors(monkeypatch, said, grown)
+    recovery.grow_split = lambda world, grown: None  # not at this position
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.used = {"noded": 1}
+    grower.warming = warming(["ready"], merged, lost=[False, MpiError("MPI_ERR_PROC_FAILED: Process Failure")])
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        grower.at_boundary(recovery)  # ready, but the split waits
+        assert grower.warming is not None and merged.sent == []
+        grower.at_boundary(recovery)  # the ready rank died meanwhile
+    assert grower.warming is None and merged.revoked and merged.sent == [] and (said, grown) == ([], [])
+    assert [r.getMessage() for r in caplog.records] == [
+        "not growing back: a new rank on noded ended while warming up (MPI_ERR_PROC_FAILED: Process Failure); the "
+        "job goes on with 2 ranks"]
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.used = {"noded": 1}
+    grower.warming = warming([("failed", "FileNotFoundError: /data/cifar10")], merged)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        grower.at_boundary(recovery)
+    assert merged.revoked and [r.getMessage() for r in caplog.records] == [
+        "not growing back: a new rank on noded could not warm up (FileNotFoundError: /data/cifar10); the job goes "
+        "on with 2 ranks"]
+
+
+def test_a_rank_that_joined_by_a_grow_follows_rank_0s_view_of_growing(monkeypatch):
+    """A joined rank's own GrowBack starts from the survivors' (hello's "grower": the spare slots taken, whether
+    a rank was lost after a grow), and every rank follows rank 0's broadcast decision, the refusal too: a joined
+    rank that decided alone would enter a collective rank 0 skips."""
+    from mpiddp.elastic import grow
+    from mpiddp.elastic.grow import GrowBack
+
+    survivors_side = GrowBack([("noded", 2)])
+    survivors_side.used = {"noded": 1}
+    hello = survivors_side.hello(SimpleNamespace(topology=None, rendezvous=None), SimpleNamespace(
+        members=SimpleNamespace(backend="gloo", collective_timeout_s=60.0), engine=SimpleNamespace(
+            initial_world=3, min_size=1)), GrowPlan(("noded",)))
+    assert hello["grower"] == {"used": {"noded": 2}, "lost_after_grow": False}
+    joined = GrowBack([("noded", 2)])
+    joined.joined({**hello["grower"], "lost_after_grow": True})
+    assert joined.used == {"noded": 2} and joined.grew and joined.lost_after_grow
+    monkeypatch.setattr(grow.mpigrow, "library_version", lambda: "Open MPI v5.0.11, package: Open MPI")
+    assert joined.plan(SimpleNamespace(world_size=2), 3).startswith("Open MPI v5.0.11 cannot spawn again")
+    broadcast = []
+    dist = SimpleNamespace(world_size=2, is_main=False, transport=SimpleNamespace(
+        bcast=lambda value: broadcast.append(value) or "no spare slot to grow onto"))
+    recovery = SimpleNamespace(dists=[dist], stepped_since_change=True, engine=SimpleNamespace(initial_world=3))
+    joined.at_boundary(recovery)  # not rank 0: it takes part in the broadcast and follows the word
+    assert broadcast == [None] and joined.said_off

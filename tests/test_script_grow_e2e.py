@@ -123,7 +123,8 @@ def test_under_launch_a_script_grows_back_onto_its_spare_host(hosts, tmp_path):
     output = script.output()
     finals = script.finals_by_key()
     spawn = failure.spawning(run_dir / failure.FAILURES_DIR)  # the job's mark: a spawn that never ended
-    if status != 0 and spawn is not None:
+    # (under ULFM mpirun can exit 0 after "PRTE has lost communication with a remote daemon": seen with noded's)
+    if spawn is not None and (status != 0 or "lost communication with a remote daemon" in output):
         # Open MPI 5.0.11's prterun can crash in MPI_Comm_spawn ("free(): invalid pointer"): with --max-restarts
         # 0 the attempt is lost (the spare-joins issue; test_one_rank_lost shows launch's relaunch finishing)
         pytest.xfail(f"mpirun crashed (status {status}) during the spawn onto {', '.join(spawn[0])}: Open MPI "

@@ -307,6 +307,7 @@ class ScriptRecovery(Policy):
         policy = cls(job)
         engine = Engine(job.joining.members, job.dists, job.joining.hello["min_size"], policy)
         engine.initial_world = job.joining.hello["initial_world"]
+        policy.grower.joined(job.joining.hello["grower"])
         return policy
 
     def run(self, train: Callable[[State], T], state: State) -> T:

@@ -40,7 +40,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from mpiddp import failure
@@ -58,7 +59,8 @@ SPAWN_TIMEOUT_S = 60.0
 
 
 # the merged communicator's tags between rank 0 and a new rank warming up (its only point-to-point messages)
-READY_TAG, JOIN_TAG = 7701, 7702
+# (LOST_TAG: never sent; under ULFM a receive on it completes, with an error, only when that rank fails)
+READY_TAG, JOIN_TAG, LOST_TAG = 7701, 7702, 7703
 
 
 class Regrown(Exception):
@@ -67,6 +69,10 @@ class Regrown(Exception):
 
 class Abandoned(Exception):
     """A new rank's grow was given up before it joined: a survivor failed, or the job ended, meanwhile."""
+
+
+class CouldNotWarmUp(Abandoned):
+    """A new rank's own warm-up failed: it told rank 0 and said why (cannot_warm_up)."""
 
 
 @dataclass
@@ -81,16 +87,41 @@ class Warming:
     phases: dict[str, float]  # spawn, merge (the survivors' stand-still at step 1)
     stall: float  # this survivor's seconds stood still at step 1 (spawn, merge, hello)
     since: float  # monotonic time step 1 ended: the new ranks' warm-up, hidden behind training, runs from here
-    ready: list[Any]  # rank 0's receives of each new rank's word that it is ready (empty elsewhere)
+    ready: list[Any]  # rank 0's receives of each new rank's word: ("ready", its warm-up s) or ("failed", why)
+    lost: list[Any]  # rank 0's receives that complete (in error) only when a new rank fails (LOST_TAG)
     records: Any = None  # rank 0's failures directory, where the spawn's mark stands until the grow ends
+    said: dict[int, Any] = field(default_factory=dict)  # rank 0: each new rank's word, once it came
 
     def poll(self) -> str:
-        """Rank 0, not collective: "ready" once every new rank said so, "warming" before; why not, when a new
-        rank ended (ULFM completes a receive from a failed process with an error)."""
+        """Rank 0, not collective: "ready" once every new rank said so (and none failed since), "warming"
+        before; why not, when a new rank ended or could not warm up."""
+        hosts = ", ".join(self.plan.hosts)
         try:
-            return "ready" if all(request.test()[0] for request in self.ready) else "warming"
+            for request in self.lost:
+                request.test()  # nothing is ever sent on LOST_TAG: it can only fail
+            for index, request in enumerate(self.ready):
+                if index not in self.said:
+                    done, word = request.test()
+                    if done:
+                        self.said[index] = word
         except mpigrow.mpi_exception() as exc:
-            return f"a new rank on {', '.join(self.plan.hosts)} ended while warming up ({str(exc).splitlines()[0]})"
+            return f"a new rank on {hosts} ended while warming up ({str(exc).splitlines()[0]})"
+        failed = [word[1] for word in self.said.values() if not (isinstance(word, tuple) and word[0] == "ready")]
+        if failed:
+            return f"a new rank on {hosts} could not warm up ({failed[0]})"
+        return "ready" if len(self.said) == len(self.ready) else "warming"
+
+    def warm_up(self) -> float | None:
+        """The slowest new rank's own warm-up seconds, as it said when ready."""
+        seconds = [word[1] for word in self.said.values() if isinstance(word, tuple) and word[0] == "ready"]
+        return max(seconds) if seconds else None
+
+    def stop_watching(self) -> None:
+        for request in self.lost:
+            try:
+                request.Cancel()
+            except Exception:  # noqa: BLE001 - completed (in error) already
+                pass
 
 
 # ---- the survivors' side -------------------------------------------------------------------------------------------
@@ -125,17 +156,30 @@ class GrowBack:
             return
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
             return self.stop_growing(dist, self.off)
-        refusal = regrow_refusal(mpigrow.library_version(), self.lost_after_grow)
-        if refusal is not None:
-            return self.stop_growing(dist, refusal)
-        decision = plan_growth(dist.world_size, recovery.engine.initial_world, self.spares, self.used)
-        decision = dist.transport.bcast(decision if dist.is_main else None)  # rank 0 decides
+        decision = dist.transport.bcast(self.plan(dist, recovery.engine.initial_world) if dist.is_main else None)
         if isinstance(decision, str):
             return self.stop_growing(dist, decision)
         split = recovery.grow_split(dist.world_size, dist.world_size + decision.count)
         if isinstance(split, str):
             return self.stop_growing(dist, split)
         self.start(recovery, decision)  # where the split is None here, the new ranks warm up while the job reaches one
+
+    def plan(self, dist: Any, full: int) -> GrowPlan | str:
+        """Rank 0's decision (broadcast: every rank follows it, a rank that joined by a grow too): the plan, or
+        why not."""
+        refusal = regrow_refusal(mpigrow.library_version(), self.lost_after_grow)
+        return refusal if refusal is not None else plan_growth(dist.world_size, full, self.spares, self.used)
+
+    def hello(self, dist: Any, recovery: Any, plan: GrowPlan) -> dict[str, Any]:
+        """Rank 0's first word to the new ranks, with this job's view of growing once they joined."""
+        used = dict(self.used)
+        for host in plan.hosts:
+            used[host] = used.get(host, 0) + 1
+        return {**hello_of(dist, recovery), "grower": {"used": used, "lost_after_grow": self.lost_after_grow}}
+
+    def joined(self, state: dict[str, Any]) -> None:
+        """A rank that joined by a grow: the survivors' view of growing (hello's "grower"), as if it had been one."""
+        self.used, self.lost_after_grow, self.grew = dict(state["used"]), bool(state["lost_after_grow"]), True
 
     @property
     def said_off(self) -> bool:
@@ -170,21 +214,23 @@ class GrowBack:
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
             return
         try:
-            hello = merged.bcast(hello_of(dist, recovery) if dist.is_main else None, root=0)
+            hello = merged.bcast(self.hello(dist, recovery, plan) if dist.is_main else None, root=0)
             hostnames = merged.allgather(dist.topology.hostname)
-        except mpi_error as exc:  # a new rank died at once: nothing else changed
+        except mpi_error as exc:  # a new rank died at once: nothing else changed (a survivor lost: recovered next)
             failure.spawned(records)
+            mpigrow.revoke(merged)
             recovery.follow_watch(dist)
             self.stop_growing(dist, f"a new rank on {', '.join(plan.hosts)} ended as it started "
                                     f"({str(exc).splitlines()[0]})")
             return
         new_ranks = range(dist.world_size, dist.world_size + plan.count)
         ready = [merged.irecv(source=rank, tag=READY_TAG) for rank in new_ranks] if dist.is_main else []
+        lost = [merged.irecv(source=rank, tag=LOST_TAG) for rank in new_ranks] if dist.is_main else []
         now = time.monotonic()
         # the spawn mark stays until the new ranks joined or were given up: Open MPI 5.0.11's prterun also crashes
         # after MPI_Comm_spawn returned (seen: "free(): invalid pointer" while the new rank warmed up)
         self.warming = Warming(merged, plan, hello["topology"], hostnames, phases, now - stalled_from, now, ready,
-                               records)
+                               lost, records)
         for host in plan.hosts:  # taken while it warms up: a grow given up frees it again
             self.used[host] = self.used.get(host, 0) + 1
         recovery.follow_watch(dist)
@@ -220,6 +266,7 @@ class GrowBack:
         warming, members, dist = self.warming, recovery.members, recovery.dists[0]
         assert warming is not None
         self.warming = None
+        warming.stop_watching()
         mpi_error = mpi_error_of(members)
         before, step, stalled_from = dist.world_size, recovery.steps_done(), time.monotonic()
         phases = dict(warming.phases)
@@ -238,15 +285,22 @@ class GrowBack:
         self.grew = True
         recovery.follow_watch(dist)
         record = grow_record(step, list(joining), list(warming.plan.hosts), before, dist.world_size, phases)
-        record["warm_up"] = stalled_from - warming.since
+        record["warm_up"] = warming.warm_up()  # the new ranks' own: the take-in waits for a boundary after it
         # the survivors' stand-still: step 1's, and step 2's from its boundary to the next step's end (the policy's)
         recovery.grown(record, split, stalled_from - warming.stall)
 
-    def members_lost(self, dist: Any, lost: tuple[int, ...]) -> None:
-        """Every survivor, at a recovery (not collective): a grow under way is given up (its merged communicator
-        numbers the old world); once the job has grown, what it may do later changes (regrow_refusal)."""
-        self.lost_after_grow = self.lost_after_grow or self.grew
-        self.abandon(dist, f"ranks {', '.join(map(str, lost))} of the job failed while they warmed up")
+    def members_lost(self, dist: Any, lost: tuple[int, ...], records: Any) -> None:
+        """Every survivor, at a recovery, before the shrink (not collective): a grow under way is given up (its
+        merged communicator numbers the old world), said by the survivor that becomes rank 0, its spawn mark in
+        `records` removed by every survivor (rank 0 may be the one lost); once the job has grown (or spawned),
+        what it may do later changes (regrow_refusal)."""
+        self.lost_after_grow = self.lost_after_grow or self.grew or self.warming is not None
+        if self.warming is None:
+            return
+        next_main = min(rank for rank in range(dist.world_size) if rank not in lost) == dist.rank
+        self.abandon(SimpleNamespace(is_main=next_main),
+                     f"ranks {', '.join(map(str, lost))} of the job failed while they warmed up")
+        failure.spawned(records)
 
     def abandon(self, dist: Any = None, why: str = "") -> None:
         """Every survivor, not collective: give up the grow under way (a survivor failed, the job ends, a new rank
@@ -260,10 +314,8 @@ class GrowBack:
         for host in warming.plan.hosts:
             self.used[host] -= 1
         failure.spawned(warming.records)
-        try:
-            warming.merged.Revoke()
-        except Exception:  # noqa: BLE001 - revoked already by another survivor, or MPI without ULFM's revoke
-            pass
+        warming.stop_watching()
+        mpigrow.revoke(warming.merged)
 
     @staticmethod
     def _join(recovery: Any, warming: Warming, split: Any, phases: dict[str, float]) -> None:
@@ -383,7 +435,7 @@ def enter(arrival: Arrival) -> Joining:
     merged, hello, topology, device = arrival.merged, arrival.hello, arrival.topology, arrival.device
     warm = time.monotonic() - arrival.since
     try:
-        merged.send("ready", dest=0, tag=READY_TAG)
+        merged.send(("ready", warm), dest=0, tag=READY_TAG)
         merged.recv(source=0, tag=JOIN_TAG)
     except mpigrow.mpi_exception() as exc:
         mpigrow.leave(merged)
@@ -402,6 +454,19 @@ def enter(arrival: Arrival) -> Joining:
     return Joining(members, hello, topology, device, added, phases)
 
 
+def cannot_warm_up(arrival: Arrival, exc: BaseException) -> None:
+    """A new rank whose warm-up failed (its data missing on the spare host, an import, its GPU): it says why to rank 0
+    (the survivors go on at reduced size and say it once) and frees what it shares with them, so that it can end
+    (status 0: the job is not failed by a spare that could not join)."""
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    log.error("grow: this rank could not warm up (%s); the job goes on without it", reason)
+    try:
+        arrival.merged.send(("failed", reason), dest=0, tag=READY_TAG)
+    except mpigrow.mpi_exception():
+        pass  # the job ended or gave the grow up meanwhile
+    mpigrow.leave(arrival.merged)
+
+
 def join() -> Joining:
     """Both steps at once (a script's new rank under plain mpirun: its own code imported torch before
     mpiddp.init, and builds its model after it): `arrive`, then `enter`. Abandoned as `enter`."""
@@ -410,7 +475,8 @@ def join() -> Joining:
 
 def say_abandoned(exc: Abandoned) -> None:
     """A new rank's one line when its grow was given up: it never joined, and the job goes on without it."""
-    log.warning("grow: %s; this process ends (exit 0)", exc)
+    if not isinstance(exc, CouldNotWarmUp):  # said already, as an error
+        log.warning("grow: %s; this process ends (exit 0)", exc)
 
 
 def joining_device(backend: str, topology: Any) -> Any:

@@ -506,6 +506,14 @@ def mpi_exception() -> type[Exception]:
     return MPI.Exception
 
 
+def revoke(comm: Any) -> None:
+    """MPI_Comm_revoke (ULFM): every rank waiting on `comm` gets an error; never raises (revoked already)."""
+    try:
+        comm.Revoke()
+    except Exception:  # noqa: BLE001 - revoked already by another survivor
+        pass
+
+
 def leave(merged: Any) -> None:
     """A spawned rank whose grow was given up before it joined: free the merged communicator (revoked, or with a
     failed rank 0), so that MPI_Finalize does not wait on it; the parent's stays (as Membership.release).

@@ -60,7 +60,11 @@ class Joined:
         (local), then join when they take it in (collective). Abandoned when the grow was given up meanwhile."""
         arrival = grow.arrive()
         joined = cls()
-        joined.warm(args, arrival)
+        try:
+            joined.warm(args, arrival)
+        except Exception as exc:  # noqa: BLE001 - any: the survivors learn why, and this rank ends
+            grow.cannot_warm_up(arrival, exc)
+            raise grow.CouldNotWarmUp() from None
         joining = grow.enter(arrival)
         joined.members, joined.hello, joined.added = joining.members, joining.hello, joining.added
         joined.dist = grow.joined_dist(joining, joined.num_threads)
@@ -125,6 +129,7 @@ class Joined:
         hooks = Hooks(NullLogger(), saver.save, stop, self.watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
                       self.watchdog.enter)
         self.recovery = recovery = TrainerPolicy()
+        recovery.grower.joined(self.hello["grower"])
         Engine(self.members, [dist], self.hello["min_size"], recovery).initial_world = self.hello["initial_world"]
         recovery.records, recovery.cfg, recovery.stepped = self.records, self.current, True
         recovery.changed_size()  # the grow's first step is this rank's too

@@ -53,8 +53,11 @@ def main() -> None:
     def train(state: mpiddp.State) -> None:
         ddp = mpiddp.watch_gradients(DDP(state.model))  # wrapped anew on every (re-)entry: the group may be new
         per_rank = GLOBAL_BATCH // dist.world_size  # re-split on every entry: after a recovery and after a grow
-        while state.step < steps or (until_full and time.monotonic() < deadline and (
-                dist.world_size < first_size or state.step < full_again.setdefault("step", state.step) + 5)):
+        # below full size each rank looks at its own clock (the survivors alike: one process each); back at full
+        # size only the shared step counts, so that a rank that joined late cannot leave at another step
+        while state.step < steps or (until_full and (
+                (dist.world_size < first_size and time.monotonic() < deadline)
+                or (dist.world_size == first_size and state.step < full_again.setdefault("step", state.step) + 5))):
             stalls = key == str(victim) and state.step == at_step
             if stalls and where == "step":
                 stall(out)
