@@ -417,3 +417,28 @@ def test_a_rank_that_joined_by_a_grow_follows_rank_0s_view_of_growing(monkeypatc
     recovery = SimpleNamespace(dists=[dist], stepped_since_change=True, engine=SimpleNamespace(initial_world=3))
     joined.at_boundary(recovery)  # not rank 0: it takes part in the broadcast and follows the word
     assert broadcast == [None] and joined.said_off
+
+
+def test_a_new_rank_whose_start_was_given_up_leaves_and_its_own_failed_word_wins(monkeypatch):
+    """The survivors revoked the merged communicator during the hello (a survivor failed, or another new rank):
+    the new rank frees it and raises Abandoned (it ends with status 0) instead of a traceback that would leave it
+    waiting in MPI_Finalize. And a new rank that said why it could not warm up, then ended, is told by its word,
+    not by MPI's report of its end."""
+    from mpiddp.elastic import grow
+
+    freed = []
+
+    class Revoked:
+        def bcast(self, value, root):
+            raise MpiError("MPI_ERR_REVOKED: Communication Object Revoked")
+
+        def Free(self):
+            freed.append(True)
+
+    monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
+    monkeypatch.setattr(grow.mpigrow, "merge_with_parent", Revoked)
+    with pytest.raises(grow.Abandoned, match="gave up this rank's grow as it started .MPI_ERR_REVOKED"):
+        grow.arrive()
+    assert freed == [True]
+    both = warming([("failed", "FileNotFoundError: /data")], lost=[MpiError("MPI_ERR_PROC_FAILED: Process Failure")])
+    assert both.poll() == "a new rank on noded could not warm up (FileNotFoundError: /data)"

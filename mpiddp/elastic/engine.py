@@ -173,9 +173,9 @@ class Engine:
         # detect: from this rank's last sign of life of the job (its last step, or the start of the collective
         # that failed) to MPI's report: an upper bound on the detection latency
         waited_from = max(self.members.waiting_since or 0.0, policy.alive_at()) or lost.detected_at
-        unless_end_decided(policy.records_dir(), lost.ranks)
         if policy.grower is not None:  # also where the job ends now: a grow under way spans the old world
             policy.grower.members_lost(dist, lost.ranks, policy.records_dir())
+        unless_end_decided(policy.records_dir(), lost.ranks)
         reason = policy.refusal()
         if reason is not None:
             self.fall_back(reason, lost.ranks)

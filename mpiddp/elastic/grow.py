@@ -95,20 +95,22 @@ class Warming:
     def poll(self) -> str:
         """Rank 0, not collective: "ready" once every new rank said so (and none failed since), "warming"
         before; why not, when a new rank ended or could not warm up."""
-        hosts = ", ".join(self.plan.hosts)
+        hosts, ended = ", ".join(self.plan.hosts), None
         try:
-            for request in self.lost:
-                request.test()  # nothing is ever sent on LOST_TAG: it can only fail
             for index, request in enumerate(self.ready):
                 if index not in self.said:
                     done, word = request.test()
                     if done:
                         self.said[index] = word
+            for request in self.lost:
+                request.test()  # nothing is ever sent on LOST_TAG: it can only fail
         except mpigrow.mpi_exception() as exc:
-            return f"a new rank on {hosts} ended while warming up ({str(exc).splitlines()[0]})"
+            ended = f"a new rank on {hosts} ended while warming up ({str(exc).splitlines()[0]})"
         failed = [word[1] for word in self.said.values() if not (isinstance(word, tuple) and word[0] == "ready")]
-        if failed:
+        if failed:  # its own word why, before MPI's report of its end
             return f"a new rank on {hosts} could not warm up ({failed[0]})"
+        if ended is not None:
+            return ended
         return "ready" if len(self.said) == len(self.ready) else "warming"
 
     def warm_up(self) -> float | None:
@@ -244,7 +246,7 @@ class GrowBack:
         so in one small broadcast; Regrown once they joined. A new rank that ended meanwhile is given up."""
         warming, dist = self.warming, recovery.dists[0]
         assert warming is not None
-        word = dist.transport.bcast(warming.poll() if dist.is_main else None)
+        word, warm_up = dist.transport.bcast((warming.poll(), warming.warm_up()) if dist.is_main else None)
         if word == "warming":
             return
         if word != "ready":
@@ -256,10 +258,10 @@ class GrowBack:
             return self.stop_growing(dist, split)
         if split is None:  # not at this position (the trainer's: at the next epoch's start it is)
             return
-        self.take_in(recovery, split)
+        self.take_in(recovery, split, warm_up)
         raise Regrown()
 
-    def take_in(self, recovery: Any, split: Any) -> None:
+    def take_in(self, recovery: Any, split: Any, warm_up: float | None = None) -> None:
         """Collective over the merged job, step 2: tell the new ranks to join, then the process group, the state
         and the wrapper. A new rank that fails while joining ends the job (fall_back: one line, then fail fast;
         `launch` relaunches)."""
@@ -285,7 +287,7 @@ class GrowBack:
         self.grew = True
         recovery.follow_watch(dist)
         record = grow_record(step, list(joining), list(warming.plan.hosts), before, dist.world_size, phases)
-        record["warm_up"] = warming.warm_up()  # the new ranks' own: the take-in waits for a boundary after it
+        record["warm_up"] = warm_up  # the new ranks' own (rank 0's word): the take-in waits for a boundary after it
         # the survivors' stand-still: step 1's, and step 2's from its boundary to the next step's end (the policy's)
         recovery.grown(record, split, stalled_from - warming.stall)
 
@@ -419,8 +421,12 @@ def arrive() -> Arrival:
     then this rank's device (local). The survivors go back to training: what follows until `enter` is this rank's
     own warm-up."""
     merged = mpigrow.merge_with_parent()
-    hello = merged.bcast(None, root=0)
-    hostnames = merged.allgather(own_host())
+    try:
+        hello = merged.bcast(None, root=0)
+        hostnames = merged.allgather(own_host())
+    except mpigrow.mpi_exception() as exc:  # the survivors gave the start up (revoked), or one of them failed
+        mpigrow.leave(merged)
+        raise Abandoned(f"the job gave up this rank's grow as it started ({str(exc).splitlines()[0]})") from None
     point_gloo_at(hello["interface_per_host"], hello["topology"].hostname)
     topology = topology_over(hello["topology"], hostnames, merged.Get_rank())
     device = joining_device(hello["backend"], topology)

@@ -268,8 +268,8 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     from mpiddp.job import api
     from mpiddp.job.bootstrap import enable_flight_recorder, teardown
 
-    arrival = grow.arrive() if grow.joining() else None  # spawned by a job growing back after a recovery
     try:
+        arrival = grow.arrive() if grow.joining() else None  # spawned by a job growing back after a recovery
         dist, cfg, target, (rendezvous, store, num_threads), joining = start_job(argv, guard, arrival)
     except grow.Abandoned as exc:  # given up before it joined: this process was never part of the job
         grow.say_abandoned(exc)
