@@ -120,6 +120,10 @@ def test_a_grown_rank_lost_later_is_recovered_from_and_the_job_goes_on_without_a
     finished = (job.run_dir / "summary.json").exists()
     if not finished and status != 0 and failure.spawning(job.run_dir / failure.FAILURES_DIR) is not None:
         pytest.xfail(f"mpirun crashed or hung (status {status}) during the spawn: Open MPI 5.0.11's spawn bug")
+    heap = ("free(): invalid pointer", "double free", "corrupted")  # PRRTE 3.0's connect_release (docs/recovery.md)
+    if not finished and status in (-11, -6, 139, 134) and any(sign in output for sign in heap):
+        # seen once in 4 runs: prterun crashed as the spawned rank was killed, after the grow had ended
+        pytest.xfail(f"mpirun crashed (status {status}) around the spawned rank: Open MPI 5.0.11's spawn bug")
     # 137: mpirun reports the spawned job's rank that the test SIGKILLed (seen in 1 run of 3; under launch the
     # job's finished mark decides); the others: its crash after a grown job finished
     assert status == 0 or (status in (137, -11, -6, 139, 134) and finished), f"status {status}\n{output[-6000:]}"
