@@ -137,7 +137,7 @@ def warming(outcomes, merged=None, lost=(False,)):
     from mpiddp.elastic.grow import Warming
 
     return Warming(merged or Merged(), GrowPlan(("noded",)), None, ["a", "b", "noded"], {"spawn": 0.1, "merge": 0.02},
-                   0.15, 0.0, [Request(outcomes)], [Request(lost)])
+                   0.15, [Request(outcomes)], [Request(lost)])
 
 
 def test_a_new_rank_that_fails_while_joining_ends_the_job_in_one_line(monkeypatch):

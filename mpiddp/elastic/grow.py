@@ -86,7 +86,6 @@ class Warming:
     hostnames: list[str]  # every rank's host in the merged job
     phases: dict[str, float]  # spawn, merge (the survivors' stand-still at step 1)
     stall: float  # this survivor's seconds stood still at step 1 (spawn, merge, hello)
-    since: float  # monotonic time step 1 ended: the new ranks' warm-up, hidden behind training, runs from here
     ready: list[Any]  # rank 0's receives of each new rank's word: ("ready", its warm-up s) or ("failed", why)
     lost: list[Any]  # rank 0's receives that complete (in error) only when a new rank fails (LOST_TAG)
     records: Any = None  # rank 0's failures directory, where the spawn's mark stands until the grow ends
@@ -231,8 +230,8 @@ class GrowBack:
         now = time.monotonic()
         # the spawn mark stays until the new ranks joined or were given up: Open MPI 5.0.11's prterun also crashes
         # after MPI_Comm_spawn returned (seen: "free(): invalid pointer" while the new rank warmed up)
-        self.warming = Warming(merged, plan, hello["topology"], hostnames, phases, now - stalled_from, now, ready,
-                               lost, records)
+        self.warming = Warming(merged, plan, hello["topology"], hostnames, phases, now - stalled_from, ready, lost,
+                               records)
         for host in plan.hosts:  # taken while it warms up: a grow given up frees it again
             self.used[host] = self.used.get(host, 0) + 1
         recovery.follow_watch(dist)
