@@ -339,11 +339,14 @@ def test_after_a_rank_lost_in_a_grown_job_open_mpi_5_0_grows_no_more():
 
 
 def test_a_recovery_gives_up_a_grow_under_way_said_by_the_next_rank_0_and_remembered(tmp_path, caplog):
-    """Old rank 0 lost while the new rank warms up: the survivor that becomes rank 0 says so, every survivor
-    removes the spawn mark (rank 0 wrote it, and may be the one gone), and the job counts as one that lost a
-    rank after it spawned (regrow_refusal)."""
+    """Old rank 0 lost while the new rank warms up: the survivor that becomes rank 0 says so, and the job counts as
+    one that lost a rank after it spawned (regrow_refusal). The spawn mark stays SPAWN_MARK_HOLD_S (prterun can
+    lose a survivor's daemon in the spawn and end the job just after: launch must not blame that host), then
+    every survivor removes it at a step boundary (rank 0 wrote it, and may be the one gone)."""
+    import time
+
     from mpiddp import failure
-    from mpiddp.elastic.grow import GrowBack
+    from mpiddp.elastic.grow import SPAWN_MARK_HOLD_S, GrowBack
 
     grower = GrowBack([("noded", 2)])
     grower.members_lost(SimpleNamespace(rank=1, world_size=3), (0,), tmp_path)
@@ -354,7 +357,11 @@ def test_a_recovery_gives_up_a_grow_under_way_said_by_the_next_rank_0_and_rememb
     with caplog.at_level("WARNING", logger="mpiddp"):
         grower.members_lost(SimpleNamespace(rank=2, world_size=3), (0,), tmp_path)  # not the next rank 0: quiet
     assert caplog.records == [] and grower.lost_after_grow and merged.revoked and grower.used == {"noded": 0}
-    assert failure.spawning(tmp_path) is None
+    assert failure.spawning(tmp_path) is not None  # a launcher that ends the job now failed in the spawn
+    grower.release_held_mark(time.monotonic() + SPAWN_MARK_HOLD_S - 1)
+    assert failure.spawning(tmp_path) is not None
+    grower.release_held_mark(time.monotonic() + SPAWN_MARK_HOLD_S)
+    assert failure.spawning(tmp_path) is None and grower.held_mark is None
     grower.warming = warming([False])
     with caplog.at_level("WARNING", logger="mpiddp"):
         grower.members_lost(SimpleNamespace(rank=1, world_size=3), (0,), tmp_path)
