@@ -20,7 +20,8 @@ from mpiddp.atomicfile import write_text_atomic
 FAILURE_FILE_ENV = "MPIDDP_FAILURE_FILE"  # where the job records why it failed
 RESTART_COUNT_ENV = "MPIDDP_RESTART_COUNT"  # relaunches so far: > 0 and training resumes by itself
 LAUNCH_ID_ENV = "MPIDDP_LAUNCH_ID"  # one `launch`: a relaunch resumes a snapshot this launch saved, if any
-RUN_DIR_ENV = "MPIDDP_RUN_DIR"  # launch's run dir: training's default, unless its --run-dir/--runs-root say else
+RUN_DIR_ENV = "MPIDDP_RUN_DIR"  # launch's run dir: training's default, unless its --run-dir/--runs-root say else;
+# `mpiddp run` marks a script's end there (FINISHED_FILE)
 JOB_RECORD_ENV = "MPIDDP_JOB_RECORD"  # where the job writes its JobRecord at start-up
 GLOBAL_BATCH_ENV = "MPIDDP_GLOBAL_BATCH"  # --global-batch's default: a shrunk attempt (--min-np) keeps the batch
 SUPERVISOR_ENV = "MPIDDP_SUPERVISOR"  # HOST:PID of `launch`: the job records it when the supervisor died

@@ -281,7 +281,8 @@ def test_launch_tells_the_job_through_the_environment_and_never_rewrites_its_fla
     assert job_exports(followed, 2, "L1")[contract.GLOBAL_BATCH_ENV] == "96"
     assert follow_job(plan, None) == plan
     script = Plan("run", ["run", "s.py", "--resume"], tmp_path, 2, [], [], 3, "mpirun", "mpirun", "openmpi")
-    assert contract.RUN_DIR_ENV not in job_exports(script, 2, "L1")
+    exported = job_exports(script, 2, "L1")  # `mpiddp run` marks the job's end there; a script keeps no job record
+    assert exported[contract.RUN_DIR_ENV] == str(tmp_path.resolve()) and contract.JOB_RECORD_ENV not in exported
     assert contract.MIN_NP_ENV not in job_exports(script, 2, "L1")  # no --min-np: in-job recovery's own floor
 
 

@@ -581,3 +581,23 @@ def test_a_launcher_that_waits_for_a_host_the_job_lost_is_ended_soon_after_the_m
     assert "the launcher exited" not in said, said
     if job_names_its_run_dir:  # launch's own run dir, the relay layout's files in it too, went with its records
         assert list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize("finishes, status", [(False, 0), (True, 139)])
+def test_a_script_under_fault_tolerance_is_finished_only_with_its_finished_mark(tmp_path, monkeypatch, capsys,
+                                                                                finishes, status):
+    """`launch ... run` with --with-ft ulfm: `mpiddp run` marks the end once every rank finished the script, as
+    training does. Without the mark a 0 is no proof (mpirun --with-ft ulfm exits 0 when every rank was killed: a
+    relaunch); with it, a launcher that crashed afterwards (Open MPI 5.0.11's, after a grow) is a finished job."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", finishes=finishes, status=status)
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--launcher-args", "--with-ft ulfm",
+                      "--max-restarts", "1", "--run-dir", str(run_dir), "--", "run", "x.py"], {})
+    assert plan.mode == "run" and plan.in_job_recovery.on
+    outcome = Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run()
+    attempts = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    if finishes:
+        assert outcome == 0 and [(a["status"], a["decision"]) for a in attempts] == [(0, "finished")], attempts
+    else:
+        assert outcome != 0 and len(attempts) == 2 and all(a["decision"] != "finished" for a in attempts), attempts

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from mpiddp.contract import mark_finished
 from mpiddp.errors import ScriptError, ScriptExit, UserError
 from mpiddp.job import preflight
 from mpiddp.job.failfast import FailFast
@@ -304,6 +305,8 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     watch.finished()
     log.info("the script finished on rank 0 after %.1f s; waiting for every rank", time.monotonic() - started)
     elastic.wait_for_every_rank(dist)
+    if dist.topology.launch_run_dir:  # launch's evidence that the job finished (the same on every rank: its env)
+        dist.from_main(lambda: mark_finished(Path(dist.topology.launch_run_dir)))
     watch.stop()
     teardown(dist, store)
     api.detach()

@@ -115,9 +115,8 @@ def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
     """What attempt `number` tells the job through the environment (names in mpiddp.contract); the launcher
     forwards them to every host. Training takes its run dir from here unless its own flags name another."""
     exports = {FAILURE_FILE_ENV: str(plan.run_dir / failure.FAILURES_DIR), RESTART_COUNT_ENV: str(number),
-               LAUNCH_ID_ENV: launch_id}
+               LAUNCH_ID_ENV: launch_id, RUN_DIR_ENV: str(plan.run_dir.resolve())}  # a script's finished mark too
     if plan.mode == "train":
-        exports[RUN_DIR_ENV] = str(plan.run_dir.resolve())
         exports[JOB_RECORD_ENV] = str(plan.run_dir.resolve() / JOB_RECORD_FILE)
         if plan.min_np is not None and plan.global_batch is not None:  # the job derives its split on fewer ranks
             exports[GLOBAL_BATCH_ENV] = str(plan.global_batch[0])
@@ -401,16 +400,16 @@ class Supervisor:
 
     def _finished(self, attempt: Attempt) -> bool:
         """Whether a 0 from the launcher means the job finished: always without MPI fault tolerance; with it (where
-        Open MPI's mpirun exits 0 even when every rank was killed) only when training marked its end."""
-        if not attempt.in_job_recovery or self.plan.mode != "train":
+        Open MPI's mpirun exits 0 even when every rank was killed) only when the job marked its end (training, or
+        `mpiddp run` once every rank finished the script)."""
+        if not attempt.in_job_recovery:
             return True
         return finished_since(self.plan.run_dir, attempt.started_at)
 
     def _marked(self, attempt: Attempt) -> bool:
-        """Under MPI fault tolerance: whether training marked the end of this attempt's job (while the attempt
-        runs, in the run dir its job record names: launch's records follow it there only afterwards)."""
-        return attempt.in_job_recovery and self.plan.mode == "train" and finished_since(self._job_run_dir(),
-                                                                                         attempt.started_at)
+        """Under MPI fault tolerance: whether the job marked the end of this attempt (while the attempt runs, in the
+        run dir its job record names: launch's records follow it there only afterwards)."""
+        return attempt.in_job_recovery and finished_since(self._job_run_dir(), attempt.started_at)
 
     def _gave_up_spawning(self, attempt: Attempt) -> bool:
         """Under MPI fault tolerance: whether the job ended itself during a spawn that never returned (its spawn
