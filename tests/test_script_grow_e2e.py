@@ -131,8 +131,9 @@ def test_under_launch_a_script_grows_back_onto_its_spare_host(hosts, tmp_path):
         # 0 the attempt is lost (the spare-joins issue; test_one_rank_lost shows launch's relaunch finishing)
         pytest.xfail(f"mpirun crashed (status {status}) during the spawn onto {', '.join(spawn[0])}: Open MPI "
                      "5.0.11's spawn bug (docs/recovery.md)")
-    crashed_after_finish = status in (134, 139, -6, -11) and "every rank finished" in output
-    assert status == 0 or crashed_after_finish, output[-6000:]
+    # `mpiddp run` marked the end once every rank finished: a launcher that crashed afterwards (prterun 5.0.11,
+    # after a grow) does not make launch fail or relaunch a finished script
+    assert status == 0 and (run_dir / "finished").exists(), output[-6000:]
     assert sorted(finals) == ["0", "2", "joined.2"], output[-6000:]
     assert len({(final["step"], final["world_size"]) for final in finals.values()}) == 1, finals
     assert finals["0"]["step"] >= STEPS and finals["0"]["world_size"] == 3, finals
@@ -140,5 +141,3 @@ def test_under_launch_a_script_grows_back_onto_its_spare_host(hosts, tmp_path):
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]  # no relaunch
     assert [r["cause"] for r in attempt["recoveries"]] == ["process_failed", "grew"], attempt["recoveries"]
     assert attempt["recoveries"][1]["hosts_added"] == ["noded"], attempt["recoveries"]
-    if crashed_after_finish:  # launch takes no finished mark from a script (only the trainer writes one)
-        pytest.xfail(f"mpirun crashed (status {status}) after every rank of the grown job finished (prterun 5.0.11)")
