@@ -187,13 +187,31 @@ def spawned(directory: Path | None) -> None:
             pass
 
 
-def spawning(directory: Path) -> tuple[list[str], float] | None:
-    """(the hosts, when it began) of a spawn that had not ended when the job stopped, or None."""
+def hold_spawning(directory: Path | None, seconds: float) -> None:
+    """A survivor, as it gives up a grow at another rank's failure: the spawn's mark stands `seconds` more and
+    then no longer counts (`until`, wall time); never raises."""
+    mark = spawning(directory) if directory is not None else None
+    if directory is None or mark is None:
+        return
+    try:
+        write_text_atomic(directory / SPAWNING_FILE,
+                          json.dumps({"hosts": mark[0], "time": mark[1], "until": time.time() + seconds}))
+    except OSError:
+        pass
+
+
+def spawning(directory: Path, at: float | None = None) -> tuple[list[str], float] | None:
+    """(the hosts, when it began) of a spawn that had not ended when the job stopped, or None; None also for a
+    grow given up before `at` (default: now) by more than its hold (hold_spawning)."""
     try:
         data = json.loads((directory / SPAWNING_FILE).read_text())
-        return [str(host) for host in data["hosts"]], float(data["time"])
-    except (OSError, ValueError, TypeError, KeyError):
+        mark = [str(host) for host in data["hosts"]], float(data["time"])
+        until = data.get("until")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+    if isinstance(until, (int, float)) and (time.time() if at is None else at) > until:
+        return None
+    return mark
 
 
 def write_placement(directory: Path, hosts: list[tuple[str, list[int]]]) -> bool:

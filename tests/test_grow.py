@@ -340,9 +340,9 @@ def test_after_a_rank_lost_in_a_grown_job_open_mpi_5_0_grows_no_more():
 
 def test_a_recovery_gives_up_a_grow_under_way_said_by_the_next_rank_0_and_remembered(tmp_path, caplog):
     """Old rank 0 lost while the new rank warms up: the survivor that becomes rank 0 says so, and the job counts as
-    one that lost a rank after it spawned (regrow_refusal). The spawn mark stays SPAWN_MARK_HOLD_S (prterun can
-    lose a survivor's daemon in the spawn and end the job just after: launch must not blame that host), then
-    every survivor removes it at a step boundary (rank 0 wrote it, and may be the one gone)."""
+    one that lost a rank after it spawned (regrow_refusal). That survivor has the spawn mark (rank 0 wrote it, and
+    may be the one gone) stand SPAWN_MARK_HOLD_S more, then no longer count: prterun can lose a survivor's daemon in
+    the spawn and end the job just after, and launch must not blame that host; a later failure is its own."""
     import time
 
     from mpiddp import failure
@@ -357,16 +357,18 @@ def test_a_recovery_gives_up_a_grow_under_way_said_by_the_next_rank_0_and_rememb
     with caplog.at_level("WARNING", logger="mpiddp"):
         grower.members_lost(SimpleNamespace(rank=2, world_size=3), (0,), tmp_path)  # not the next rank 0: quiet
     assert caplog.records == [] and grower.lost_after_grow and merged.revoked and grower.used == {"noded": 0}
-    assert failure.spawning(tmp_path) is not None  # a launcher that ends the job now failed in the spawn
-    grower.release_held_mark(time.monotonic() + SPAWN_MARK_HOLD_S - 1)
-    assert failure.spawning(tmp_path) is not None
-    grower.release_held_mark(time.monotonic() + SPAWN_MARK_HOLD_S)
-    assert failure.spawning(tmp_path) is None and grower.held_mark is None
+    assert "until" not in (tmp_path / failure.SPAWNING_FILE).read_text()  # not the next rank 0: left as it was
     grower.warming = warming([False])
     with caplog.at_level("WARNING", logger="mpiddp"):
         grower.members_lost(SimpleNamespace(rank=1, world_size=3), (0,), tmp_path)
     assert [r.getMessage() for r in caplog.records] == [
         "growing back given up: ranks 0 of the job failed while they warmed up; the new ranks on noded leave"]
+    now = time.time()
+    assert failure.spawning(tmp_path) is not None  # a launcher that ends the job now failed in the spawn
+    assert failure.spawning(tmp_path, at=now + SPAWN_MARK_HOLD_S - 1)[0] == ["noded"]
+    assert failure.spawning(tmp_path, at=now + SPAWN_MARK_HOLD_S + 1) is None  # a later failure is its own
+    failure.mark_spawning(tmp_path, ["noded"])  # a new grow's mark counts again, without a hold
+    assert failure.spawning(tmp_path, at=now + 10 * SPAWN_MARK_HOLD_S) is not None
 
 
 def test_a_new_rank_lost_after_it_said_ready_or_that_could_not_warm_up_is_given_up_not_fatal(monkeypatch, caplog):

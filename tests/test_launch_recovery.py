@@ -90,7 +90,7 @@ def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False
     """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
     launcher it writes a summary.json with one recovery into RUN_DIR (with `job_dir`, into that directory, which
     its job record names, as training's own --run-dir does; with `finishes`, the job's mark that it finished too)
-    and exits `status` (with `lingers`, never: it sleeps)."""
+    and exits `status` (with `lingers`, never: it sleeps; or after that many seconds)."""
     folder.mkdir()
     info = folder / "ompi_info"
     info.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'options:ft_mpi_support:{ft_line}'\n")
@@ -104,7 +104,7 @@ def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False
            "run_dir, 'world_size': 2, 'global_batch': 64, 'max_per_rank_batch': 32}))\n")
         + f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{recovery!r}]}}))\n"
         + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else "")
-        + ("import time\ntime.sleep(10**6)\n" if lingers else "")
+        + (f"import time\ntime.sleep({10**6 if lingers is True else lingers})\n" if lingers else "")
         + f"sys.exit({status})\n")
     for program in (info, launcher):
         program.chmod(0o755)
@@ -502,18 +502,21 @@ def test_a_recovery_that_the_failure_records_contradict_leaves_the_healthy_host_
     assert "without nodea" not in said, said
 
 
-@pytest.mark.parametrize("host_list, np, spare, lost_daemon", [
-    ("nodea:1,nodeb:1,nodec:1", 2, "nodec", "nodec"),  # the launcher names the host spawned onto
-    ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "noded", "nodec"),  # or a survivor's host (4 of 10 benchmark runs)
-    ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "noded", None),  # or none: "double free or corruption", exit 134
+@pytest.mark.parametrize("host_list, np, spare, lost_daemon, hold", [
+    ("nodea:1,nodeb:1,nodec:1", 2, "nodec", "nodec", None),  # the launcher names the host spawned onto
+    ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "noded", "nodec", None),  # or a survivor's host (4 of 10 benchmark runs)
+    ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "noded", None, None),  # or none: "double free or corruption", exit 134
+    # the grow was given up at a survivor's failure: its mark holds a while (failure.hold_spawning), then not
+    ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "noded", "nodec", 60.0),
+    ("nodea:1,nodeb:1,nodec:1,noded:1", 3, "noded", "nodec", -1.0),
 ])
 def test_a_launcher_that_fails_during_the_jobs_spawn_is_not_evidence_against_any_host(
-        tmp_path, monkeypatch, capsys, host_list, np, spare, lost_daemon):
+        tmp_path, monkeypatch, capsys, host_list, np, spare, lost_daemon, hold):
     """nodeb's rank lost and recovered from in the job; while the survivors spawned onto the spare, Open MPI
     5.0.11's prterun failed ("PMIX ERROR ... pmix_server_dyn.c", then "lost communication with a remote daemon
     ... on node X", X the spare or a survivor's host). The job's spawn mark says a spawn was under way: X is
     kept and the run relaunches without nodeb alone (before: "cannot relaunch without nodeb, X"); the crash is
-    counted."""
+    counted. A mark whose hold ran out before the launcher failed is no such evidence: X is blamed."""
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
     folder = tmp_path / "bin"
     folder.mkdir()
@@ -532,7 +535,8 @@ def test_a_launcher_that_fails_during_the_jobs_spawn_is_not_evidence_against_any
         f"write_placement(failures, {before!r})\n"
         f"recoveries.record(failures, {{**{lost!r}, 'time': time.time()}})\n"
         f"write_placement(failures, {after!r})\n"
-        f"(failures / 'spawning.json').write_text(json.dumps({{'hosts': [{spare!r}], 'time': time.time()}}))\n"
+        f"(failures / 'spawning.json').write_text(json.dumps({{'hosts': [{spare!r}], 'time': time.time()"
+        + ("" if hold is None else f", 'until': time.time() + {hold!r}") + "}))\n"
         "print('[nodea:01234] PMIX ERROR: UNREACHABLE in file server/pmix_server_dyn.c at line 1113')\n"
         + ("print('double free or corruption (!prev)', file=sys.stderr)\nsys.exit(134)\n" if lost_daemon is None else
            "print('PRTE has lost communication with a remote daemon.\\n\\n  HNP daemon   : [prterun-nodea-1@0,0] on "
@@ -545,7 +549,12 @@ def test_a_launcher_that_fails_during_the_jobs_spawn_is_not_evidence_against_any
     run_dir = tmp_path / "run"
     plan = make_plan(["-H", host_list, "-np", str(np), "--launcher-path", str(launcher),
                       "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
-    assert Supervisor(plan, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}).run() == 0, capsys.readouterr().err
+    outcome = Supervisor(plan, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}).run()
+    if hold is not None and hold < 0:
+        first = json.loads((run_dir / "attempts.json").read_text())["attempts"][0]
+        assert first["blamed_hosts"] == [lost_daemon] and first["launcher_crash"] == "", first
+        return
+    assert outcome == 0, capsys.readouterr().err
     first, second = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     assert first["excluded_hosts"] == ["nodeb"] and first["blamed_hosts"] == [], first
     assert first["launcher_crash"] == f"during the job's spawn onto {spare}", first
@@ -601,3 +610,18 @@ def test_a_script_under_fault_tolerance_is_finished_only_with_its_finished_mark(
         assert outcome == 0 and [(a["status"], a["decision"]) for a in attempts] == [(0, "finished")], attempts
     else:
         assert outcome != 0 and len(attempts) == 2 and all(a["decision"] != "finished" for a in attempts), attempts
+
+
+def test_a_scripts_launcher_is_never_ended_for_lingering_after_its_finished_mark(tmp_path, monkeypatch, capsys):
+    """A script's own exit handlers (wandb.finish, an upload) run after `mpiddp run` marked the end: launch waits
+    for the launcher as it always did, unlike training's, which it ends FINISHED_LINGER_S after the mark."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.1)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", lingers=3.5)  # launch polls each 1 s
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--launcher-args", "--with-ft ulfm",
+                      "--run-dir", str(run_dir), "--", "run", "x.py"], {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 0
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    assert (attempt["status"], attempt["decision"], attempt["launcher_crash"]) == (0, "finished", ""), attempt
+    assert "after the job marked its end: ending it" not in capsys.readouterr().err

@@ -56,10 +56,11 @@ log = logging.getLogger("mpiddp")
 # daemon's loss no longer ends the job). A healthy one takes 0.2-3 s here; a cold start on a busy shared file
 # system can take tens of seconds.
 SPAWN_TIMEOUT_S = 60.0
-# A grow given up at a survivor's failure keeps its spawn mark this long after: Open MPI 5.0.11's prterun can lose a
-# survivor's daemon in its own bookkeeping of the spawn (PRRTE 3.0's connect_release), the survivors notice that
-# rank's end first, and prterun then ends the whole job, naming that healthy host (seen in CI, within a second).
-# launch must read that end as the spawn's; a launcher that outlived the failure this long failed for other reasons.
+# A grow given up at a survivor's failure keeps its spawn mark this long after (then launch no longer counts it):
+# Open MPI 5.0.11's prterun can lose a survivor's daemon in its own bookkeeping of the spawn (PRRTE 3.0's
+# connect_release), the survivors notice that rank's end first, and prterun then ends the whole job, naming that
+# healthy host (seen in CI, within a second). launch must read that end as the spawn's; a launcher that outlived
+# the failure this long failed for other reasons.
 SPAWN_MARK_HOLD_S = 30.0
 
 
@@ -147,7 +148,6 @@ class GrowBack:
         self.warming: Warming | None = None  # a grow under way: its new ranks warm up while the survivors train
         self.grew = False  # new ranks joined this job
         self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
-        self.held_mark: tuple[Any, float] | None = None  # (failures directory, since): a given-up grow's spawn mark
 
     @classmethod
     def from_env(cls) -> GrowBack:
@@ -157,7 +157,6 @@ class GrowBack:
     def at_boundary(self, recovery: Any) -> None:
         """Collective, at each training step's boundary: grow when due; Regrown when new ranks joined."""
         dist = recovery.dists[0]
-        self.release_held_mark()
         if self.warming is not None:
             return self._take_in_when_ready(recovery)
         if not grow_due(recovery.stepped_since_change, dist.world_size, recovery.engine.initial_world, self.said_off):
@@ -213,7 +212,6 @@ class GrowBack:
         # launch's evidence that a launcher failing now failed during the spawn (Open MPI 5.0.11's prterun can
         # crash in MPI_Comm_spawn), which says nothing against the hosts spawned onto
         records = recovery.records_dir() if dist.is_main else None
-        self.held_mark = None  # this spawn's mark takes the place of a given-up one
         failure.mark_spawning(records, list(plan.hosts))
         try:
             with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, plan.hosts, records, step)):
@@ -301,24 +299,17 @@ class GrowBack:
     def members_lost(self, dist: Any, lost: tuple[int, ...], records: Any) -> None:
         """Every survivor, at a recovery, before the shrink (not collective): a grow under way is given up (its
         merged communicator numbers the old world), said by the survivor that becomes rank 0; once the job has
-        grown (or spawned), what it may do later changes (regrow_refusal). The spawn's mark in `records` stays
-        SPAWN_MARK_HOLD_S, then every survivor removes it (rank 0 wrote it, and may be the one lost): the failure
-        may be the launcher's own, in the spawn."""
+        grown (or spawned), what it may do later changes (regrow_refusal). That survivor also has the spawn's mark
+        in `records` stand SPAWN_MARK_HOLD_S more (rank 0 wrote it, and may be the one lost): the failure may be
+        the launcher's own, in the spawn."""
         self.lost_after_grow = self.lost_after_grow or self.grew or self.warming is not None
         if self.warming is None:
             return
         next_main = min(rank for rank in range(dist.world_size) if rank not in lost) == dist.rank
         self.abandon(SimpleNamespace(is_main=next_main),
                      f"ranks {', '.join(map(str, lost))} of the job failed while they warmed up", keep_mark=True)
-        self.held_mark = (records, time.monotonic())
-
-    def release_held_mark(self, now: float | None = None) -> None:
-        """Every survivor, not collective: a given-up grow's spawn mark goes once the job outlived that failure by
-        SPAWN_MARK_HOLD_S (any survivor may remove it: rank 0 may have changed)."""
-        if self.held_mark is None or (time.monotonic() if now is None else now) - self.held_mark[1] < SPAWN_MARK_HOLD_S:
-            return
-        failure.spawned(self.held_mark[0])
-        self.held_mark = None
+        if next_main:  # a local write, no collective
+            failure.hold_spawning(records, SPAWN_MARK_HOLD_S)
 
     def abandon(self, dist: Any = None, why: str = "", keep_mark: bool = False) -> None:
         """Every survivor, not collective: give up the grow under way (a survivor failed, the job ends, a new rank

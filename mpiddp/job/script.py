@@ -305,8 +305,8 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     watch.finished()
     log.info("the script finished on rank 0 after %.1f s; waiting for every rank", time.monotonic() - started)
     elastic.wait_for_every_rank(dist)
-    if dist.topology.launch_run_dir:  # launch's evidence that the job finished (the same on every rank: its env)
-        dist.from_main(lambda: mark_finished(Path(dist.topology.launch_run_dir)))
+    if dist.is_main and dist.topology.launch_run_dir:  # launch's evidence that the job finished: a local write
+        mark_finished(Path(dist.topology.launch_run_dir))
     watch.stop()
     teardown(dist, store)
     api.detach()

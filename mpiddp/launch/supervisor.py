@@ -265,7 +265,7 @@ class Supervisor:
                     + (f" after {within}" if within else ""))
                 return attempt.status or 0
             found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
-            spawn = failure.spawning(self.failure_file)
+            spawn = failure.spawning(self.failure_file, at=attempt.ended_at)
             found, attempt.launcher_crash = during_spawn(found, spawn[0] if spawn else [])
             spawn_failed_at = spawn[1] if spawn and attempt.launcher_crash else None
             progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
@@ -362,7 +362,7 @@ class Supervisor:
         lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number),
-                                          lambda: self._marked(attempt) or self._gave_up_spawning(attempt),
+                                          lambda: self._lingering(attempt) or self._gave_up_spawning(attempt),
                                           lost_whole)
         if layout_args:  # a host the agent could not reach: mpirun says nothing of it under the relays
             output += agent_failures(self.plan.run_dir)
@@ -411,6 +411,11 @@ class Supervisor:
         run dir its job record names: launch's records follow it there only afterwards)."""
         return attempt.in_job_recovery and finished_since(self._job_run_dir(), attempt.started_at)
 
+    def _lingering(self, attempt: Attempt) -> bool:
+        """Whether the launcher may be ended FINISHED_LINGER_S after the job's finished mark: training's, whose
+        mark comes after its last write; never a script's, whose own exit handlers run after the mark."""
+        return self.plan.mode == "train" and self._marked(attempt)
+
     def _gave_up_spawning(self, attempt: Attempt) -> bool:
         """Under MPI fault tolerance: whether the job ended itself during a spawn that never returned (its spawn
         mark, then a failure record after it: mpiddp.elastic.grow.spawn_stuck); mpirun then waits for the spawn
@@ -440,8 +445,10 @@ class Supervisor:
             if self.ended_after_loss:  # launch ended it: not a crash of the launcher
                 return 0
             attempt.launcher_crash = f"after the job marked its end (exit status {attempt.status})"
+            done = "every rank finished and wrote its results" if self.plan.mode == "train" else \
+                "every rank finished the script"
             say(f"attempt {attempt.number}: the launcher exited {attempt.status} after the job marked its end "
-                f"(every rank finished and wrote its results): taken as finished")
+                f"({done}): taken as finished")
             return 0
         return attempt.status
 
