@@ -451,7 +451,12 @@ def test_mpich_a_host_it_cannot_reach_is_left_out_for_the_spare(hosts, mpich, tm
                       env=mpich_env(mpich, FI_TCP_IFACE="eth0"))
     assert job.returncode == 0, job.output[-5000:]
     tried = attempts(run_dir)["attempts"]
-    assert len(tried) == 2, describe_attempts(run_dir, tried)  # seen once in CI: 3 (cause unknown, hence the detail)
+    if len(tried) == 3 and (tried[0]["status"], tried[0]["cause"], tried[0]["failed_hosts"]) == (255, "exit", []):
+        # Hydra can exit 255 before it forwards the agent's "Connection refused" line (seen twice in CI): no host
+        # named, so nothing to leave out; the same hosts once more, and the next attempt names nodeb
+        assert tried[0]["decision"].startswith("relaunching on the same hosts"), tried[0]
+        tried = tried[1:]
+    assert len(tried) == 2, describe_attempts(run_dir, tried)
     first, second = tried
     assert (first["cause"], first["failed_hosts"]) == ("unreachable", ["nodeb"]), first  # Hydra: ssh's own line
     assert second["hosts"] == ["nodea", "nodec"] and job.summary["hosts"] == {"nodea": [0], "nodec": [1]}
