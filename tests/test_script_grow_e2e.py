@@ -56,7 +56,10 @@ def test_a_script_grows_back_onto_the_spare_and_every_rank_ends_with_the_same_mo
     status = script.finish()
     output = script.output()
     finals = script.finals_by_key()
-    spawn_failed = status in (-11, -6, 139, 134) or "MPI_Comm_spawn onto noded has not returned" in output
+    # (under ULFM mpirun exits 0 after "PRTE has lost communication with a remote daemon", seen naming a survivor's
+    # host during the spawn: PRRTE 3.0's connect_release, docs/recovery.md)
+    spawn_failed = status in (-11, -6, 139, 134) or "MPI_Comm_spawn onto noded has not returned" in output \
+        or "lost communication with a remote daemon" in output
     if spawn_failed and "grew back" not in output:  # plain mpirun: no records dir for the mark
         pytest.xfail(f"mpirun crashed or hung (status {status}) during the spawn: Open MPI 5.0.11's spawn bug")
     assert sorted(finals) == ["0", "2", "joined.2"], output[-6000:]
