@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from mpiddp.job.orphan import watch_launcher_daemon
 from mpiddp.job.topology import mpi_library_version
 
 SKIP_OFI_BTL = "^ofi"
@@ -89,6 +90,7 @@ def init_mpi() -> tuple[Any, str]:
     from mpi4py import MPI
 
     global _initialised_with
+    watch_launcher_daemon()  # a rank whose launcher's daemon ends without ending it ends too
     if MPI.Is_initialized():
         return MPI.COMM_WORLD, _initialised_with
     adjusted = ""
