@@ -178,13 +178,17 @@ def mark_spawning(directory: Path | None, hosts: list[str]) -> None:
 
 
 def spawned(directory: Path | None) -> None:
-    """Rank 0, once the new ranks joined: no spawn under way; never raises. A spawn MPI refused keeps its mark
-    (a launcher that lost the spawn's daemon refuses it, then ends the job)."""
-    if directory is not None:
-        try:
-            (directory / SPAWNING_FILE).unlink(missing_ok=True)
-        except OSError:
-            pass
+    """Rank 0, once the new ranks joined (or the grow was given up): no spawn under way, and the mark says when it
+    ended (`ended`, wall time: last_spawn reads it); never raises. A spawn MPI refused keeps its mark (a launcher
+    that lost the spawn's daemon refuses it, then ends the job)."""
+    mark = last_spawn(directory) if directory is not None else None
+    if directory is None or mark is None:
+        return
+    try:
+        write_text_atomic(directory / SPAWNING_FILE,
+                          json.dumps({"hosts": mark[0], "time": mark[1], "ended": time.time()}))
+    except OSError:
+        pass
 
 
 def hold_spawning(directory: Path | None, seconds: float) -> None:
@@ -203,15 +207,28 @@ def hold_spawning(directory: Path | None, seconds: float) -> None:
 def spawning(directory: Path, at: float | None = None) -> tuple[list[str], float] | None:
     """(the hosts, when it began) of a spawn that had not ended when the job stopped, or None; None also for a
     grow given up before `at` (default: now) by more than its hold (hold_spawning)."""
-    try:
-        data = json.loads((directory / SPAWNING_FILE).read_text())
-        mark = [str(host) for host in data["hosts"]], float(data["time"])
-        until = data.get("until")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    data = _spawn_mark(directory)
+    if data is None or "ended" in data:
         return None
+    until = data.get("until")
     if isinstance(until, (int, float)) and (time.time() if at is None else at) > until:
         return None
-    return mark
+    return data["hosts"], data["time"]
+
+
+def last_spawn(directory: Path) -> tuple[list[str], float] | None:
+    """(the hosts, when it began) of the last spawn of this attempt's job, ended or not (the mark is cleared as
+    each attempt starts), or None when the job spawned nothing."""
+    data = _spawn_mark(directory)
+    return None if data is None else (data["hosts"], data["time"])
+
+
+def _spawn_mark(directory: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((directory / SPAWNING_FILE).read_text())
+        return {**data, "hosts": [str(host) for host in data["hosts"]], "time": float(data["time"])}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def write_placement(directory: Path, hosts: list[tuple[str, list[int]]]) -> bool:

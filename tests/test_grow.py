@@ -369,6 +369,13 @@ def test_a_recovery_gives_up_a_grow_under_way_said_by_the_next_rank_0_and_rememb
     assert failure.spawning(tmp_path, at=now + SPAWN_MARK_HOLD_S + 1) is None  # a later failure is its own
     failure.mark_spawning(tmp_path, ["noded"])  # a new grow's mark counts again, without a hold
     assert failure.spawning(tmp_path, at=now + 10 * SPAWN_MARK_HOLD_S) is not None
+    began = failure.last_spawn(tmp_path)[1]
+    failure.spawned(tmp_path)  # the new rank joined: no spawn under way, but the attempt's job did spawn
+    assert failure.spawning(tmp_path) is None and failure.last_spawn(tmp_path) == (["noded"], began)
+    failure.hold_spawning(tmp_path, SPAWN_MARK_HOLD_S)  # an ended spawn is not held under way again
+    assert failure.spawning(tmp_path) is None
+    failure.clear(tmp_path)  # a new attempt: no spawn of its own yet
+    assert failure.last_spawn(tmp_path) is None
 
 
 def test_a_new_rank_lost_after_it_said_ready_or_that_could_not_warm_up_is_given_up_not_fatal(monkeypatch, caplog):

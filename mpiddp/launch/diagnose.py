@@ -244,6 +244,23 @@ def during_spawn(found: Failure, spawning: list[str]) -> tuple[Failure, str]:
                    recorded=found.recorded, witnesses=found.witnesses), crash
 
 
+# how a launcher that crashed ends (launch's status: 128 + the signal): SIGABRT (glibc's "corrupted size vs.
+# prev_size", "double free or corruption"), SIGBUS, SIGSEGV
+CRASH_STATUSES = (128 + 6, 128 + 7, 128 + 11)
+
+
+def after_spawn(found: Failure, spawned: list[str]) -> str:
+    """What the launcher crashed after, or '': a launcher that crashed (CRASH_STATUSES) naming no host and with
+    no rank's record, in an attempt whose job had spawned onto `spawned` (mpiddp.failure.last_spawn: the spawn
+    ended, its new ranks joined). Open MPI 5.0.11's prterun corrupts its memory in a spawn and can abort well
+    after it returned (seen in CI: "corrupted size vs. prev_size" once the new rank had joined); the ranks on its
+    host end with it, and a survivor elsewhere then records an in-job recovery from their loss, which is the
+    launcher's doing, not their host's."""
+    if not spawned or found.kind != "exit" or found.hosts or found.recorded or found.status not in CRASH_STATUSES:
+        return ""
+    return f"after the job's spawn onto {', '.join(spawned)} (exit status {found.status})"
+
+
 def diagnose(status: int, record: FailureRecord | list[FailureRecord] | None, output: str, world_size: int = 0,
              host_of: dict[int, str] | None = None) -> Failure:
     """Combine the exit status, every rank's record and the launcher's output into one Failure (see the module

@@ -33,7 +33,7 @@ from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
 from mpiddp.launch.ender import Ender, end_daemons, host_agent
-from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, diagnose, during_spawn
+from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, after_spawn, diagnose, during_spawn
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
@@ -265,9 +265,7 @@ class Supervisor:
                     + (f" after {within}" if within else ""))
                 return attempt.status or 0
             found, placement, records = self._diagnose(attempt, output, hosts_now, metrics)
-            spawn = failure.spawning(self.failure_file, at=attempt.ended_at)
-            found, attempt.launcher_crash = during_spawn(found, spawn[0] if spawn else [])
-            spawn_failed_at = spawn[1] if spawn and attempt.launcher_crash else None
+            found, spawn_failed_at = self._failed_in_a_spawn(attempt, found)
             progress_at = failure.last_progress_at(metrics, attempt.started_at, attempt.ended_at)
             attempt.last_step_at = progress_at if progress_at is not None else records[0].time if records else None
             decision = self._decide(attempt, found, placement, hosts_now, excluded, strikes, records, spawn_failed_at)
@@ -285,6 +283,16 @@ class Supervisor:
             hosts_now, excluded, strikes = decision.hosts, decision.excluded, decision.strikes
             self.num_ranks = decision.num_ranks
         raise AssertionError("the policy stops once --max-restarts is spent")
+
+    def _failed_in_a_spawn(self, attempt: Attempt, found: Failure) -> tuple[Failure, float | None]:
+        """(the failure, when the spawn began) where the launcher failed during the job's spawn or crashed after
+        one (the job's spawn mark; attempt.launcher_crash says which); else (the failure, None)."""
+        spawn = failure.spawning(self.failure_file, at=attempt.ended_at)
+        found, attempt.launcher_crash = during_spawn(found, spawn[0] if spawn else [])
+        if not attempt.launcher_crash:
+            spawn = failure.last_spawn(self.failure_file)
+            attempt.launcher_crash = after_spawn(found, spawn[0] if spawn else [])
+        return found, spawn[1] if spawn and attempt.launcher_crash else None
 
     def _decide(self, attempt: Attempt, found: Failure, placement: dict[int, str], hosts_now: list[Host],
                 excluded: list[str], strikes: dict[str, int], records: list[failure.FailureRecord],
