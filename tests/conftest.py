@@ -89,6 +89,12 @@ class JobResult:
 LAUNCHER_NEVER_STARTED = "The PMIx server's listener thread failed to start"
 
 
+def launcher_never_started(output: str) -> bool:
+    """Whether a launcher's output shows Open MPI's start-up race (its PMIx listener, or a fake host's daemon that
+    "failed to report back", exit 213: seen under CI's load) before any rank of mpiddp ran."""
+    return "mpiddp" not in output and (LAUNCHER_NEVER_STARTED in output or "failed to report back" in output)
+
+
 def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None,
                 cwd: Path = REPO) -> JobResult:
     result = _run_once(command, run_dir, timeout, env, cwd)

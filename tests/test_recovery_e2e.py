@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import LAUNCHER_NEVER_STARTED, REPO, find_mpirun, rank_pids
+from conftest import REPO, find_mpirun, launcher_never_started, rank_pids
 from mpiddp import recoveries
 from fakehosts import FakeHosts, running_fake_hosts
 from test_leftovers import assert_nothing_left, marked_env
@@ -68,10 +68,6 @@ class Job:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def _launcher_never_started(self) -> bool:
-        text = self.output()
-        return "mpiddp" not in text and (LAUNCHER_NEVER_STARTED in text or "failed to report back" in text)
-
     def wait_for(self, what: str, predicate, deadline_s: float = 180):
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline and self.process.poll() is None:
@@ -79,7 +75,7 @@ class Job:
             if found:
                 return found
             time.sleep(0.1)  # polling a condition with a deadline, not synchronising
-            if self.process.poll() is not None and self._launcher_never_started() and not self.restarted:
+            if self.process.poll() is not None and launcher_never_started(self.output()) and not self.restarted:
                 self.restarted = True  # Open MPI's start-up race, before any rank ran: launched again once
                 self.start()
         self.process.kill()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, find_mpirun
+from conftest import REPO, find_mpirun, launcher_never_started
 from fakehosts import FakeHosts, running_fake_hosts
 from test_leftovers import assert_nothing_left, marked_env
 from test_recovery_e2e import _ulfm_missing
@@ -48,9 +48,13 @@ class Script:
         command_line = command(self.out) if command is not None else [
             find_mpirun(), *hosts.openmpi_args(), *(["--with-ft", "ulfm"] if ft else []), "-np", "3", "-H", HOSTS,
             sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP), where]
+        self.command, self.env = hosts.command_on("nodea", command_line), env
+        self._start()
+
+    def _start(self) -> None:
         with self.log.open("w") as out:
-            self.process = subprocess.Popen(hosts.command_on("nodea", command_line), cwd=REPO, env=env,
-                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -58,8 +62,13 @@ class Script:
     def kill_victim(self, deadline_s: float = 180) -> dict[int, int]:
         """SIGKILL the victim once it stalls (its peers then wait in the all-reduce); every start rank's pid."""
         victim = self.out / "victim"
-        deadline = time.monotonic() + deadline_s
-        while not victim.exists() and time.monotonic() < deadline and self.process.poll() is None:
+        deadline, restarted = time.monotonic() + deadline_s, False
+        while not victim.exists() and time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                if restarted or not launcher_never_started(self.output()):
+                    break
+                restarted = True  # Open MPI's start-up race, before any rank ran: launched again once
+                self._start()
             time.sleep(0.1)  # polling a condition with a deadline, not synchronising
         if not victim.exists():
             self.process.kill()
