@@ -20,8 +20,9 @@ from mpiddp.atomicfile import write_new, write_text_atomic
 FAILURES_DIR = "failures"  # RUN_DIR/failures/rank-N.json, one per rank that recorded a failure
 PLACEMENT_FILE = "placement.json"  # in the same directory: {"hosts": [[host, [ranks...]], ...]} (rank 0 writes it)
 RECOVERIES_FILE = "recoveries.jsonl"  # in the same directory: one line per in-job recovery, as it happens
-# in the same directory while the job grows back: {"hosts": [...], "time"} (rank 0 writes it before MPI_Comm_spawn
-# and removes it once the new ranks joined): a launcher that fails meanwhile failed during the spawn
+# in the same directory once the job grows back: {"hosts": [...], "time"} (rank 0 writes it before MPI_Comm_spawn
+# and adds "ended" once the new ranks joined or the grow was given up): a launcher that fails before that failed
+# during the spawn; one that crashes after it may still have been corrupted by it (launch's diagnose.after_spawn)
 SPAWNING_FILE = "spawning.json"
 # In-job recovery: a hung rank with no peer on its host to end it; launch ends it through its agent (ssh, the
 # rsh agent), and MPI then declares it failed. RUN_DIR/failures/end-pid-PID-HOST.json: {"host", "pid", "rank"}

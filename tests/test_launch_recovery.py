@@ -564,14 +564,16 @@ def test_a_launcher_that_fails_during_the_jobs_spawn_is_not_evidence_against_any
         assert f"a launcher's failure during a spawn is not held against {lost_daemon}" in said, said
 
 
-@pytest.mark.parametrize("status", [134, 1])
+@pytest.mark.parametrize("status, lost_a_before_the_end", [(134, 0.0), (1, 0.0), (134, 30.0)],
+                         ids=["crash-took-nodea", "exit-1", "nodea-lost-earlier"])
 def test_a_launcher_that_crashes_after_the_jobs_spawn_ended_is_not_evidence_against_the_hosts_it_took_down(
-        tmp_path, monkeypatch, capsys, status):
+        tmp_path, monkeypatch, capsys, status, lost_a_before_the_end):
     """Seen in CI: nodeb's rank lost, the job grew back onto noded (the spawn ended: the new rank joined), then
     Open MPI 5.0.11's prterun aborted ("corrupted size vs. prev_size", exit 134): the rank on its host, nodea,
     ended with it and the rank on noded recorded an in-job recovery from rank 0's loss. That recovery is the
     launcher's doing: nodea is kept and the run relaunches without nodeb alone (before: "cannot relaunch without
-    nodea, nodeb"). A launcher that merely exits 1 after a spawn is no crash: the recovery stands."""
+    nodea, nodeb"). A launcher that merely exits 1 after a spawn is no crash, and a loss 30 s before the crash
+    (after the spawn) is a loss of its own: in both, the recovery stands."""
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
     folder = tmp_path / "bin"
     folder.mkdir()
@@ -581,19 +583,20 @@ def test_a_launcher_that_crashes_after_the_jobs_spawn_ended_is_not_evidence_agai
     lost_a = {**RECOVERY, "cause": "process_failed", "ranks_lost": [0], "hosts_lost": ["nodea"]}
     launcher = folder / "mpirun"
     launcher.write_text(
-        f"#!{sys.executable}\nimport os, sys, time\nfrom pathlib import Path\n"
+        f"#!{sys.executable}\nimport json, os, sys, time\nfrom pathlib import Path\n"
         "from mpiddp import failure, recoveries\n"
         "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
         "run_dir, failures = Path(os.environ['MPIDDP_RUN_DIR']), Path(os.environ['MPIDDP_FAILURE_FILE'])\n"
         "if os.environ['MPIDDP_RESTART_COUNT'] != '0':\n"
         "    (run_dir / 'summary.json').write_text('{}')\n    (run_dir / 'finished').write_text('1')\n    sys.exit(0)\n"
+        "now = time.time()\n"
         "failure.write_placement(failures, [('nodea', [0]), ('nodeb', [1]), ('nodec', [2])])\n"
-        f"recoveries.record(failures, {{**{lost_b!r}, 'time': time.time()}})\n"
-        "failure.mark_spawning(failures, ['noded'])\n"
+        f"recoveries.record(failures, {{**{lost_b!r}, 'time': now - 120}})\n"
+        "(failures / failure.SPAWNING_FILE).write_text(json.dumps({'hosts': ['noded'], 'time': now - 60}))\n"
         "failure.spawned(failures)\n"
-        f"recoveries.record(failures, {{**{grew!r}, 'time': time.time()}})\n"
+        f"recoveries.record(failures, {{**{grew!r}, 'time': now - 59}})\n"
         "failure.replace_placement(failures, [('nodea', [0]), ('nodec', [1]), ('noded', [2])])\n"
-        f"recoveries.record(failures, {{**{lost_a!r}, 'time': time.time()}})\n"
+        f"recoveries.record(failures, {{**{lost_a!r}, 'time': now - {lost_a_before_the_end!r}}})\n"
         "print('corrupted size vs. prev_size', file=sys.stderr)\n"
         f"sys.exit({status})\n")
     for program in (folder / "ompi_info", launcher):
@@ -604,15 +607,18 @@ def test_a_launcher_that_crashes_after_the_jobs_spawn_ended_is_not_evidence_agai
     outcome = Supervisor(plan, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}).run()
     said = capsys.readouterr().err
     first = json.loads((run_dir / "attempts.json").read_text())["attempts"][0]
-    if status == 1:
-        assert first["launcher_crash"] == "" and "cannot relaunch without nodea, nodeb" in said, said
+    crash = "after the job's spawn onto noded (exit status 134)"
+    if status == 1 or lost_a_before_the_end:
+        assert first["launcher_crash"] == ("" if status == 1 else crash), first
+        assert "cannot relaunch without nodea, nodeb" in said, said
         return
     assert outcome == 0, said
     first, second = json.loads((run_dir / "attempts.json").read_text())["attempts"]
-    assert first["launcher_crash"] == "after the job's spawn onto noded (exit status 134)", first
+    assert first["launcher_crash"] == crash, first
     assert (first["excluded_hosts"], first["blamed_hosts"]) == (["nodeb"], []), first
     assert second["hosts"] == ["nodea", "nodec", "noded"], second
-    assert "not held against any host: the in-job recovery that lost nodea came during the spawn" in said, said
+    assert f"not held against any host: the in-job recovery that lost nodea came as the launcher failed {crash}" \
+        in said, said
 
 
 @pytest.mark.parametrize("job_names_its_run_dir", [False, True])

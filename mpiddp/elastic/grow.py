@@ -56,7 +56,8 @@ log = logging.getLogger("mpiddp")
 # daemon's loss no longer ends the job). A healthy one takes 0.2-3 s here; a cold start on a busy shared file
 # system can take tens of seconds.
 SPAWN_TIMEOUT_S = 60.0
-# A grow given up at a survivor's failure keeps its spawn mark this long after (then launch no longer counts it):
+# A grow given up at a survivor's failure keeps its spawn mark this long after (then launch no longer counts it as
+# a spawn under way; a launcher that crashes later is still read as crashing after a spawn):
 # Open MPI 5.0.11's prterun can lose a survivor's daemon in its own bookkeeping of the spawn (PRRTE 3.0's
 # connect_release), the survivors notice that rank's end first, and prterun then ends the whole job, naming that
 # healthy host (seen in CI, within a second). launch must read that end as the spawn's; a launcher that outlived

@@ -55,14 +55,14 @@ def wait_for_parent_end(parent: int, interval_s: float = POLL_INTERVAL_S) -> Non
         pidfd = os.pidfd_open(parent)
     except (AttributeError, OSError):  # Python < 3.9, a kernel without pidfd_open, or already gone
         pidfd = None
-    if pidfd is not None and os.getppid() == parent:  # the pidfd is of the parent, not of a reused pid
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)  # readable once that process has ended
-        poller.poll()
+    if pidfd is not None:
+        if os.getppid() == parent:  # the pidfd is of the parent, not of a reused pid
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)  # readable once that process has ended
+            poller.poll()
         os.close(pidfd)
-        return
     stopped = threading.Event()  # never set: a timed wait that is not a busy loop
-    while os.getppid() == parent:
+    while os.getppid() == parent:  # and after the pidfd: only a parent that changed counts
         stopped.wait(interval_s)
 
 

@@ -247,6 +247,10 @@ def during_spawn(found: Failure, spawning: list[str]) -> tuple[Failure, str]:
 # how a launcher that crashed ends (launch's status: 128 + the signal): SIGABRT (glibc's "corrupted size vs.
 # prev_size", "double free or corruption"), SIGBUS, SIGSEGV
 CRASH_STATUSES = (128 + 6, 128 + 7, 128 + 11)
+# how long before a crashed launcher's end the losses it caused are recorded: the ranks on its host end with it
+# and the survivors elsewhere recover from them within a second or two (seen: the same second); a loss earlier
+# than this, after the spawn, is a loss of its own
+CRASH_TAKES_S = 10.0
 
 
 def after_spawn(found: Failure, spawned: list[str]) -> str:
@@ -255,7 +259,7 @@ def after_spawn(found: Failure, spawned: list[str]) -> str:
     ended, its new ranks joined). Open MPI 5.0.11's prterun corrupts its memory in a spawn and can abort well
     after it returned (seen in CI: "corrupted size vs. prev_size" once the new rank had joined); the ranks on its
     host end with it, and a survivor elsewhere then records an in-job recovery from their loss, which is the
-    launcher's doing, not their host's."""
+    launcher's doing, not their host's (the supervisor holds none recorded CRASH_TAKES_S before the crash)."""
     if not spawned or found.kind != "exit" or found.hosts or found.recorded or found.status not in CRASH_STATUSES:
         return ""
     return f"after the job's spawn onto {', '.join(spawned)} (exit status {found.status})"

@@ -82,7 +82,8 @@ def ranks_lost_at_start(recoveries: list[dict[str, Any]]) -> tuple[int, ...] | N
 
 
 def contradicted_by_records(recoveries: list[dict[str, Any]], records: list[FailureRecord],
-                            spawn_failed_at: float | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+                            spawn_failed_at: float | None = None, launcher_crash: str = "during the job's spawn",
+                            ) -> tuple[list[dict[str, Any]], list[str]]:
     """(the in-job recoveries the job's failure records leave standing, why each other one does not stand).
 
     A rank records a failure only as it ends the job (a fatal error, the hang fallback, a stop), so a recovery
@@ -90,8 +91,8 @@ def contradicted_by_records(recoveries: list[dict[str, Any]], records: list[Fail
     (SIGCONT, then SIGTERM), which then "recovers" from the rank that ended the job. Such a recovery is
     contradicted when it came at or after the oldest record (its `time`), or when a rank it lost wrote a record
     itself (the first recovery only: later ones number the survivors' world; records without times). Likewise
-    a recovery at or after `spawn_failed_at`, when a spawn began that the launcher failed during: the launcher's
-    crash took that rank."""
+    a recovery at or after `spawn_failed_at`, when a spawn began that the launcher failed during (or shortly
+    before a launcher crashed after a spawn: `launcher_crash` says which): the launcher's failure took that rank."""
     if not recoveries or (not records and spawn_failed_at is None):
         return list(recoveries), []
     decided = min(records, key=lambda r: r.time) if records else None
@@ -112,7 +113,7 @@ def contradicted_by_records(recoveries: list[dict[str, Any]], records: list[Fail
         elif own:
             why.append(f"{said} lost rank {own[0].rank}, which recorded its own end ({own[0].kind}): it left on purpose")
         elif spawn_failed_at is not None and timed and at >= spawn_failed_at:
-            why.append(f"{said} came during the spawn the launcher failed in")
+            why.append(f"{said} came as the launcher failed {launcher_crash}")
         else:
             kept.append(item)
     return kept, why

@@ -33,7 +33,8 @@ from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
 from mpiddp.launch.ender import Ender, end_daemons, host_agent
-from mpiddp.launch.diagnose import EXIT_STOPPED, Failure, OutputKeeper, after_spawn, diagnose, during_spawn
+from mpiddp.launch.diagnose import (CRASH_TAKES_S, EXIT_STOPPED, Failure, OutputKeeper, after_spawn, diagnose,
+                                    during_spawn)
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
@@ -285,14 +286,18 @@ class Supervisor:
         raise AssertionError("the policy stops once --max-restarts is spent")
 
     def _failed_in_a_spawn(self, attempt: Attempt, found: Failure) -> tuple[Failure, float | None]:
-        """(the failure, when the spawn began) where the launcher failed during the job's spawn or crashed after
-        one (the job's spawn mark; attempt.launcher_crash says which); else (the failure, None)."""
+        """(the failure, from when no recovery is held against a host) where the launcher failed during the job's
+        spawn (from the spawn's start) or crashed after one (from CRASH_TAKES_S before it ended: the ranks its crash
+        took, not a loss earlier after the spawn); attempt.launcher_crash says which. Else (the failure, None)."""
         spawn = failure.spawning(self.failure_file, at=attempt.ended_at)
         found, attempt.launcher_crash = during_spawn(found, spawn[0] if spawn else [])
+        if attempt.launcher_crash:
+            return found, spawn[1]
+        spawn = failure.last_spawn(self.failure_file)
+        attempt.launcher_crash = after_spawn(found, spawn[0] if spawn else [])
         if not attempt.launcher_crash:
-            spawn = failure.last_spawn(self.failure_file)
-            attempt.launcher_crash = after_spawn(found, spawn[0] if spawn else [])
-        return found, spawn[1] if spawn and attempt.launcher_crash else None
+            return found, None
+        return found, max(spawn[1], attempt.ended_at - CRASH_TAKES_S)
 
     def _decide(self, attempt: Attempt, found: Failure, placement: dict[int, str], hosts_now: list[Host],
                 excluded: list[str], strikes: dict[str, int], records: list[failure.FailureRecord],
@@ -300,7 +305,8 @@ class Supervisor:
         """The policy's decision on a failed attempt. A host the job lost and recovered from in the job before the
         failure that ended it failed too: the same evidence, so it is left out as well (per --host-strikes),
         unless the job's failure records contradict that recovery (it came after the end was decided)."""
-        standing, contradicted = contradicted_by_records(attempt.recoveries, records, spawn_failed_at)
+        standing, contradicted = contradicted_by_records(attempt.recoveries, records, spawn_failed_at,
+                                                         attempt.launcher_crash)
         lost, strikes = strike_lost_in_job(standing, self.plan.hosts, excluded, strikes,
                                            self.plan.host_strikes, hosts_now)
         decision = decide(found, self.plan.hosts, [*excluded, *lost], attempt.number, self.plan.max_restarts,
