@@ -48,8 +48,9 @@ from mpiddp import failure
 from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: spawn, merge, the parent
 from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, regrow_refusal, spare_hosts_in
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
-from mpiddp.elastic.survivors import topology_over
+from mpiddp.elastic.survivors import mark_recovered, topology_over
 from mpiddp.errors import EXIT_HANG
+from mpiddp.job.spares import spare_world
 
 log = logging.getLogger("mpiddp")
 # A spawn that has not returned by then never will (a spare lost during it: seen under the relay layout, where its
@@ -149,9 +150,16 @@ class GrowBack:
         self.warming: Warming | None = None  # a grow under way: its new ranks warm up while the survivors train
         self.grew = False  # new ranks joined this job
         self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
+        self.hot = False  # the spares are hot (mpiddp.job.spares): taken in without a spawn
 
     @classmethod
     def from_env(cls) -> GrowBack:
+        """Hot spares where the job has them (mpiddp.job.spares), else the spare hosts named for MPI_Comm_spawn."""
+        hot = spare_world()
+        if hot is not None:
+            grower = cls(hot.spare_hosts())
+            grower.hot = True
+            return grower
         spares = spare_hosts_in(os.environ)
         return cls([], spares) if isinstance(spares, str) else cls(spares)
 
@@ -175,6 +183,9 @@ class GrowBack:
     def plan(self, dist: Any, full: int) -> GrowPlan | str:
         """Rank 0's decision (broadcast: every rank follows it, a rank that joined by a grow too): the plan, or
         why not."""
+        if self.hot:  # the spares still waiting: one taken, or given up, is gone
+            hot = spare_world()
+            return plan_growth(dist.world_size, full, hot.spare_hosts() if hot is not None else [], {})
         refusal = regrow_refusal(mpigrow.library_version(), self.lost_after_grow)
         return refusal if refusal is not None else plan_growth(dist.world_size, full, self.spares, self.used)
 
@@ -213,10 +224,12 @@ class GrowBack:
         # launch's evidence that a launcher failing now failed during the spawn (Open MPI 5.0.11's prterun can
         # crash in MPI_Comm_spawn), which says nothing against the hosts spawned onto
         records = recovery.records_dir() if dist.is_main else None
-        failure.mark_spawning(records, list(plan.hosts))
+        if not self.hot:  # a hot spare is taken in without the launcher
+            failure.mark_spawning(records, list(plan.hosts))
         try:
             with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, plan.hosts, records, step)):
-                merged, phases = mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command())
+                merged, phases = (mpigrow.wake_and_merge(members.comm, plan) if self.hot else
+                                  mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command()))
         except mpi_error as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             recovery.follow_watch(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
@@ -429,7 +442,13 @@ def arrive() -> Arrival:
     """Collective over the merged job, step 1 (the survivors' GrowBack.start): merge, hello, every host's name;
     then this rank's device (local). The survivors go back to training: what follows until `enter` is this rank's
     own warm-up."""
-    merged = mpigrow.merge_with_parent()
+    try:
+        merged = mpigrow.merge_with_parent()
+    except mpigrow.SpareReleased as exc:  # a hot spare never needed
+        mpigrow.end_released_spare()
+        raise Abandoned(f"this hot spare was not needed: {exc}") from None
+    if mpigrow.is_hot_spare():  # of the job that lost a rank: it ends as the survivors do, without MPI_Finalize
+        mark_recovered()
     try:
         hello = merged.bcast(None, root=0)
         hostnames = merged.allgather(own_host())

@@ -25,6 +25,7 @@ from typing import Any
 
 from mpiddp.elastic.decide import GrowPlan, old_group_plan, recovery_refusal, store_address, ulfm_refusal
 from mpiddp.job.collective import MpiTransport
+from mpiddp.job.spares import WAKE_TAG, is_hot_spare, spare_world
 
 log = logging.getLogger(__name__)
 
@@ -527,22 +528,141 @@ def leave(merged: Any) -> None:
 
 
 def joining() -> bool:
-    """Whether this process was spawned by a job growing back (it has an MPI parent). Initialises MPI."""
+    """Whether this process joins a job growing back: spawned by it (it has an MPI parent), or a hot spare
+    (mpiddp.job.spares). Initialises MPI."""
     from mpiddp.job.mpistart import init_mpi
 
     init_mpi()
     from mpi4py import MPI
 
-    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+    return is_hot_spare() or MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+class SpareReleased(Exception):
+    """A hot spare's wait ended without a grow: the job ended (its word, or every worker gone)."""
 
 
 def merge_with_parent() -> Any:
-    """A spawned rank's side of spawn_and_merge: the merged intracommunicator (this rank after the survivors)."""
+    """A joining rank's side of spawn_and_merge (or of wake_and_merge, for a hot spare): the merged
+    intracommunicator (this rank after the survivors). SpareReleased when a hot spare's job ended instead."""
     from mpi4py import MPI
 
+    if is_hot_spare():
+        return wait_to_join()
     parent = MPI.Comm.Get_parent()
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     _spanning.extend([parent, merged])
     return merged
+
+
+# ---- growing back onto hot spares (mpiddp.job.spares): no process started, no PMIx_Connect -------------------------
+
+
+
+def wake_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
+    """Collective over the survivors' `comm` and every waiting spare: rank 0 wakes the spares (one word each),
+    everyone shrinks the spares' world (a world with a failed process cannot create a group), and the survivors
+    and the first plan.count spares create the merged intracommunicator, survivors first in `comm`'s order.
+    Returns (merged, {spawn: the wake and the shrink, merge: the group}) as spawn_and_merge does."""
+    spares = spare_world()
+    assert spares is not None and len(spares.waiting) >= plan.count
+    started = time.monotonic()
+    old = spares.world.Get_group()
+    survivors = _world_ranks(comm.Get_group(), old)  # the survivors' world ranks, in comm's order
+    chosen, free = [], list(zip(spares.waiting, spares.hosts))
+    for host in plan.hosts:  # the first waiting spare on each host the plan names
+        taken = next(item for item in free if item[1] == host)
+        free.remove(taken)
+        chosen.append(taken[0])
+    if comm.Get_rank() == 0:
+        for spare in spares.waiting:
+            spares.world.send(("join", survivors, chosen), dest=spare, tag=WAKE_TAG)
+    merged, woken = _shrink_and_create(spares, old, survivors, chosen)
+    return merged, {"spawn": woken - started, "merge": time.monotonic() - woken}
+
+
+def _world_ranks(group: Any, into: Any) -> list[int]:
+    """The ranks of `into` that `group`'s processes have, in `group`'s order."""
+    from mpi4py import MPI
+
+    return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), into))
+
+
+def _shrink_and_create(spares: Any, old: Any, survivors: list[int], chosen: list[int]) -> tuple[Any, float]:
+    """Every process of the spares' world (survivors and waiting spares): shrink it, then the survivors and the
+    chosen spares create their group; the spares not chosen wait on in the shrunk world."""
+    from mpi4py import MPI
+
+    world = spares.world.Shrink()
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    woken = time.monotonic()
+    new = world.Get_group()
+    moved = dict(zip(survivors + spares.waiting, MPI.Group.Translate_ranks(old, survivors + spares.waiting, new)))
+    spares.world = world
+    kept = [(moved[rank], host) for rank, host in zip(spares.waiting, spares.hosts) if rank not in chosen]
+    spares.waiting, spares.hosts = [rank for rank, _ in kept], [host for _, host in kept]
+    members = [moved[rank] for rank in survivors + chosen]
+    if world.Get_rank() not in members:
+        return None, woken
+    merged = world.Create_group(new.Incl(members), tag=WAKE_TAG)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return merged, woken
+
+
+def wait_to_join() -> Any:
+    """A hot spare: wait for rank 0's word (every failure in the job wakes the receive from any source with
+    MPI_ERR_PROC_FAILED_PENDING: acknowledged, the same receive goes on; posting another left the word to the
+    first one, measured), then take part in the shrink; the merged intracommunicator once chosen.
+    SpareReleased when told to leave."""
+    from mpi4py import MPI
+
+    spares = spare_world()
+    assert spares is not None
+    while True:
+        request = spares.world.irecv(source=MPI.ANY_SOURCE, tag=WAKE_TAG)
+        word = None
+        while word is None:
+            try:
+                done, word = request.test()
+            except MPI.Exception:
+                spares.world.Ack_failed()
+                spares.failures_seen = True
+                if _every_worker_failed(spares):
+                    raise SpareReleased("every rank of the job ended") from None
+                continue
+            if not done:
+                time.sleep(0.01)  # a spare has nothing else to do: one wake-up every 10 ms
+        if word[0] != "join":
+            raise SpareReleased("the job ended")
+        me = spares.world.Get_rank()
+        merged, _ = _shrink_and_create(spares, spares.world.Get_group(), word[1], word[2])
+        if merged is not None:
+            return merged
+        assert me in word[2] or spares.waiting  # not chosen: wait on
+
+
+def _every_worker_failed(spares: Any) -> bool:
+    """Whether every process of the spares' world that is not a waiting spare failed (survivors that end with
+    os._exit release nobody)."""
+    failed = spares.world.Get_failed()
+    try:
+        return failed.Get_size() >= spares.world.Get_size() - len(spares.waiting)
+    finally:
+        failed.Free()
+
+
+def end_released_spare() -> None:
+    """A hot spare released without a grow ends: with MPI_Finalize in a job that lost no process, else at once
+    (MPI_Finalize's fence would wait for the processes that ended without it, measured)."""
+    spares = spare_world()
+    if spares is None:
+        return
+    failed = spares.world.Get_failed()  # this spare may have been told before it heard of a failure
+    if spares.failures_seen or failed.Get_size():
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

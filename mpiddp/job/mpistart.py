@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from mpiddp.errors import EXIT_USER_ERROR, UserError
 from mpiddp.job.orphan import watch_launcher_daemon
+from mpiddp.job.spares import spare_count, split_off_spares
 from mpiddp.job.topology import mpi_library_version
 
 SKIP_OFI_BTL = "^ofi"
@@ -77,6 +79,7 @@ def _loaded_library_dir(prefix: str) -> Path | None:
 
 
 _initialised_with = ""  # what init_mpi set for MPI, once it ran
+_job_comm: Any = None  # COMM_WORLD, or the workers' part of it where the job has hot spares (mpiddp.job.spares)
 
 
 def init_mpi() -> tuple[Any, str]:
@@ -89,10 +92,13 @@ def init_mpi() -> tuple[Any, str]:
         mpi4py.rc.finalize = True
     from mpi4py import MPI
 
-    global _initialised_with
+    global _initialised_with, _job_comm
     watch_launcher_daemon()  # a rank whose launcher's daemon ends without ending it ends too
+    count = _spare_count_or_exit()
     if MPI.Is_initialized():
-        return MPI.COMM_WORLD, _initialised_with
+        if _job_comm is None:  # the user's code started MPI: the spares are split off all the same
+            _job_comm = _split_or_exit(MPI.COMM_WORLD, count)
+        return _job_comm, _initialised_with
     adjusted = ""
     if mpi_library_version().startswith("Open MPI"):  # callable before MPI_Init
         if not btl_already_chosen(os.environ, parameter_files(os.environ, _loaded_library_dir("libmpi.so"))):
@@ -101,7 +107,29 @@ def init_mpi() -> tuple[Any, str]:
     # Only the main thread calls MPI; MPI_THREAD_MULTIPLE disables fast transports in some MPIs.
     MPI.Init_thread(MPI.THREAD_FUNNELED)
     _initialised_with = adjusted  # a second call (after growing back's check for an MPI parent) says the same
-    return MPI.COMM_WORLD, adjusted
+    _job_comm = _split_or_exit(MPI.COMM_WORLD, count)
+    return _job_comm, adjusted
+
+
+def _spare_count_or_exit() -> int:
+    """MPIDDP_SPARE_RANKS; a value that is no count ends every rank with one line (status 2) before MPI starts."""
+    try:
+        return spare_count()
+    except UserError as exc:
+        print(f"mpiddp: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def _split_or_exit(world: Any, count: int) -> Any:
+    """The job's communicator (mpiddp.job.spares); every rank ends with one line (status 2) where the spares
+    leave no rank to train."""
+    if not count:
+        return world
+    try:
+        return split_off_spares(world, count)
+    except UserError as exc:
+        print(f"mpiddp: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
 
 
 def exit_without_teardown(status: int) -> NoReturn:

@@ -21,11 +21,16 @@ log = logging.getLogger("mpiddp")
 
 def main(args: list[str], stop: StopRequest | None) -> int:
     """`python -m mpiddp` in a spawned rank: training's stop handlers, then join_main."""
+    from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
+
     stop = stop or StopRequest().install()
     try:
-        return join_main(args, stop)
+        status = join_main(args, stop)
     finally:
         stop.release()
+    if recovered_in_this_process():  # a hot spare taken in: MPI_Finalize would wait for the failed ranks
+        end_without_finalize(status)
+    return status
 
 
 def join_main(args: list[str], stop: Any) -> int:

@@ -1,0 +1,96 @@
+"""Hot spares: the last MPIDDP_SPARE_RANKS ranks of COMM_WORLD are started with the job and wait; the job's own
+communicator is COMM_WORLD less them (split off as MPI starts, a collective every rank takes part in). Growing back
+takes a waiting spare in without starting a process (mpiddp.elastic.membership.wake_and_merge): nothing goes
+through the launcher's PMIx_Connect, which Open MPI 5.0.11's prterun can crash in (docs/recovery.md).
+
+This module keeps the world the spares live in: COMM_WORLD at the start, shrunk at every grow onto a spare (a
+world with a failed process cannot create a group: MPI_ERR_PROC_FAILED, measured), and which of its ranks still
+wait.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpiddp.contract import SPARE_RANKS_ENV
+from mpiddp.errors import UserError
+
+
+@dataclass
+class SpareWorld:
+    world: Any  # COMM_WORLD, then each shrunk world after a grow onto a spare
+    waiting: list[int] = field(default_factory=list)  # the world's ranks of the spares still waiting
+    hosts: list[str] = field(default_factory=list)  # the host of each waiting spare (as `waiting`)
+    this_is_a_spare: bool = False
+    failures_seen: bool = False  # a spare acknowledged a failed process: it ends with os._exit, not MPI_Finalize
+
+    def spare_hosts(self) -> list[tuple[str, int]]:
+        """(host, spares waiting there), in the order they wait: what growing back may take."""
+        counts: dict[str, int] = {}
+        for host in self.hosts:
+            counts[host] = counts.get(host, 0) + 1
+        return list(counts.items())
+
+
+_spares: SpareWorld | None = None
+WAKE_TAG = 7704  # a worker's word to every waiting spare: ("join", survivors, chosen) or ("leave",)
+
+
+def spare_count(env: dict[str, str] | None = None) -> int:
+    """MPIDDP_SPARE_RANKS, 0 when unset. UserError (one line) for anything but a whole number >= 0."""
+    text = (os.environ if env is None else env).get(SPARE_RANKS_ENV, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise UserError(f"{SPARE_RANKS_ENV}={text!r}: give the number of hot spare ranks (the last ranks of "
+                         "mpirun's -np), e.g. 1")
+    return int(text)
+
+
+def split_off_spares(world: Any, count: int) -> Any:
+    """Collective over COMM_WORLD, as MPI starts: the workers' communicator (the first size - count ranks), or
+    COMM_WORLD itself for a spare (which then waits: mpiddp.elastic.membership.merge_with_parent). UserError
+    when no worker would be left."""
+    from mpi4py import MPI
+
+    global _spares
+    size, rank = world.Get_size(), world.Get_rank()
+    if count >= size:  # every rank alike, before any collective
+        raise UserError(f"{SPARE_RANKS_ENV}={count} leaves no rank to train with -np {size}: run more ranks than "
+                         "spares")
+    spare = rank >= size - count
+    workers = world.Split(MPI.UNDEFINED if spare else 0, rank)
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    hosts = world.allgather(socket.gethostname())
+    _spares = SpareWorld(world, list(range(size - count, size)), hosts[size - count:], spare)
+    if not spare:  # before mpi4py's MPI_Finalize (exit handlers run last registered first)
+        atexit.register(release_spares)
+    return world if spare else workers
+
+
+def spare_world() -> SpareWorld | None:
+    """The hot spares' world, where the job has any (else None)."""
+    return _spares
+
+
+def is_hot_spare() -> bool:
+    return _spares is not None and _spares.this_is_a_spare
+
+
+def release_spares() -> None:
+    """A worker that ends: tell every spare still waiting to leave (MPI_Finalize would otherwise wait for them;
+    every worker says it, a spare leaves at the first word); never raises. Survivors that end with os._exit say
+    nothing: a spare leaves once every worker failed (mpiddp.elastic.membership.wait_to_join)."""
+    spares = _spares
+    if spares is None or spares.this_is_a_spare:
+        return
+    for spare in spares.waiting:
+        try:
+            spares.world.send(("leave",), dest=spare, tag=WAKE_TAG)
+        except Exception:  # noqa: BLE001 - that spare is gone
+            pass
+    spares.waiting, spares.hosts = [], []

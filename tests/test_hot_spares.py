@@ -1,0 +1,162 @@
+"""Hot spares (mpiddp.job.spares, mpiddp.elastic.membership.wake_and_merge): the rule in-process, the MPI layer
+under a real `mpirun --with-ft ulfm`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, find_mpirun
+from mpiddp.job.spares import spare_count
+from test_leftovers import assert_nothing_left, marked_env
+from test_recovery_e2e import _ulfm_missing
+
+PROGRAM = REPO / "tests" / "programs" / "hot_spare_layer.py"
+
+
+def test_the_spare_count_is_a_whole_number_said_in_one_line():
+    assert spare_count({}) == 0 and spare_count({"MPIDDP_SPARE_RANKS": " 2 "}) == 2
+    with pytest.raises(ValueError, match="give the number of hot spare ranks"):
+        spare_count({"MPIDDP_SPARE_RANKS": "two"})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("value, said", [("two", "give the number of hot spare ranks"),
+                                         ("2", "leaves no rank to train with -np 2")])
+def test_a_spare_count_that_cannot_be_ends_every_rank_with_one_line(tmp_path, value, said):
+    env, mark = marked_env(MPIDDP_SPARE_RANKS=value)
+    command = [find_mpirun(), "-np", "2", "-x", "MPIDDP_SPARE_RANKS", sys.executable, "-m", "mpiddp", "--run-dir",
+               str(tmp_path / "run"), "--epochs", "1", "--no-progress", "--wandb", "disabled"]
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        assert_nothing_left(mark)
+    assert done.returncode == 2 and "mpiddp: MPIDDP_SPARE_RANKS=" in done.stderr, done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.mpi
+def test_survivors_grow_back_onto_a_waiting_spare_and_release_the_other(tmp_path):
+    reason = _ulfm_missing()
+    if reason:
+        pytest.skip(reason)
+    env, mark = marked_env(PYTHONPATH=str(REPO), MPIDDP_SPARE_RANKS="2")
+    command = [find_mpirun(), "--with-ft", "ulfm", "-np", "5", "-x", "MPIDDP_SPARE_RANKS", sys.executable,
+               str(PROGRAM), str(tmp_path)]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        assert_nothing_left(mark)
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp_path.glob("worker.*")}
+    assert sorted(workers) == [0, 2], workers  # world rank 1 died; the others went on
+    for steps, size, grew in workers.values():
+        assert (steps, size) == (30, 3) and set(grew) == {"spawn", "merge"}, workers
+    (joined,) = tmp_path.glob("joined.*")
+    assert joined.name == "joined.2" and json.loads(joined.read_text()) == [20, 3]  # the last rank of the grown job
+    assert len(list(tmp_path.glob("released.*"))) == 1  # the other spare was told the job ended
+
+
+# ---- the trainer with a hot spare, on four fake hosts ------------------------------------------------------------
+
+HOSTS = "nodea:1,nodeb:1,nodec:1,noded:1"  # -np 4: the last rank, on noded, is the hot spare
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    reason = _ulfm_missing()
+    if reason:
+        pytest.skip(reason)
+    from fakehosts import FakeHosts, running_fake_hosts
+
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec", "noded"], tmp_path_factory.mktemp("hot-hosts"),
+                                      tag="s")) as cluster:
+        yield cluster
+
+
+def hot_job(hosts, tmp_path, *flags: str):
+    """`mpirun --with-ft ulfm -np 4` of the trainer with MPIDDP_SPARE_RANKS=1: three ranks train, noded's waits."""
+    from test_recovery_e2e import JOB, Job
+
+    class HotJob(Job):
+        def __init__(self) -> None:
+            self.run_dir, self.log = tmp_path / "run", tmp_path / "job.log"
+            env, self.mark = marked_env(MPIDDP_SPARE_RANKS="1")
+            env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+            command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "4", "-H", HOSTS,
+                       "-x", "MPIDDP_SPARE_RANKS", sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir),
+                       *JOB, *flags]
+            self.start = lambda: self._start(hosts.command_on("nodea", command), env)
+            self.start()
+            self.restarted = False
+
+    return HotJob()
+
+
+@pytest.mark.mpi
+def test_the_trainer_grows_back_onto_a_hot_spare_without_a_spawn(hosts, tmp_path):
+    """Rank 1 (nodeb) killed at step 5: the survivors recover, wake the spare waiting on noded (no process started,
+    nothing through the launcher's PMIx_Connect: no spawn mark), it warms up while they train and joins; the job
+    ends on 3 ranks, every step once, mpirun's status 0, nothing left running."""
+    from mpiddp import failure
+    from conftest import rank_pids
+    from test_recovery_e2e import metrics, survivors_pids
+
+    job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:5")
+    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert survivors_pids(output) == {0: pids[0], 1: pids[2]}, output[-3000:]
+    assert f"this process (pid {pids[3]}) joins as rank 2 of 3" in output, output[-3000:]
+    assert "running at full size again: 3 ranks" in output
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    recovery, grew = summary["recoveries"]
+    assert (recovery["ranks_lost"], recovery["world_before"], recovery["world_after"]) == ([1], 3, 2), recovery
+    assert (grew["cause"], grew["ranks_added"], grew["hosts_added"], grew["world_after"]) == \
+        ("grew", [2], ["noded"], 3), grew
+    assert grew["survivors_stall"] > 0 and grew["warm_up"] > 0, grew
+    assert failure.last_spawn(job.run_dir / failure.FAILURES_DIR) is None  # nothing was spawned
+    steps = [r["step"] for r in metrics(job.run_dir) if r["kind"] == "step"]
+    assert steps == list(range(1, 61)), steps
+
+
+@pytest.mark.mpi
+def test_a_hot_spare_never_needed_is_released_and_the_job_ends_with_status_0(hosts, tmp_path):
+    """Nothing fails: the workers tell the spare the job ended as they exit (MPI_Finalize would otherwise wait for
+    it), it leaves in one line, mpirun ends with status 0, nothing is left running."""
+    job = hot_job(hosts, tmp_path, "--epochs", "1")
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert "this hot spare was not needed: the job ended" in output, output[-3000:]
+    assert json.loads((job.run_dir / "summary.json").read_text())["world_size"] == 3
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("runner", [False, True], ids=["mpirun", "mpiddp-run"])
+def test_a_script_grows_back_onto_a_hot_spare_and_every_rank_ends_with_the_same_model(hosts, tmp_path, runner):
+    """tests/programs/recoverable_script.py under `mpirun --with-ft ulfm -np 4` with MPIDDP_SPARE_RANKS=1, plain
+    (mpiddp.init()) and under `python -m mpiddp run`: rank 1 killed, the survivors take noded's spare in at a
+    commit, every rank ends at the last step with the same model, mpirun's status 0."""
+    from test_script_grow_e2e import UNTIL_FULL
+    from test_script_recovery_e2e import AT_STEP, PROGRAM as SCRIPT, STEPS, Script
+
+    script = Script(hosts, tmp_path, 1, command=lambda out: [
+        find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "4", "-H", HOSTS, "-x",
+        "MPIDDP_SPARE_RANKS", sys.executable, *(["-m", "mpiddp", "run"] if runner else []), str(SCRIPT),
+        str(out), UNTIL_FULL, "1", str(AT_STEP)], MPIDDP_SPARE_RANKS="1")
+    pids = script.kill_victim()
+    status = script.finish()
+    output = script.output()
+    assert status == 0, output[-6000:]
+    finals = {json.loads(p.read_text())["key"]: json.loads(p.read_text()) for p in script.out.glob("final.*.json")}
+    assert sorted(finals) == ["0", "2", "joined.2"], output[-6000:]
+    assert len({final["digest"] for final in finals.values()}) == 1, finals  # the same model on every rank
+    assert {final["world_size"] for final in finals.values()} == {3}, finals
+    assert all(final["step"] >= STEPS for final in finals.values()), finals
+    assert (finals["0"]["pid"], finals["2"]["pid"]) == (pids[0], pids[2])
+    assert "grew back: ranks [2] joined on noded" in output, output[-3000:]
