@@ -37,13 +37,16 @@ def test_a_spare_count_that_cannot_be_ends_every_rank_with_one_line(tmp_path, va
 
 
 @pytest.mark.mpi
-def test_survivors_grow_back_onto_a_waiting_spare_and_release_the_other(tmp_path):
+@pytest.mark.parametrize("first_spare_dies", [False, True], ids=["both-wait", "first-spare-dies"])
+def test_survivors_grow_back_onto_a_waiting_spare_and_release_the_other(tmp_path, first_spare_dies):
+    """With two spares: the first taken in, the second released at the end; or, the first dead while it waited,
+    the second taken in (rank 0 chooses among the live ones) and nothing left to release."""
     reason = _ulfm_missing()
     if reason:
         pytest.skip(reason)
     env, mark = marked_env(PYTHONPATH=str(REPO), MPIDDP_SPARE_RANKS="2")
     command = [find_mpirun(), "--with-ft", "ulfm", "-np", "5", "-x", "MPIDDP_SPARE_RANKS", sys.executable,
-               str(PROGRAM), str(tmp_path)]
+               str(PROGRAM), str(tmp_path), *(["first-spare-dies"] if first_spare_dies else [])]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     finally:
@@ -55,7 +58,7 @@ def test_survivors_grow_back_onto_a_waiting_spare_and_release_the_other(tmp_path
         assert (steps, size) == (30, 3) and set(grew) == {"spawn", "merge"}, workers
     (joined,) = tmp_path.glob("joined.*")
     assert joined.name == "joined.2" and json.loads(joined.read_text()) == [20, 3]  # the last rank of the grown job
-    assert len(list(tmp_path.glob("released.*"))) == 1  # the other spare was told the job ended
+    assert len(list(tmp_path.glob("released.*"))) == (0 if first_spare_dies else 1)  # told the job ended
 
 
 # ---- the trainer with a hot spare, on four fake hosts ------------------------------------------------------------

@@ -230,6 +230,9 @@ class GrowBack:
             with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, plan.hosts, records, step)):
                 merged, phases = (mpigrow.wake_and_merge(members.comm, plan) if self.hot else
                                   mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command()))
+            if merged is None:  # the hot spares planned for failed while they waited
+                recovery.follow_watch(dist)
+                return self.stop_growing(dist, f"no hot spare left alive on {', '.join(plan.hosts)}")
         except mpi_error as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             recovery.follow_watch(dist)
             self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
@@ -447,6 +450,9 @@ def arrive() -> Arrival:
     except mpigrow.SpareReleased as exc:  # a hot spare never needed
         mpigrow.end_released_spare()
         raise Abandoned(f"this hot spare was not needed: {exc}") from None
+    except mpigrow.mpi_exception() as exc:  # a hot spare's shrink or group failed (a rank lost meanwhile)
+        mpigrow.end_released_spare()
+        raise Abandoned(f"the job's grow onto this hot spare failed ({str(exc).splitlines()[0]})") from None
     if mpigrow.is_hot_spare():  # of the job that lost a rank: it ends as the survivors do, without MPI_Finalize
         mark_recovered()
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from mpiddp.elastic.decide import GrowPlan, old_group_plan, recovery_refusal, store_address, ulfm_refusal
+from mpiddp.errors import EXIT_HANG
 from mpiddp.job.collective import MpiTransport
 from mpiddp.job.spares import WAKE_TAG, is_hot_spare, spare_world
 
@@ -562,25 +564,45 @@ def merge_with_parent() -> Any:
 
 
 def wake_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
-    """Collective over the survivors' `comm` and every waiting spare: rank 0 wakes the spares (one word each),
-    everyone shrinks the spares' world (a world with a failed process cannot create a group), and the survivors
-    and the first plan.count spares create the merged intracommunicator, survivors first in `comm`'s order.
-    Returns (merged, {spawn: the wake and the shrink, merge: the group}) as spawn_and_merge does."""
+    """Collective over the survivors' `comm` and every waiting spare: rank 0 chooses live spares on plan.hosts
+    (broadcast: every survivor follows it) and wakes every waiting spare (one word each), everyone shrinks the
+    spares' world (a world with a failed process cannot create a group), and the survivors and the chosen spares
+    create the merged intracommunicator, survivors first in `comm`'s order. Returns (merged, {spawn: the wake and
+    the shrink, merge: the group}) as spawn_and_merge does; (None, {}) when too few spares are alive."""
     spares = spare_world()
-    assert spares is not None and len(spares.waiting) >= plan.count
+    assert spares is not None
     started = time.monotonic()
     old = spares.world.Get_group()
     survivors = _world_ranks(comm.Get_group(), old)  # the survivors' world ranks, in comm's order
-    chosen, free = [], list(zip(spares.waiting, spares.hosts))
-    for host in plan.hosts:  # the first waiting spare on each host the plan names
-        taken = next(item for item in free if item[1] == host)
-        free.remove(taken)
-        chosen.append(taken[0])
+    chosen = comm.bcast(_choose(spares, plan.hosts) if comm.Get_rank() == 0 else None, root=0)
+    if chosen is None:
+        return None, {}
     if comm.Get_rank() == 0:
         for spare in spares.waiting:
-            spares.world.send(("join", survivors, chosen), dest=spare, tag=WAKE_TAG)
+            try:
+                spares.world.send(("join", survivors, chosen), dest=spare, tag=WAKE_TAG)
+            except mpi_exception():  # that spare failed while it waited: the shrink leaves it out
+                pass
     merged, woken = _shrink_and_create(spares, old, survivors, chosen)
     return merged, {"spawn": woken - started, "merge": time.monotonic() - woken}
+
+
+def _choose(spares: Any, hosts: tuple[str, ...]) -> list[int] | None:
+    """Rank 0: the first live waiting spare on each of `hosts` (world ranks), or None when too few are alive."""
+    failed = spares.world.Get_failed()
+    try:
+        dead = set(_world_ranks(failed, spares.world.Get_group()))
+    finally:
+        failed.Free()
+    free = [(rank, host) for rank, host in zip(spares.waiting, spares.hosts) if rank not in dead]
+    chosen = []
+    for host in hosts:
+        taken = next((item for item in free if item[1] == host), None)
+        if taken is None:
+            return None
+        free.remove(taken)
+        chosen.append(taken[0])
+    return chosen
 
 
 def _world_ranks(group: Any, into: Any) -> list[int]:
@@ -601,7 +623,8 @@ def _shrink_and_create(spares: Any, old: Any, survivors: list[int], chosen: list
     new = world.Get_group()
     moved = dict(zip(survivors + spares.waiting, MPI.Group.Translate_ranks(old, survivors + spares.waiting, new)))
     spares.world = world
-    kept = [(moved[rank], host) for rank, host in zip(spares.waiting, spares.hosts) if rank not in chosen]
+    kept = [(moved[rank], host) for rank, host in zip(spares.waiting, spares.hosts)
+            if rank not in chosen and moved[rank] != MPI.UNDEFINED]  # a spare that failed while it waited is gone
     spares.waiting, spares.hosts = [rank for rank, _ in kept], [host for _, host in kept]
     members = [moved[rank] for rank in survivors + chosen]
     if world.Get_rank() not in members:
@@ -636,11 +659,29 @@ def wait_to_join() -> Any:
                 time.sleep(0.01)  # a spare has nothing else to do: one wake-up every 10 ms
         if word[0] != "join":
             raise SpareReleased("the job ended")
-        me = spares.world.Get_rank()
-        merged, _ = _shrink_and_create(spares, spares.world.Get_group(), word[1], word[2])
+        # a process lost between the shrink and the group leaves MPI_Comm_create_group waiting (measured): the
+        # survivors' bound ends the job then (grow.SPAWN_TIMEOUT_S), and this spare must not outlive it
+        bound = threading.Timer(SPARE_JOIN_TIMEOUT_S, _spare_stuck)
+        bound.daemon = True
+        bound.start()
+        try:
+            merged, _ = _shrink_and_create(spares, spares.world.Get_group(), word[1], word[2])
+        finally:
+            bound.cancel()
         if merged is not None:
-            return merged
-        assert me in word[2] or spares.waiting  # not chosen: wait on
+            return merged  # else not chosen: wait on
+
+
+SPARE_JOIN_TIMEOUT_S = 90.0  # past the survivors' own bound on a grow (grow.SPAWN_TIMEOUT_S, 60 s)
+
+
+def _spare_stuck() -> None:
+    """A hot spare whose shrink or group never returned: one line, then it ends (EXIT_HANG)."""
+    import sys
+
+    print(f"mpiddp: this hot spare's join has not returned in {SPARE_JOIN_TIMEOUT_S:.0f} s (a rank lost during "
+          "it); it ends", file=sys.stderr, flush=True)
+    os._exit(EXIT_HANG)
 
 
 def _every_worker_failed(spares: Any) -> bool:
@@ -648,9 +689,11 @@ def _every_worker_failed(spares: Any) -> bool:
     os._exit release nobody)."""
     failed = spares.world.Get_failed()
     try:
-        return failed.Get_size() >= spares.world.Get_size() - len(spares.waiting)
+        # a spare that died while waiting is no worker
+        dead = set(_world_ranks(failed, spares.world.Get_group())) - set(spares.waiting)
     finally:
         failed.Free()
+    return len(dead) >= spares.world.Get_size() - len(spares.waiting)
 
 
 def end_released_spare() -> None:

@@ -218,8 +218,11 @@ def mpi_library_version() -> str:
 
 def check_launcher(comm: Any) -> None:
     """Stop when the launcher started N processes but each of them sees a world of one."""
+    from mpi4py import MPI
+
     info = launcher_info(os.environ)
-    if info is None or comm.Get_size() != 1 or info.size <= 1:
+    # COMM_WORLD's size: the job's own communicator leaves hot spares out (mpiddp.job.spares)
+    if info is None or MPI.COMM_WORLD.Get_size() != 1 or info.size <= 1:
         return
     import mpi4py
 

@@ -21,16 +21,17 @@ log = logging.getLogger("mpiddp")
 
 def main(args: list[str], stop: StopRequest | None) -> int:
     """`python -m mpiddp` in a spawned rank: training's stop handlers, then join_main."""
-    from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
+    from mpiddp.elastic.membership import is_hot_spare
+    from mpiddp.elastic.survivors import end_without_finalize
 
     stop = stop or StopRequest().install()
     try:
         status = join_main(args, stop)
     finally:
         stop.release()
-    if recovered_in_this_process():  # a hot spare taken in: MPI_Finalize would wait for the failed ranks
+    if is_hot_spare():  # of the job that lost a rank: MPI_Finalize would wait for the failed ranks
         end_without_finalize(status)
-    return status
+    return status  # a spawned rank is a job of its own: it finalises
 
 
 def join_main(args: list[str], stop: Any) -> int:

@@ -1,7 +1,8 @@
 """Hot spares at the MPI layer (tests/test_hot_spares.py): under `mpirun --with-ft ulfm -np 5` with
 MPIDDP_SPARE_RANKS=2, three workers all-reduce; world rank 1 SIGKILLs itself at step 10; the survivors shrink
 and grow back onto the first spare (mpiddp.elastic.membership.wake_and_merge), which joins for the remaining
-steps; rank 0 releases the other spare at the end. Each process writes what it saw into OUT."""
+steps; rank 0 releases the other spare at the end. With `first-spare-dies` the first spare dies at once and the
+grow takes the second. Each process writes what it saw into OUT."""
 import json, os, signal, sys
 from array import array
 from mpiddp.elastic import membership as m
@@ -14,6 +15,9 @@ joining = m.joining()
 def reduce_one(comm):
     total = array("i", [0]); comm.Allreduce(array("i", [1]), total, op=MPI.SUM); return total[0]
 if joining:
+    if len(sys.argv) > 2 and sys.argv[2] == "first-spare-dies" and spare_world().waiting[0] == \
+            spare_world().world.Get_rank():
+        os.kill(os.getpid(), signal.SIGKILL)  # while it waits: the grow must take the other one
     try:
         comm = m.merge_with_parent()
     except m.SpareReleased:
