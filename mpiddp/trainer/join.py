@@ -22,14 +22,16 @@ log = logging.getLogger("mpiddp")
 def main(args: list[str], stop: StopRequest | None) -> int:
     """`python -m mpiddp` in a spawned rank: training's stop handlers, then join_main."""
     from mpiddp.elastic.membership import is_hot_spare
-    from mpiddp.elastic.survivors import end_without_finalize
+    from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
 
     stop = stop or StopRequest().install()
     try:
         status = join_main(args, stop)
     finally:
         stop.release()
-    if is_hot_spare():  # of the job that lost a rank: MPI_Finalize would wait for the failed ranks
+    # a hot spare taken in (grow.arrive marks it): MPI_Finalize would wait for the failed ranks; one released from
+    # a job that lost none must finalise with the workers
+    if is_hot_spare() and recovered_in_this_process():
         end_without_finalize(status)
     return status  # a spawned rank is a job of its own: it finalises
 
