@@ -319,7 +319,7 @@ def test_a_spawn_that_never_returns_ends_the_process_after_its_bound_with_a_reco
 
     statuses = []
     dist = SimpleNamespace(is_main=True, rank=0, abort_from_thread=statuses.append)
-    spawn_stuck(dist, ["nodec"], tmp_path, 31)
+    spawn_stuck(dist, "MPI_Comm_spawn onto nodec", tmp_path, 31)
     assert statuses == [4]  # EXIT_HANG: the process ends (nothing can interrupt the MPI call)
     (record,) = failure.read_all(tmp_path)
     assert (record.kind, record.ranks, record.hosts, record.step) == ("hang", [], [], 31)  # no host blamed

@@ -38,18 +38,6 @@ def attempts(run_dir):
     return record
 
 
-def relaunched_after_a_spawn_crash(tried):
-    """Open MPI 5.0.11's prterun fails in about 1 grow in 8 during the spawn onto the spare (issue 35; the cause,
-    an out-of-bounds free in PRRTE 3.0's connect_release, is in docs/recovery.md): it crashes (launch records the
-    crash) or never returns from the spawn (the job's bound ends it, a hang that names no host). Either way no
-    host is blamed and the relaunch, without the host lost in the job, finishes."""
-    if len(tried) != 2 or tried[0]["blamed_hosts"] != [] or tried[1]["status"] != 0:
-        return False
-    first = tried[0]
-    stuck = first["cause"] == "hang" and "MPI_Comm_spawn onto" in (first["message"] or "")
-    return first["launcher_crash"].startswith("during the job's spawn") or stuck
-
-
 def describe_attempts(run_dir, tried):
     """Each attempt's hosts, cause and decision with the end of its launcher output: what a failed count needs."""
     parts = []

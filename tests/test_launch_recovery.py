@@ -423,18 +423,17 @@ def test_the_survivors_placement_replaces_the_one_written_at_start(tmp_path):
 
 
 @pytest.mark.parametrize("flags,hosts,spares", [
-    ([], "nodea:1,nodeb:1,nodec:1", "nodec:1"),
+    ([], "nodea:1,nodeb:1,nodec:2", "2"),
     (["--no-in-job-recovery"], "nodea:1,nodeb:1", None),
 ])
-def test_the_spare_hosts_go_to_mpirun_and_to_the_job_where_it_can_grow_back(tmp_path, monkeypatch, flags, hosts,
-                                                                           spares):
-    """With in-job recovery on, mpirun gets the spare host too (its daemon there is where MPI_Comm_spawn puts
-    a rank that replaces a lost one; -np and --map-by slot keep the ranks on the hosts in use), and the job
-    learns it from MPIDDP_SPARE_HOSTS; without in-job recovery the spare waits for a relaunch, as before."""
+def test_the_spare_hosts_run_hot_spares_where_the_job_can_grow_back(tmp_path, monkeypatch, flags, hosts, spares):
+    """With in-job recovery on, each slot of the spare host runs a hot spare: mpirun gets the host and -np two ranks
+    more (--map-by slot fills the hosts in use first), and the job learns the count from MPIDDP_SPARE_RANKS (the
+    last ranks of COMM_WORLD wait: mpiddp.job.spares); without in-job recovery the spare waits for a relaunch."""
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's own handlers
     calls, run_dir = tmp_path / "calls", tmp_path / "run"
     launcher = fake_open_mpi(tmp_path / "bin", "yes", calls)
-    plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:1", *flags, "--launcher-path", str(launcher),
+    plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:2", *flags, "--launcher-path", str(launcher),
                       "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
     supervisor = Supervisor(plan, {"PATH": "/usr/bin:/bin"})
     seen = {}
@@ -444,8 +443,9 @@ def test_the_spare_hosts_go_to_mpirun_and_to_the_job_where_it_can_grow_back(tmp_
     supervisor.run()
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     command = attempt["command"]
-    assert placed_hosts(command) == hosts and command[command.index("-np") + 1] == "2", command
-    assert seen["exports"].get("MPIDDP_SPARE_HOSTS") == spares
+    assert placed_hosts(command) == hosts and attempt["num_ranks"] == 2, command
+    assert command[command.index("-np") + 1] == ("4" if spares else "2"), command
+    assert seen["exports"].get("MPIDDP_SPARE_RANKS") == spares and "MPIDDP_SPARE_HOSTS" not in seen["exports"]
     # the relay layout's word to the job: it may cut a silent host off (its daemon's loss no longer ends the job)
     assert seen["exports"].get("MPIDDP_HOST_RELAYS") == (None if flags else "1")
     assert ("--hostfile" in command) == (not flags)  # the relay layout: on by default with in-job recovery

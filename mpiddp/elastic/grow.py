@@ -180,6 +180,11 @@ class GrowBack:
             return self.stop_growing(dist, split)
         self.start(recovery, decision)  # where the split is None here, the new ranks warm up while the job reaches one
 
+    def how(self, plan: GrowPlan) -> str:
+        """What growing back by `plan` does, for the lines that say it failed."""
+        hosts = ", ".join(plan.hosts)
+        return f"taking in the hot spare on {hosts}" if self.hot else f"MPI_Comm_spawn onto {hosts}"
+
     def plan(self, dist: Any, full: int) -> GrowPlan | str:
         """Rank 0's decision (broadcast: every rank follows it, a rank that joined by a grow too): the plan, or
         why not."""
@@ -227,7 +232,7 @@ class GrowBack:
         if not self.hot:  # a hot spare is taken in without the launcher
             failure.mark_spawning(records, list(plan.hosts))
         try:
-            with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, plan.hosts, records, step)):
+            with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, self.how(plan), records, step)):
                 merged, phases = (mpigrow.wake_and_merge(members.comm, plan) if self.hot else
                                   mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command()))
             if merged is None:  # the hot spares planned for failed while they waited
@@ -235,7 +240,7 @@ class GrowBack:
                 return self.stop_growing(dist, f"no hot spare left alive on {', '.join(plan.hosts)}")
         except mpi_error as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             recovery.follow_watch(dist)
-            self.stop_growing(dist, f"MPI_Comm_spawn on {', '.join(plan.hosts)} failed ({str(exc).splitlines()[0]})")
+            self.stop_growing(dist, f"{self.how(plan)} failed ({str(exc).splitlines()[0]})")
             return
         try:
             hello = merged.bcast(self.hello(dist, recovery, plan) if dist.is_main else None, root=0)
@@ -373,14 +378,15 @@ def bounded(seconds: float, on_timeout: Callable[[], None]) -> Iterator[None]:
         done.set()
 
 
-def spawn_stuck(dist: Any, hosts: tuple[str, ...] | list[str], records: Any, step: int | None) -> None:
-    """MPI_Comm_spawn never returned: a spare whose host or MPI daemon died during the spawn (PRRTE then waits for
-    it forever). The survivors cannot leave the call: each ends its process; rank 0 says why and records it (a
-    hang that blames no host: the spare's relaunch start finds out), which also tells launch, whose mpirun waits
-    for the spawn forever, that the job is over while its spawn mark stands."""
+def spawn_stuck(dist: Any, how: str, records: Any, step: int | None) -> None:
+    """The grow (`how`: GrowBack.how) never returned: a spare whose host or MPI daemon died during MPI_Comm_spawn
+    (PRRTE then waits for it forever), or a process lost between a hot spare's shrink and its group. The survivors
+    cannot leave the call: each ends its process; rank 0 says why and records it (a hang that blames no host: the
+    spare's relaunch start finds out), which also tells launch, whose mpirun waits for the spawn forever, that the
+    job is over while its spawn mark stands."""
     if dist.is_main:
-        message = (f"MPI_Comm_spawn onto {', '.join(hosts)} has not returned after {SPAWN_TIMEOUT_S:g} s (its host "
-                   "or its MPI daemon is gone?); the survivors cannot leave the call")
+        message = (f"{how} has not returned after {SPAWN_TIMEOUT_S:g} s (a host or an MPI daemon gone?); the "
+                   "survivors cannot leave the call")
         sys.stderr.write(f"mpiddp: growing back: {message}: ending the job (launch relaunches it)\n")
         if records is not None:
             failure.write_rank(records, dist.rank, failure.FailureRecord(

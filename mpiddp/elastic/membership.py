@@ -568,7 +568,8 @@ def wake_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
     (broadcast: every survivor follows it) and wakes every waiting spare (one word each), everyone shrinks the
     spares' world (a world with a failed process cannot create a group), and the survivors and the chosen spares
     create the merged intracommunicator, survivors first in `comm`'s order. Returns (merged, {spawn: the wake and
-    the shrink, merge: the group}) as spawn_and_merge does; (None, {}) when too few spares are alive."""
+    the shrink, merge: the group}) as spawn_and_merge does; (None, {}) when too few spares are alive (a chosen
+    spare that failed unnoticed until the shrink included)."""
     spares = spare_world()
     assert spares is not None
     started = time.monotonic()
@@ -584,6 +585,8 @@ def wake_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
             except mpi_exception():  # that spare failed while it waited: the shrink leaves it out
                 pass
     merged, woken = _shrink_and_create(spares, old, survivors, chosen)
+    if merged is None:
+        return None, {}
     return merged, {"spawn": woken - started, "merge": time.monotonic() - woken}
 
 
@@ -623,11 +626,13 @@ def _shrink_and_create(spares: Any, old: Any, survivors: list[int], chosen: list
     new = world.Get_group()
     moved = dict(zip(survivors + spares.waiting, MPI.Group.Translate_ranks(old, survivors + spares.waiting, new)))
     spares.world = world
+    if any(moved[rank] == MPI.UNDEFINED for rank in chosen):  # a chosen spare failed before the shrink: every
+        chosen = []  # process sees the same shrunk world, so none joins, and the live ones wait on
     kept = [(moved[rank], host) for rank, host in zip(spares.waiting, spares.hosts)
             if rank not in chosen and moved[rank] != MPI.UNDEFINED]  # a spare that failed while it waited is gone
     spares.waiting, spares.hosts = [rank for rank, _ in kept], [host for _, host in kept]
     members = [moved[rank] for rank in survivors + chosen]
-    if world.Get_rank() not in members:
+    if not chosen or world.Get_rank() not in members:
         return None, woken
     merged = world.Create_group(new.Incl(members), tag=WAKE_TAG)
     merged.Set_errhandler(MPI.ERRORS_RETURN)

@@ -23,6 +23,7 @@ import numpy as np
 
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR, AgreedError, HelpRequested, HostFault, UserError
 from mpiddp.job.log import flush_logs
+from mpiddp.job.spares import abort_with_spares
 from mpiddp.job.topology import RankRecord, Topology, build_topology
 
 if TYPE_CHECKING:
@@ -475,9 +476,11 @@ class Dist:
 
     def abort_from_thread(self, code: int) -> NoReturn:
         """The same from a helper thread (watchdogs). MPI was initialised FUNNELED, so only the main thread may
-        call MPI: this process exits with `code` instead, and the launcher ends every other rank of the job."""
+        call MPI: this process exits with `code` instead, and the launcher ends every other rank of the job (where
+        hot spares wait, MPI_Abort ends them too: mpiddp.job.spares.abort_with_spares)."""
         flush_logs()
         sys.stderr.flush()
+        abort_with_spares(code)
         os._exit(code)
 
 

@@ -94,3 +94,18 @@ def release_spares() -> None:
         except Exception:  # noqa: BLE001 - that spare is gone
             pass
     spares.waiting, spares.hosts = [], []
+
+
+def abort_with_spares(code: int) -> None:
+    """A worker ending the job from a helper thread (Dist.abort_from_thread), while hot spares wait: MPI_Abort over
+    COMM_WORLD ends every process, the spares and a stopped rank included; it does not return. Otherwise nothing:
+    the caller's own exit ends the job. Open MPI's launcher under --with-ft ulfm does not end the job for one
+    rank's exit while other processes run (measured: a spare waiting kept mpirun and a stopped rank alive for
+    good), and a spare cannot tell that exit from a failure the survivors recover from. MPI is FUNNELED here, but
+    MPI_Abort from a helper thread while the main thread waits inside MPI ended every process (measured)."""
+    spares = _spares
+    if spares is None or spares.this_is_a_spare or not spares.waiting:
+        return
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)

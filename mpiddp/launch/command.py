@@ -164,12 +164,19 @@ def choose_launcher(requested: str, env: Mapping[str, str], flavour: str) -> str
 def growth_hosts(known: list[Host], used: list[Host], excluded: list[str], recovery_on: bool) -> list[Host]:
     """The spare hosts a job may grow back onto after an in-job recovery (mpiddp.elastic.grow): every known host
     neither in use nor left out, with its slots; none when in-job recovery is off. They go into mpirun's host
-    list after the hosts in use (so its daemons run there and MPI_Comm_spawn can reach them; `--map-by slot`
-    with -np still places every rank on the hosts in use) and into MPIDDP_SPARE_HOSTS."""
+    list after the hosts in use, and each of their slots runs a hot spare (hot_spare_ranks)."""
     if not recovery_on:
         return []
     taken = {h.name for h in used} | set(excluded)
     return [h for h in known if h.name not in taken]
+
+
+def hot_spare_ranks(spares: list[Host]) -> int:
+    """The hot spares an attempt starts (mpiddp.job.spares): one on each slot of each spare host, after the job's
+    ranks (`-np` grows by as many; `--map-by slot` fills the hosts in use first, then the spares), told to the job
+    in MPIDDP_SPARE_RANKS. A job that lost ranks takes waiting spares in without MPI_Comm_spawn, whose
+    PMIx_Connect Open MPI 5.0.11's prterun crashes in (docs/recovery.md), and they start while nothing is lost."""
+    return sum(h.slots for h in spares)
 
 
 def build_command(launcher: str, program: str, flavour: str, hosts: list[Host], num_ranks: int, inner: list[str],

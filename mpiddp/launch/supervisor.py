@@ -27,11 +27,11 @@ from typing import Any, TextIO
 from mpiddp import failure, recoveries, supervision
 from mpiddp.atomicfile import write_text_atomic
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, HOST_RELAYS_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE,
-                             LAUNCH_ID_ENV, MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, SPARE_HOSTS_ENV, JobRecord,
+                             LAUNCH_ID_ENV, MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, SPARE_RANKS_ENV, JobRecord,
                              finished_since, read_job_record)
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
-from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts
+from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts, hot_spare_ranks
 from mpiddp.launch.ender import Ender, end_daemons, host_agent
 from mpiddp.launch.diagnose import (CRASH_TAKES_S, EXIT_STOPPED, Failure, OutputKeeper, after_spawn, diagnose,
                                     during_spawn)
@@ -343,14 +343,15 @@ class Supervisor:
         num_ranks = self.num_ranks
         exports = {**job_exports(self.plan, number, self.launch_id), supervision.SUPERVISOR_ENV: supervision.identity()}
         spares = growth_hosts(self.plan.hosts, hosts, excluded, self.plan.in_job_recovery.on)
-        if spares:  # where the job grows back after an in-job recovery (mpiddp.elastic.grow)
-            exports[SPARE_HOSTS_ENV] = ",".join(f"{h.name}:{h.slots}" for h in spares)
+        if spares:  # what the job grows back onto after an in-job recovery (mpiddp.elastic.grow)
+            exports[SPARE_RANKS_ENV] = str(hot_spare_ranks(spares))
         placed, extra, layout_args = [*hosts, *spares], self.plan.extra, self._relay_args([*hosts, *spares])
         if layout_args:  # the hostfile with the relays, and the agent wrapper over the user's agent
             placed, extra = [], without_agent(extra)
             exports[HOST_RELAYS_ENV] = "1"  # the job may cut a silent host off: its daemon's loss is survived
         env = {**self.env, **exports}
-        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, placed, num_ranks,
+        command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, placed,
+                                num_ranks + hot_spare_ranks(spares),
                                 list(self.plan.inner), exports, excluded, extra,
                                 ft_args=(*self.plan.in_job_recovery.add_args, *self.plan.node_loss_args,
                                          *layout_args))
