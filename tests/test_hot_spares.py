@@ -78,18 +78,19 @@ def hosts(tmp_path_factory):
         yield cluster
 
 
-def hot_job(hosts, tmp_path, *flags: str):
-    """`mpirun --with-ft ulfm -np 4` of the trainer with MPIDDP_SPARE_RANKS=1: three ranks train, noded's waits."""
+def hot_job(hosts, tmp_path, *flags: str, spares: int = 1):
+    """`mpirun --with-ft ulfm -np 3+spares` of the trainer with MPIDDP_SPARE_RANKS=spares: three ranks train,
+    noded's wait."""
     from test_recovery_e2e import JOB, Job
 
     class HotJob(Job):
         def __init__(self) -> None:
             self.run_dir, self.log = tmp_path / "run", tmp_path / "job.log"
-            env, self.mark = marked_env(MPIDDP_SPARE_RANKS="1")
+            env, self.mark = marked_env(MPIDDP_SPARE_RANKS=str(spares))
             env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
-            command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "4", "-H", HOSTS,
-                       "-x", "MPIDDP_SPARE_RANKS", sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir),
-                       *JOB, *flags]
+            command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", str(3 + spares), "-H",
+                       HOSTS.replace("noded:1", f"noded:{spares}"), "-x", "MPIDDP_SPARE_RANKS", sys.executable,
+                       "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
             self.start = lambda: self._start(hosts.command_on("nodea", command), env)
             self.start()
             self.restarted = False
@@ -125,6 +126,55 @@ def test_the_trainer_grows_back_onto_a_hot_spare_without_a_spawn(hosts, tmp_path
     assert failure.last_spawn(job.run_dir / failure.FAILURES_DIR) is None  # nothing was spawned
     steps = [r["step"] for r in metrics(job.run_dir) if r["kind"] == "step"]
     assert steps == list(range(1, 61)), steps
+
+
+@pytest.mark.mpi
+def test_a_grown_rank_lost_is_recovered_from_and_the_job_grows_again_onto_the_second_spare(hosts, tmp_path):
+    """Two spares wait on noded. Rank 1 (nodeb) killed: the first spare joins as rank 2; then that grown rank is
+    killed too: the survivors recover again and take the second spare in (no Open MPI 5.0 refusal of a second
+    grow: nothing is spawned). The survivors' pids live on throughout; every step is trained once; the job ends
+    at full size with mpirun's status 0."""
+    from conftest import rank_pids
+
+    job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "6", "--inject-fault", "stall-data:1:5",
+                  spares=2)
+    pids = job.wait_for("five processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 5 and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    job.wait_for("the first grow", lambda: "running at full size again: 3 ranks" in job.output())
+    assert f"this process (pid {pids[3]}) joins as rank 2 of 3" in job.output(), job.output()[-3000:]
+    grown_at = len(steps_logged(job))
+    job.wait_for("two steps at full size", lambda: len(steps_logged(job)) >= grown_at + 2)  # its stand-still ended
+    subprocess.run(["kill", "-KILL", str(pids[3])], check=False)  # the grown rank
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert f"this process (pid {pids[4]}) joins as rank 2 of 3" in output, output[-3000:]
+    assert output.count("running at full size again: 3 ranks") == 2, output[-3000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    changes = [(item["cause"] == "grew", item["world_after"]) for item in summary["recoveries"]]
+    assert changes == [(False, 2), (True, 3), (False, 2), (True, 3)], summary["recoveries"]
+    grows = [item for item in summary["recoveries"] if item["cause"] == "grew"]
+    assert all(item["survivors_stall"] > 0 for item in grows), grows
+    assert not any("survivors_stall" in item for item in summary["recoveries"] if item["cause"] != "grew")
+    for pid in (pids[0], pids[2]):  # the survivors went on in the same processes to the end
+        assert f"this process (pid {pid}) goes on as rank" in output, output[-3000:]
+    steps = steps_logged(job)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == 180, steps
+
+
+def steps_logged(job) -> list[int]:
+    """The steps rank 0 has logged so far (metrics.jsonl; a line still being written is left out)."""
+    path = job.run_dir / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record["kind"] == "step":
+            steps.append(record["step"])
+    return steps
 
 
 @pytest.mark.mpi

@@ -190,7 +190,8 @@ class TrainerPolicy(Policy):
             "steps_lost": 1 if in_step and not caught_up else 0,
             "world_before": before.world_size, "world_after": dist.world_size, "phases": phases,
         })
-        self._recovered_at = time.monotonic()
+        # a grow whose first step never came (this failure struck first) has no stand-still: never this recovery's
+        self._recovered_at, self._stalled_from = time.monotonic(), None
         # the new rank 0 puts it in the failures directory as it happens (this rank's phases so far): `launch` learns
         # of it, and of the host lost, when a later failure ends the job before summary.json
         if dist.is_main and directory is not None:
