@@ -23,13 +23,12 @@ def main(argv: list[str] | None = None, stop: Any = None) -> int:
         from mpiddp.job.script import main as run_script
 
         return run_script(args)
-    if command == "check":
-        from mpiddp.tools.check import run_check
-        from mpiddp.trainer.run import main as train
-
-        return train(args, check=run_check)
     from mpiddp.trainer.entry import main as train_or_join
 
+    if command == "check":
+        from mpiddp.tools.check import run_check
+
+        return train_or_join(args, check=run_check)
     return train_or_join(args, stop)
 
 

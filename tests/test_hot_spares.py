@@ -36,6 +36,36 @@ def test_a_spare_count_that_cannot_be_ends_every_rank_with_one_line(tmp_path, va
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+def test_each_process_alone_in_its_world_leaves_the_launcher_mismatch_to_be_named(monkeypatch):
+    """mpi4py built against another MPI than the launcher's: every process sees a world of one. The spares are
+    not split off then (which would say "-np 1 leaves no rank"): the bootstrap's launcher check names the cause."""
+    from types import SimpleNamespace
+
+    from mpiddp.job.mpistart import _split_or_exit
+
+    world = SimpleNamespace(Get_size=lambda: 1, Get_rank=lambda: 0)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    assert _split_or_exit(world, 1) is world
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):  # one process that leaves no rank to train: said in one line
+        _split_or_exit(world, 1)
+
+
+@pytest.mark.mpi
+def test_a_check_with_a_hot_spare_ends_and_releases_it(tmp_path):
+    """`python -m mpiddp check` never grows back: its spare waits for the end and leaves with the workers."""
+    env, mark = marked_env(MPIDDP_SPARE_RANKS="1")
+    command = [find_mpirun(), "--with-ft", "ulfm", "--oversubscribe", "-np", "3", "-x", "MPIDDP_SPARE_RANKS",
+               sys.executable, "-m", "mpiddp", "check", "--device", "cpu", "--runs-root", str(tmp_path)]
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        assert_nothing_left(mark)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 ranks" in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("first_spare_dies", [False, True], ids=["both-wait", "first-spare-dies"])
 def test_survivors_grow_back_onto_a_waiting_spare_and_release_the_other(tmp_path, first_spare_dies):

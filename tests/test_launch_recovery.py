@@ -435,15 +435,18 @@ def test_the_spare_hosts_run_hot_spares_where_the_job_can_grow_back(tmp_path, mo
     launcher = fake_open_mpi(tmp_path / "bin", "yes", calls)
     plan = make_plan(["-np", "2", "-H", "nodea:1,nodeb:1,nodec:2", *flags, "--launcher-path", str(launcher),
                       "--run-dir", str(run_dir), "--", "--epochs", "1"], {})
-    supervisor = Supervisor(plan, {"PATH": "/usr/bin:/bin"})
+    # a value left in launch's own shell: launch alone decides the hot spares
+    supervisor = Supervisor(plan, {"PATH": "/usr/bin:/bin", "MPIDDP_SPARE_RANKS": "5"})
     seen = {}
-    real_build = supervisor_module.build_command
+    real_build, real_start = supervisor_module.build_command, supervisor._start
     monkeypatch.setattr(supervisor_module, "build_command",
                         lambda *args, **kwargs: seen.setdefault("exports", dict(args[6])) and real_build(*args, **kwargs))
+    supervisor._start = lambda command, env, number: seen.setdefault("env", env) and real_start(command, env, number)
     supervisor.run()
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     command = attempt["command"]
     assert placed_hosts(command) == hosts and attempt["num_ranks"] == 2, command
+    assert seen["env"].get("MPIDDP_SPARE_RANKS") == spares
     assert command[command.index("-np") + 1] == ("4" if spares else "2"), command
     assert seen["exports"].get("MPIDDP_SPARE_RANKS") == spares and "MPIDDP_SPARE_HOSTS" not in seen["exports"]
     # the relay layout's word to the job: it may cut a silent host off (its daemon's loss no longer ends the job)

@@ -145,7 +145,8 @@ def test_a_spare_host_lost_while_its_hot_spare_waits_never_stops_the_survivors(h
     reader.join(30)
     output = "".join(seen)
     assert process.returncode == 0, output[-6000:]
-    assert output.count("not growing back: no hot spare left alive on nodec") == 1, output[-6000:]
+    # MPI has reported the spare failed by the time the survivor plans its grow, or the grow finds it at the shrink
+    assert output.count("not growing back: no hot spare is left") == 1, output[-6000:]
     (attempt,) = attempts(run_dir)
     assert attempt["status"] == 0 and attempt["excluded_hosts"] == [], attempt
     assert [item["hosts_lost"] for item in attempt["recoveries"]] == [["nodeb"]], attempt

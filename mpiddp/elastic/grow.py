@@ -48,7 +48,7 @@ from mpiddp import failure
 from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: spawn, merge, the parent
 from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, regrow_refusal, spare_hosts_in
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
-from mpiddp.elastic.survivors import mark_recovered, topology_over
+from mpiddp.elastic.survivors import end_without_finalize, mark_recovered, recovered_in_this_process, topology_over
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job.spares import spare_world
 
@@ -151,6 +151,7 @@ class GrowBack:
         self.grew = False  # new ranks joined this job
         self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
         self.hot = False  # the spares are hot (mpiddp.job.spares): taken in without a spawn
+        self.leaving: Any = None  # hot: the group of a given-up grow's spares, until MPI reports them ended
 
     @classmethod
     def from_env(cls) -> GrowBack:
@@ -173,6 +174,8 @@ class GrowBack:
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
             return self.stop_growing(dist, self.off)
         decision = dist.transport.bcast(self.plan(dist, recovery.engine.initial_world) if dist.is_main else None)
+        if decision is None:  # not at this boundary: a hot spare of a grow given up has not ended yet
+            return None
         if isinstance(decision, str):
             return self.stop_growing(dist, decision)
         split = recovery.grow_split(dist.world_size, dist.world_size + decision.count)
@@ -185,12 +188,17 @@ class GrowBack:
         hosts = ", ".join(plan.hosts)
         return f"taking in the hot spare on {hosts}" if self.hot else f"MPI_Comm_spawn onto {hosts}"
 
-    def plan(self, dist: Any, full: int) -> GrowPlan | str:
-        """Rank 0's decision (broadcast: every rank follows it, a rank that joined by a grow too): the plan, or
-        why not."""
-        if self.hot:  # the spares still waiting: one taken, or given up, is gone
-            hot = spare_world()
-            return plan_growth(dist.world_size, full, hot.spare_hosts() if hot is not None else [], {})
+    def plan(self, dist: Any, full: int) -> GrowPlan | str | None:
+        """Rank 0's decision (broadcast: every rank follows it, a rank that joined by a grow too): the plan, why
+        not, or None for not yet."""
+        if self.hot:  # the live spares still waiting: one taken, or given up, is gone
+            if self.leaving is not None and mpigrow.any_alive(self.leaving):
+                return None  # the spares' world shrinks with every live process of it: it would wait for them
+            self.leaving = None
+            live = mpigrow.live_spare_hosts()
+            if not live and dist.world_size < full:
+                return "no hot spare is left (each was taken in, or has failed)"
+            return plan_growth(dist.world_size, full, live, {})
         refusal = regrow_refusal(mpigrow.library_version(), self.lost_after_grow)
         return refusal if refusal is not None else plan_growth(dist.world_size, full, self.spares, self.used)
 
@@ -235,9 +243,13 @@ class GrowBack:
             with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, self.how(plan), records, step)):
                 merged, phases = (mpigrow.wake_and_merge(members.comm, plan) if self.hot else
                                   mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command()))
-            if merged is None:  # the hot spares planned for failed while they waited
+            if merged is None:  # a hot spare planned for failed unnoticed: the next plan leaves it out
                 recovery.follow_watch(dist)
-                return self.stop_growing(dist, f"no hot spare left alive on {', '.join(plan.hosts)}")
+                if dist.is_main:
+                    log.warning("not growing back now: the hot spare on %s had failed; the job goes on with %d ranks "
+                                "and grows onto a live spare at a later step, if one is left", ", ".join(plan.hosts),
+                                dist.world_size)
+                return
         except mpi_error as exc:  # the mark stays: the launcher may be failing (its daemon lost)
             recovery.follow_watch(dist)
             self.stop_growing(dist, f"{self.how(plan)} failed ({str(exc).splitlines()[0]})")
@@ -344,6 +356,8 @@ class GrowBack:
             log.warning("growing back given up: %s; the new ranks on %s leave", why, ", ".join(warming.plan.hosts))
         for host in warming.plan.hosts:
             self.used[host] -= 1
+        if self.hot:  # they end when they see the revoke (their `enter`), after their warm-up
+            self.leaving = mpigrow.new_ranks_of(warming.merged, warming.plan.count)
         if not keep_mark:
             failure.spawned(warming.records)
         warming.stop_watching()
@@ -519,10 +533,26 @@ def join() -> Joining:
     return enter(arrive())
 
 
+def wait_until_released() -> int:
+    """A hot spare of a job that never grows back (`check`): wait for the job's end (the workers' word, or every
+    worker gone), then leave as a released spare does. 0."""
+    try:
+        mpigrow.merge_with_parent()
+    except mpigrow.SpareReleased as exc:
+        mpigrow.end_released_spare()
+        log.info("this hot spare was not needed: %s", exc)
+        return 0
+    raise RuntimeError("a hot spare was taken into a job that does not grow back")
+
+
 def say_abandoned(exc: Abandoned) -> None:
-    """A new rank's one line when its grow was given up: it never joined, and the job goes on without it."""
+    """A new rank's one line when its grow was given up: it never joined, and the job goes on without it. A hot
+    spare that was taken into the merged job ends here, without MPI_Finalize (its world holds failed processes:
+    the fence would wait for good); the caller's ending is for the others (a spawned rank is a job of its own)."""
     if not isinstance(exc, CouldNotWarmUp):  # said already, as an error
         log.warning("grow: %s; this process ends (exit 0)", exc)
+    if mpigrow.is_hot_spare() and recovered_in_this_process():
+        end_without_finalize(0)
 
 
 def joining_device(backend: str, topology: Any) -> Any:

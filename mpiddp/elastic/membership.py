@@ -592,11 +592,7 @@ def wake_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
 
 def _choose(spares: Any, hosts: tuple[str, ...]) -> list[int] | None:
     """Rank 0: the first live waiting spare on each of `hosts` (world ranks), or None when too few are alive."""
-    failed = spares.world.Get_failed()
-    try:
-        dead = set(_world_ranks(failed, spares.world.Get_group()))
-    finally:
-        failed.Free()
+    dead = _failed_in(spares.world)
     free = [(rank, host) for rank, host in zip(spares.waiting, spares.hosts) if rank not in dead]
     chosen = []
     for host in hosts:
@@ -606,6 +602,49 @@ def _choose(spares: Any, hosts: tuple[str, ...]) -> list[int] | None:
         free.remove(taken)
         chosen.append(taken[0])
     return chosen
+
+
+def _failed_in(world: Any) -> set[int]:
+    """The ranks of `world` that MPI reports failed (local: what this process has heard of)."""
+    failed = world.Get_failed()
+    try:
+        return set(_world_ranks(failed, world.Get_group()))
+    finally:
+        failed.Free()
+
+
+def live_spare_hosts() -> list[tuple[str, int]]:
+    """Rank 0: (host, live spares waiting there), leaving out the spares MPI reports failed: what a hot grow may
+    plan for (a dead spare planned for would make the grow fail)."""
+    spares = spare_world()
+    if spares is None:
+        return []
+    dead = _failed_in(spares.world)
+    counts: dict[str, int] = {}
+    for rank, host in zip(spares.waiting, spares.hosts):
+        if rank not in dead:
+            counts[host] = counts.get(host, 0) + 1
+    return list(counts.items())
+
+
+def new_ranks_of(merged: Any, count: int) -> Any:
+    """The group of a grow's new ranks: the last `count` of `merged` (local)."""
+    group = merged.Get_group()
+    size = group.Get_size()
+    return group.Range_incl([(size - count, size - 1, 1)])
+
+
+def any_alive(group: Any) -> bool:
+    """Rank 0: whether a process of `group` (hot spares of a grow given up) is still alive in the spares' world:
+    the world's next shrink, which every live process of it takes part in, would wait until it ended."""
+    from mpi4py import MPI
+
+    spares = spare_world()
+    if spares is None:
+        return False
+    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), spares.world.Get_group())
+    dead = _failed_in(spares.world)
+    return any(rank != MPI.UNDEFINED and rank not in dead for rank in ranks)
 
 
 def _world_ranks(group: Any, into: Any) -> list[int]:
@@ -692,12 +731,7 @@ def _spare_stuck() -> None:
 def _every_worker_failed(spares: Any) -> bool:
     """Whether every process of the spares' world that is not a waiting spare failed (survivors that end with
     os._exit release nobody)."""
-    failed = spares.world.Get_failed()
-    try:
-        # a spare that died while waiting is no worker
-        dead = set(_world_ranks(failed, spares.world.Get_group())) - set(spares.waiting)
-    finally:
-        failed.Free()
+    dead = _failed_in(spares.world) - set(spares.waiting)  # a spare that died while waiting is no worker
     return len(dead) >= spares.world.Get_size() - len(spares.waiting)
 
 

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from mpiddp.errors import EXIT_USER_ERROR, UserError
 from mpiddp.job.orphan import watch_launcher_daemon
 from mpiddp.job.spares import spare_count, split_off_spares
-from mpiddp.job.topology import mpi_library_version
+from mpiddp.job.topology import launcher_info, mpi_library_version
 
 SKIP_OFI_BTL = "^ofi"
 
@@ -123,8 +123,9 @@ def _spare_count_or_exit() -> int:
 def _split_or_exit(world: Any, count: int) -> Any:
     """The job's communicator (mpiddp.job.spares); every rank ends with one line (status 2) where the spares
     leave no rank to train."""
-    if not count:
-        return world
+    launcher = launcher_info(os.environ)
+    if not count or (world.Get_size() == 1 and launcher is not None and launcher.size > 1):
+        return world  # each process alone in its world: topology.check_launcher names that mismatch, not the spares
     try:
         return split_off_spares(world, count)
     except UserError as exc:

@@ -104,7 +104,7 @@ def abort_with_spares(code: int) -> None:
     good), and a spare cannot tell that exit from a failure the survivors recover from. MPI is FUNNELED here, but
     MPI_Abort from a helper thread while the main thread waits inside MPI ended every process (measured)."""
     spares = _spares
-    if spares is None or spares.this_is_a_spare or not spares.waiting:
+    if spares is None or not spares.waiting or spares.world.Get_rank() in spares.waiting:  # a spare taken in aborts
         return
     from mpi4py import MPI
 

@@ -349,7 +349,8 @@ class Supervisor:
         if layout_args:  # the hostfile with the relays, and the agent wrapper over the user's agent
             placed, extra = [], without_agent(extra)
             exports[HOST_RELAYS_ENV] = "1"  # the job may cut a silent host off: its daemon's loss is survived
-        env = {**self.env, **exports}
+        # launch alone decides the hot spares (a value left in this shell would reach only this host's ranks)
+        env = {**{k: v for k, v in self.env.items() if k != SPARE_RANKS_ENV}, **exports}
         command = build_command(self.plan.launcher, self.plan.program, self.plan.flavour, placed,
                                 num_ranks + hot_spare_ranks(spares),
                                 list(self.plan.inner), exports, excluded, extra,
