@@ -8,7 +8,8 @@ rank's warm-up, whether the launcher failed (a status other than 0) and took the
 "PMIX ERROR" in the output), and the throughput (images/s per step, from metrics.jsonl) before the failure
 against after the grow (from SETTLE steps after it). Writes run/bench/results/only-grow-hot.json (or --out).
 
-usage: sudo python run/bench/grow.py [--repeats 10] [--transport gloo]   (root: fake hosts are network namespaces)
+usage: sudo python run/bench/grow.py [--repeats 10] [--transport gloo] [--modes spawn,hot] [--kill-at 20]
+       [--job-flags '...']   (root: fake hosts are network namespaces)
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ KILL_AT = 20  # steps at full size before the failure (30 steps an epoch on 3 ra
 SETTLE = 5  # steps after the grow left out of its throughput (warm-up of the new rank's caches)
 
 
-def start_job(hosts, work: Path, mode: str, transport: str):
+def start_job(hosts, work: Path, mode: str, transport: str, kill_at: int, extra: tuple[str, ...]):
     """The job, started, and once its rank 1 holds the others up, that rank SIGKILLed."""
     from conftest import rank_pids
     from test_grow_e2e import GrowJob
     from test_hot_spares import hot_job
 
-    flags = ("--grad-transport", transport, "--inject-fault", f"stall-data:1:{KILL_AT}", "--epochs", "3",
-             "--save-every", "100")
+    flags = ("--grad-transport", transport, "--inject-fault", f"stall-data:1:{kill_at}", "--epochs", "3",
+             "--save-every", "100", *extra)
     if mode == "spawn":
         job = GrowJob(hosts, work, *flags)
         job.kill_when_stalled(1)
@@ -49,8 +50,8 @@ def start_job(hosts, work: Path, mode: str, transport: str):
     return job
 
 
-def one_run(hosts, work: Path, mode: str, transport: str) -> dict:
-    job = start_job(hosts, work, mode, transport)
+def one_run(hosts, work: Path, mode: str, transport: str, kill_at: int = KILL_AT, extra: tuple[str, ...] = ()) -> dict:
+    job = start_job(hosts, work, mode, transport, kill_at, extra)
     status = job.finish(timeout=400)
     output = job.output()
     tail = [line for line in output.splitlines() if "hostname of the client" not in line][-25:]
@@ -64,7 +65,7 @@ def one_run(hosts, work: Path, mode: str, transport: str) -> dict:
         return {**launcher, "failed": True, "output_tail": tail}
     steps = [r for r in (json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "step"]
-    before = [r["images_per_second"] for r in steps if 2 <= r["step"] <= KILL_AT]  # step 1: warm-up
+    before = [r["images_per_second"] for r in steps if min(SETTLE, kill_at) <= r["step"] <= kill_at]  # warm-up out
     after = [r["images_per_second"] for r in steps if r["step"] > grew["step"] + SETTLE]
     phases = grew["phases"]
     return {**launcher, "grow_step": grew["step"], "phases_s": phases,
@@ -84,6 +85,10 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--modes", default="spawn,hot", help="how the job grows, interleaved (default: %(default)s)")
+    parser.add_argument("--kill-at", type=int, default=KILL_AT, help="the step rank 1 is killed after")
+    parser.add_argument("--job-flags", default="", help="more training flags (throughput: a longer run, e.g. "
+                        "'--dataset synthetic --arch resnet18 --image-size 32 --steps-per-epoch 150 --epochs 2')")
     parser.add_argument("--transport", default="gloo", choices=("gloo", "mpi"))
     parser.add_argument("--out", type=Path, default=RESULT, help="where the results go (default: %(default)s)")
     args = parser.parse_args()
@@ -93,21 +98,23 @@ def main() -> None:
         hosts = FakeHosts(["nodea", "nodeb", "nodec", "noded"], Path(tmp), tag="b").up()
         try:
             for repeat in range(args.repeats):
-                for mode in ("spawn", "hot"):  # interleaved
+                for mode in args.modes.split(","):  # interleaved
                     work = Path(tmp) / f"{mode}{repeat}"
                     work.mkdir()
                     try:
-                        runs.append(one_run(hosts, work, mode, args.transport))
+                        runs.append(one_run(hosts, work, mode, args.transport, args.kill_at,
+                                            tuple(args.job_flags.split())))
                     except (Exception, OutcomeException) as exc:  # a run that never got so far (the tests' pytest.fail)
                         runs.append({"mode": mode, "transport": args.transport, "status": None, "pmix_errors": 0,
                                      "launcher_failed": True, "failed": True, "error": str(exc)[-3000:]})
                     print(json.dumps(runs[-1]), flush=True)
         finally:
             hosts.down()
-    table = {mode: summarise([r for r in runs if r["mode"] == mode]) for mode in ("spawn", "hot")}
+    table = {mode: summarise([r for r in runs if r["mode"] == mode]) for mode in args.modes.split(",")}
     args.out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cores": os.cpu_count(),
-                                    "python": platform.python_version(), "kill_at_step": KILL_AT,
-                                    "settle_steps": SETTLE, "transport": args.transport, "summary": table,
+                                    "python": platform.python_version(), "kill_at_step": args.kill_at,
+                                    "job_flags": args.job_flags, "settle_steps": SETTLE, "transport": args.transport,
+                                    "summary": table,
                                     "runs": runs}, indent=1) + "\n")
     print(json.dumps(table, indent=1))
 
