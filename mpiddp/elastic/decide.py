@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mpiddp.contract import SPARE_HOSTS_ENV
+from mpiddp.contract import SPARE_HOSTS_ENV, SPARE_RANKS_ENV
 from mpiddp.globalbatch import GlobalBatchError, split
 
 # ---- can this job recover, and why not ---------------------------------------------------------------------------
@@ -275,8 +275,9 @@ def plan_growth(world: int, full: int, spares: Sequence[tuple[str, int]], used: 
         hosts.extend([name] * max(0, min(free, missing - len(hosts))))
     if not hosts:
         named = format_spare_hosts(spares) if spares else "none"
-        return (f"no spare slot to grow onto ({SPARE_HOSTS_ENV}: {named}; `launch` sets it from its spare hosts, "
-                f"with plain mpirun name spare hosts in -H and in {SPARE_HOSTS_ENV})")
+        return (f"no spare slot to grow onto ({SPARE_HOSTS_ENV}: {named}; give `launch` hosts beyond -np, where it "
+                f"runs hot spares, or with plain mpirun run -np N+S with {SPARE_RANKS_ENV}=S, or name spare hosts "
+                f"in -H and in {SPARE_HOSTS_ENV})")
     return GrowPlan(tuple(hosts))
 
 
