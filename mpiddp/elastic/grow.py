@@ -9,8 +9,9 @@ rank and the new ranks come last. Measured on four fake hosts under `mpirun --wi
 after a Shrink: Spawn 1.1 s (the child's interpreter and MPI_Init), Merge 0.04 s. A spawned process that ends
 without MPI_Finalize makes mpirun exit 1, so a grown rank finalises (the survivors still end with os._exit).
 
-Where the spare hosts come from: MPIDDP_SPARE_HOSTS (`host[:slots],...`), which `launch` sets from its host
-list and which a user of plain mpirun sets beside `-H`. The failed host counts once it is named there again.
+Where the spares come from: the job's hot spares (mpiddp.job.spares: MPIDDP_SPARE_RANKS, which `launch` sets for
+its spare hosts), taken in without a spawn; else MPIDDP_SPARE_HOSTS (`host[:slots],...`), which a user of plain
+mpirun sets beside `-H`, spawned onto. The failed host counts once it is named there again.
 
 A grow takes two step boundaries, and the survivors train between them while the new ranks warm up:
   1. after a recovery (and one step at reduced size) the survivors spawn the missing ranks, merge them in after
@@ -152,6 +153,7 @@ class GrowBack:
         self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
         self.hot = False  # the spares are hot (mpiddp.job.spares): taken in without a spawn
         self.leaving: Any = None  # hot: the group of a given-up grow's spares, until MPI reports them ended
+        self.said_leaving = False  # rank 0 said once that growing back waits for them
 
     @classmethod
     def from_env(cls) -> GrowBack:
@@ -193,8 +195,12 @@ class GrowBack:
         not, or None for not yet."""
         if self.hot:  # the live spares still waiting: one taken, or given up, is gone
             if self.leaving is not None and mpigrow.any_alive(self.leaving):
-                return None  # the spares' world shrinks with every live process of it: it would wait for them
-            self.leaving = None
+                if not self.said_leaving:  # the spares' world shrinks with every live process: it would wait
+                    log.warning("growing back waits until the hot spare of the grow given up has ended (it leaves "
+                                "once its warm-up is over); the job goes on with %d ranks", dist.world_size)
+                    self.said_leaving = True
+                return None
+            self.leaving, self.said_leaving = None, False
             live = mpigrow.live_spare_hosts()
             if not live and dist.world_size < full:
                 return "no hot spare is left (each was taken in, or has failed)"
@@ -551,8 +557,17 @@ def say_abandoned(exc: Abandoned) -> None:
     the fence would wait for good); the caller's ending is for the others (a spawned rank is a job of its own)."""
     if not isinstance(exc, CouldNotWarmUp):  # said already, as an error
         log.warning("grow: %s; this process ends (exit 0)", exc)
+    end_if_taken_in(0)
+
+
+def end_if_taken_in(status: int, why: str = "") -> None:
+    """A hot spare taken into the merged job ends here with `status` (`why`: said with the exception being
+    handled), without MPI_Finalize (its world holds failed processes: the fence would wait for good); any other
+    process returns."""
     if mpigrow.is_hot_spare() and recovered_in_this_process():
-        end_without_finalize(0)
+        if why:
+            log.exception(why)
+        end_without_finalize(status)
 
 
 def joining_device(backend: str, topology: Any) -> Any:

@@ -673,6 +673,7 @@ def _shrink_and_create(spares: Any, old: Any, survivors: list[int], chosen: list
     members = [moved[rank] for rank in survivors + chosen]
     if not chosen or world.Get_rank() not in members:
         return None, woken
+    spares.waits = False  # a chosen spare is taken in (a survivor never waited)
     merged = world.Create_group(new.Incl(members), tag=WAKE_TAG)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     return merged, woken

@@ -275,6 +275,9 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     except grow.Abandoned as exc:  # given up before it joined: this process was never part of the job
         grow.say_abandoned(exc)
         return 0
+    except Exception:  # a hot spare that cannot start the script's job: the survivors see it end and go on
+        grow.end_if_taken_in(1, "this hot spare could not start the script's job")
+        raise
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
     gpus_per_rank = dist.allgather(visible_gpus()) if joining is None else [visible_gpus()]
     if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose

@@ -26,6 +26,7 @@ class SpareWorld:
     waiting: list[int] = field(default_factory=list)  # the world's ranks of the spares still waiting
     hosts: list[str] = field(default_factory=list)  # the host of each waiting spare (as `waiting`)
     this_is_a_spare: bool = False
+    waits: bool = False  # this process is a spare still waiting (not taken in yet): known without asking MPI
     failures_seen: bool = False  # a spare acknowledged a failed process: it ends with os._exit, not MPI_Finalize
 
     def spare_hosts(self) -> list[tuple[str, int]]:
@@ -66,7 +67,7 @@ def split_off_spares(world: Any, count: int) -> Any:
     workers = world.Split(MPI.UNDEFINED if spare else 0, rank)
     world.Set_errhandler(MPI.ERRORS_RETURN)
     hosts = world.allgather(socket.gethostname())
-    _spares = SpareWorld(world, list(range(size - count, size)), hosts[size - count:], spare)
+    _spares = SpareWorld(world, list(range(size - count, size)), hosts[size - count:], spare, waits=spare)
     if not spare:  # before mpi4py's MPI_Finalize (exit handlers run last registered first)
         atexit.register(release_spares)
     return world if spare else workers
@@ -104,7 +105,7 @@ def abort_with_spares(code: int) -> None:
     good), and a spare cannot tell that exit from a failure the survivors recover from. MPI is FUNNELED here, but
     MPI_Abort from a helper thread while the main thread waits inside MPI ended every process (measured)."""
     spares = _spares
-    if spares is None or not spares.waiting or spares.world.Get_rank() in spares.waiting:  # a spare taken in aborts
+    if spares is None or not spares.waiting or spares.waits:  # a spare taken in aborts as the workers do
         return
     from mpi4py import MPI
 
