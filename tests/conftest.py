@@ -98,7 +98,7 @@ def launcher_never_started(output: str) -> bool:
 def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None,
                 cwd: Path = REPO) -> JobResult:
     result = _run_once(command, run_dir, timeout, env, cwd)
-    if result.returncode != 0 and LAUNCHER_NEVER_STARTED in result.output and "mpiddp" not in result.output:
+    if result.returncode != 0 and launcher_never_started(result.output):
         result = _run_once(command, run_dir, timeout, env, cwd)
     return result
 

@@ -432,16 +432,16 @@ def test_mpich_a_host_it_cannot_reach_is_left_out_for_the_spare(hosts, mpich, tm
     agent.write_text(agent.read_text().replace('host="$1"; shift\n', 'host="$1"; shift\nif [ "$host" = nodeb ]; then '
                      'echo "ssh: connect to host nodeb port 22: Connection refused" >&2; exit 255; fi\n'))
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpiexec",
-                             "--launcher-path", str(mpich / "bin" / "mpiexec"),
+                             "--launcher-path", str(mpich / "bin" / "mpiexec"), "--max-restarts", "6",
                              "--launcher-args", f"-launcher ssh -launcher-exec {agent}", "--",
                              "--run-dir", str(run_dir), "--epochs", "1", *FAST)
     job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300,
                       env=mpich_env(mpich, FI_TCP_IFACE="eth0"))
     assert job.returncode == 0, job.output[-5000:]
     tried = attempts(run_dir)["attempts"]
-    if len(tried) == 3 and (tried[0]["status"], tried[0]["cause"], tried[0]["failed_hosts"]) == (255, "exit", []):
-        # Hydra can exit 255 before it forwards the agent's "Connection refused" line (seen twice in CI): no host
-        # named, so nothing to leave out; the same hosts once more, and the next attempt names nodeb
+    while len(tried) > 2 and (tried[0]["status"], tried[0]["cause"], tried[0]["failed_hosts"]) == (255, "exit", []):
+        # Hydra can exit 255 before it forwards the agent's "Connection refused" line (seen in CI, up to three
+        # times in a row): no host named, so nothing to leave out; the same hosts again, until an attempt names nodeb
         assert tried[0]["decision"].startswith("relaunching on the same hosts"), tried[0]
         tried = tried[1:]
     assert len(tried) == 2, describe_attempts(run_dir, tried)

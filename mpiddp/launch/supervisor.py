@@ -537,6 +537,9 @@ class Supervisor:
         if len(self.attempts) < 2 or self.plan.mode != "train":
             return
         before, latest = self.attempts[-2], self.attempts[-1]
+        if before.last_step_at is None:  # it never ran a rank (Open MPI's start-up race): the stand-still of the
+            # attempt before it lasts until this one's first step
+            before = next((a for a in reversed(self.attempts[:-2]) if a.last_step_at is not None), before)
         before.resumed_at_step = start_step(records, latest.started_at)
         if before.resumed_at_step is not None and before.failed_at_step is not None:
             before.steps_lost = max(0, before.failed_at_step - before.resumed_at_step)
