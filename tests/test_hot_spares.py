@@ -245,3 +245,20 @@ def test_a_script_grows_back_onto_a_hot_spare_and_every_rank_ends_with_the_same_
     assert all(final["step"] >= STEPS for final in finals.values()), finals
     assert (finals["0"]["pid"], finals["2"]["pid"]) == (pids[0], pids[2])
     assert "grew back: ranks [2] joined on noded" in output, output[-3000:]
+
+
+@pytest.mark.mpi
+def test_rank_0_killed_the_new_rank_0_takes_the_hot_spare_in(hosts, tmp_path):
+    """Rank 0 (nodea, the store's host) killed at step 5: the survivor that becomes rank 0 chooses and wakes the
+    spare; the job is at full size again and mpirun ends with status 0."""
+    from conftest import rank_pids
+
+    job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:0:5")
+    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    subprocess.run(["kill", "-KILL", str(pids[0])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert "running at full size again: 3 ranks" in output, output[-3000:]
+    assert f"this process (pid {pids[3]}) joins as rank 2 of 3" in output, output[-3000:]
