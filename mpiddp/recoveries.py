@@ -120,7 +120,9 @@ def describe(recovery: dict[str, Any]) -> str:
         parts.append(f"down {total:.2f} s ({phases})")
     stall = recovery.get("survivors_stall")
     if isinstance(stall, (int, float)):
-        parts.append(f"survivors stood still {stall:.2f} s")
+        step = recovery.get("ordinary_step")
+        beyond = f" beyond a {step:.2f} s step" if isinstance(step, (int, float)) else ""
+        parts.append(f"survivors stood still {stall:.2f} s{beyond}")
     warm = recovery.get("warm_up")
     if isinstance(warm, (int, float)):
         parts.append(f"new ranks warmed up {warm:.2f} s while the job trained")

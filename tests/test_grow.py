@@ -6,7 +6,7 @@ import pytest
 
 from mpiddp.elastic.decide import GrowPlan, format_spare_hosts, grow_due, parse_spare_hosts, plan_growth
 from mpiddp.recoveries import count_line, describe
-from mpiddp.elastic.decide import GROW_PHASES, grow_record, split_for_growth
+from mpiddp.elastic.decide import GROW_PHASES, grow_record, split_for_growth, stand_still
 from mpiddp.elastic.decide import Resplit, resplit
 
 
@@ -70,6 +70,17 @@ def test_a_grow_is_recorded_and_told_next_to_the_recoveries():
     assert count_line([record]) == "1 grow (rank 2 on noded added, down 2.38 s)"
     assert record["survivors_stall"] is None and "stood still" not in line  # unknown until the next step ended
     assert describe({**record, "survivors_stall": 2.61}).endswith(", survivors stood still 2.61 s")
+    assert describe({**record, "survivors_stall": 0.18, "ordinary_step": 0.15}).endswith(
+        ", survivors stood still 0.18 s beyond a 0.15 s step")
+
+
+def test_a_survivors_stand_still_is_the_span_less_an_ordinary_step():
+    # the span from the stopping boundary to the next step's end holds one step: the median of recent ones is off
+    assert stand_still(0.33, [0.15, 0.14, 2.9, 0.16]) == {"survivors_stall": pytest.approx(0.175),
+                                                          "ordinary_step": 0.155}
+    # a step never shorter than nothing; no ordinary step known yet (a failure in the first steps): the whole span
+    assert stand_still(0.1, [0.2]) == {"survivors_stall": 0.0, "ordinary_step": 0.2}
+    assert stand_still(0.33, []) == {"survivors_stall": 0.33, "ordinary_step": None}
 
 
 class MpiError(Exception):

@@ -152,7 +152,7 @@ def test_the_trainer_grows_back_onto_a_hot_spare_without_a_spawn(hosts, tmp_path
     assert (recovery["ranks_lost"], recovery["world_before"], recovery["world_after"]) == ([1], 3, 2), recovery
     assert (grew["cause"], grew["ranks_added"], grew["hosts_added"], grew["world_after"]) == \
         ("grew", [2], ["noded"], 3), grew
-    assert grew["survivors_stall"] > 0 and grew["warm_up"] > 0, grew
+    assert grew["survivors_stall"] >= 0 and grew["ordinary_step"] > 0 and grew["warm_up"] > 0, grew
     assert failure.last_spawn(job.run_dir / failure.FAILURES_DIR) is None  # nothing was spawned
     steps = [r["step"] for r in metrics(job.run_dir) if r["kind"] == "step"]
     assert steps == list(range(1, 61)), steps
@@ -185,14 +185,13 @@ def test_a_grown_rank_lost_is_recovered_from_and_the_job_grows_again_onto_the_se
     changes = [(item["cause"] == "grew", item["world_after"]) for item in summary["recoveries"]]
     assert changes == [(False, 2), (True, 3), (False, 2), (True, 3)], summary["recoveries"]
     grows = [item for item in summary["recoveries"] if item["cause"] == "grew"]
-    assert all(item["survivors_stall"] > 0 for item in grows), grows
+    assert all(item["survivors_stall"] >= 0 and item["ordinary_step"] > 0 for item in grows), grows
     assert not any("survivors_stall" in item for item in summary["recoveries"] if item["cause"] != "grew")
     for pid in (pids[0], pids[2]):  # the survivors went on in the same processes to the end
         assert f"this process (pid {pid}) goes on as rank" in output, output[-3000:]
-    steps = steps_logged(job)
-    # the grown rank dies at a random point of a step (the first loss is held before one): the step it dies in
-    # was seen without its line in metrics.jsonl, 1 run in 4 (not yet explained: the first test holds every step)
-    assert steps == sorted(set(steps)) and steps[-1] == 180 and len(steps) >= 179, steps
+    # the grown rank dies at a random point of a step (the first loss is held before one); where that is the
+    # step's exchanges after its update, the survivors catch up on it and write its line as the epoch runs again
+    assert steps_logged(job) == list(range(1, 181))
 
 
 def steps_logged(job) -> list[int]:

@@ -357,3 +357,43 @@ def test_synthetic_data_takes_as_many_optimizer_steps_an_epoch_at_any_accumulati
     cfg, dist, loaders, _ = job(dataset="synthetic", arch="digits_cnn", batch_size=4, steps_per_epoch=6,
                                 grad_accum=grad_accum, image_size=8, num_classes=10)
     assert optimizer_steps_per_epoch(len(loaders.train), grad_accum) == 6
+
+
+class ExchangeFailsOnce(StopRequest):
+    """A failure in step `at`'s exchanges after its update (the stop agreement: a peer died there), once."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.failed, self.steps = at, False, 0
+
+    def agreed_with_save(self, dist, save_due):
+        self.steps += 1
+        if self.steps == self.at and not self.failed:
+            self.failed = True
+            raise RuntimeError("a peer failed")
+        return super().agreed_with_save(dist, save_due)
+
+
+@pytest.mark.parametrize("log_every", [1, 3])
+def test_a_step_caught_up_after_a_failure_in_its_exchanges_gets_its_metric_line_once(log_every):
+    """The failure strikes after step 3's update, before its line: the epoch runs again from step 4 (the step is
+    not trained again), and step 3's line is written then: the lines of a run with no failure, none twice."""
+    cfg, dist, loaders, state = job(epochs=1, batch_size=64, log_every=log_every)
+    straight = hooks([])
+    train(cfg, copy.deepcopy(state), loaders, dist, straight)
+    stop = ExchangeFailsOnce(3)
+    loop_hooks = hooks([], stop)
+
+    def in_job(body, current, where):  # in-job recovery on the same rank: the epoch runs again from its position
+        try:
+            return body(current)
+        except RuntimeError:
+            return body(current)
+
+    loop_hooks.in_job = in_job
+    outcome = train(cfg, state, loaders, dist, loop_hooks)
+    assert stop.failed and outcome.timing.steps == loaders.num_train // 64
+    lines = [record for record in loop_hooks.log.records if record["kind"] == "step"]
+    expected = [record["step"] for record in straight.log.records if record["kind"] == "step"]
+    assert [record["step"] for record in lines] == expected and 3 in expected[:3]
+    assert all(record["images_per_second"] > 0 for record in lines)  # the caught-up line carries its images

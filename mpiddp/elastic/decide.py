@@ -7,7 +7,8 @@ relaunches it). What `launch` decides outside MPI (mpirun's --with-ft, the spare
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,8 +304,23 @@ def grow_due(stepped_since: bool, world: int, full: int, off: bool) -> bool:
 def grow_record(step: int, ranks: list[int], hosts: list[str], before: int, after: int,
                 phases: Mapping[str, float | None]) -> dict[str, Any]:
     """A grow as summary.json's `recoveries` list holds it, next to the recoveries (cause "grew"); its
-    `survivors_stall` (the slowest survivor's seconds from the step boundary where the grow stopped it to the end of
-    its next step) is filled in once known."""
+    `survivors_stall` (the slowest survivor's stand-still: from the step boundary where the grow stopped it to the
+    end of its next step, less the `ordinary_step` it would have taken anyway) is filled in once known."""
     return {"cause": "grew", "ranks_lost": [], "hosts_lost": [], "ranks_added": ranks, "hosts_added": hosts,
             "step": step, "steps_lost": 0, "world_before": before, "world_after": after,
-            "phases": {name: phases.get(name) for name in GROW_PHASES}, "survivors_stall": None}
+            "phases": {name: phases.get(name) for name in GROW_PHASES}, "survivors_stall": None,
+            "ordinary_step": None}
+
+
+ORDINARY_STEPS = 20  # recent steps at a size a grow's stand-still is weighed against (an epoch's end or a save is
+#                      one outlier among them: the median)
+
+
+def stand_still(seconds: float, ordinary: Iterable[float]) -> dict[str, float | None]:
+    """A survivor's stand-still in a grow: `seconds` run from the step boundary where the grow stopped it to the end
+    of its next step, so they hold one step of training; less an ordinary step at this size (the median of its
+    recent ones, `ordinary_step`) they are the time the grow cost. With no ordinary step known yet (a failure in the
+    job's first steps) the whole span, the upper bound, and `ordinary_step` None."""
+    known = list(ordinary)
+    step = statistics.median(known) if known else None
+    return {"survivors_stall": max(0.0, seconds - step) if step is not None else seconds, "ordinary_step": step}

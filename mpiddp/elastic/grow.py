@@ -598,7 +598,8 @@ def joined_dist(joining: Joining, num_threads: int) -> Any:
     dist = Dist(topology, WatchedTransport(members), device.type, device.index, hello["backend"], rendezvous,
                 num_threads)
     export_environment(topology, address, port)
-    log.warning("grow: this process (pid %d) joins as rank %d of %d", os.getpid(), topology.rank, topology.world_size)
+    log.warning("grow: this process (pid %d) joins as rank %d of %d, %d CPU thread%s", os.getpid(), topology.rank,
+                topology.world_size, num_threads, "" if num_threads == 1 else "s")
     return dist
 
 

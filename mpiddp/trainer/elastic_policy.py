@@ -10,6 +10,7 @@ takes today's fail-fast path: it ends, and `launch` relaunches it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mpiddp import recoveries
-from mpiddp.elastic.decide import Resplit, failure_refusal, job_refusal, nccl_errors_env, resplit, split_for_growth
+from mpiddp.elastic.decide import (ORDINARY_STEPS, Resplit, failure_refusal, job_refusal, nccl_errors_env, resplit,
+                                   split_for_growth, stand_still)
 from mpiddp.elastic.engine import DistComm, Engine, Policy, from_furthest, refused
 from mpiddp.elastic.grow import GrowBack, say_grown
 from mpiddp.elastic.membership import check_ulfm, nccl_abort_available
@@ -62,6 +64,10 @@ class TrainerPolicy(Policy):
         self._recovered_at: float | None = None  # monotonic end of the last recovery, until the next step
         self._stalled_from: float | None = None  # monotonic step boundary where a grow stopped this survivor
         self._stepped_at = 0.0  # time.time() when this rank's last training step ended
+        self._beat_at: float | None = None  # monotonic end of this rank's last training step
+        # world size -> the seconds of this rank's recent ordinary steps at that size (boundary to boundary; never
+        # the first after a recovery or grow): what a grow's stand-still is weighed against
+        self._step_seconds: dict[int, collections.deque[float]] = {}
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
         self.where = ""  # what `attempt` runs now: train or eval
@@ -111,12 +117,15 @@ class TrainerPolicy(Policy):
         if phase != "train":
             return
         self.stepped, self._stepped_at, self.in_step = True, time.time(), False
+        now, size = time.monotonic(), self.dists[0].world_size
         if self._recovered_at is not None and self.records:
-            now = time.monotonic()
             self.records[-1]["phases"]["first_step"] = now - self._recovered_at
-            if self._stalled_from is not None:  # a grow: from the boundary where it stopped to this step's end
-                self.records[-1]["survivors_stall"] = now - self._stalled_from
+            if self._stalled_from is not None:  # a grow: this survivor's stand-still
+                self.records[-1].update(stand_still(now - self._stalled_from, self._step_seconds.get(size, ())))
             self._recovered_at = self._stalled_from = None
+        elif self._beat_at is not None:
+            self._step_seconds.setdefault(size, collections.deque(maxlen=ORDINARY_STEPS)).append(now - self._beat_at)
+        self._beat_at = now
 
     def around_save(self, save: Callable[[Any], None]) -> Callable[[Any], None]:
         def guarded(state: Any) -> None:
@@ -318,8 +327,8 @@ class TrainerPolicy(Policy):
         """Collective, at the job's end: the recoveries, each phase the slowest survivor's (detect: the earliest
         notice); on rank 0, an empty list elsewhere. A grow whose new ranks still warm up never joins: given up."""
         self.grower.abandon(self.dists[0], "training ended while they warmed up")
-        views = dist.gather([(record["phases"], record["cause"], record.get("survivors_stall"))
-                             for record in self.records])
+        views = dist.gather([(record["phases"], record["cause"], record.get("survivors_stall"),
+                              record.get("ordinary_step")) for record in self.records])
         if views is None:
             return []
         out = []
@@ -332,7 +341,7 @@ class TrainerPolicy(Policy):
             cause = "hang" if any(view[index][1] == "hang" for view in views) else record["cause"]
             merged = {**record, "cause": cause, "phases": phases}
             if cause == "grew":  # the slowest survivor's stand-still (the new ranks have none)
-                stalls = [view[index][2] for view in views if view[index][2] is not None]
-                merged["survivors_stall"] = max(stalls) if stalls else None
+                stalls = [view[index][2:4] for view in views if view[index][2] is not None]
+                merged["survivors_stall"], merged["ordinary_step"] = max(stalls) if stalls else (None, None)
             out.append(merged)
         return out

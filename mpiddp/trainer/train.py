@@ -220,11 +220,12 @@ class EpochMeters:
     timing: RankTiming
     totals: Meter
     window: Meter
+    logged_step: int  # the step of this rank's last metric line (its window's reduction returned): none pending
     durations: StepDurations = field(default_factory=StepDurations)
 
     @classmethod
-    def on(cls, device: torch.device, timing: RankTiming) -> EpochMeters:
-        return cls(StepClock(device), timing, Meter.on(device), Meter.on(device))
+    def on(cls, device: torch.device, timing: RankTiming, step: int) -> EpochMeters:
+        return cls(StepClock(device), timing, Meter.on(device), Meter.on(device), step)
 
     def add(self, loss_sum: torch.Tensor, images: int) -> None:
         self.totals.add(loss_sum, images)
@@ -239,22 +240,24 @@ class EpochMeters:
             self.timing.record(step)
 
 
-def epoch_meters(kept: list[EpochMeters], device: torch.device, timing: RankTiming) -> EpochMeters:
+def epoch_meters(kept: list[EpochMeters], device: torch.device, timing: RankTiming, step: int) -> EpochMeters:
     """The epoch's meters: new, or the ones `kept` from this epoch's run before an in-job recovery re-ran it (its
     steps before the failure stay counted in the epoch's loss, images and time, and in the job's steps); the
     step clock starts again, so recovery's downtime is in the recovery's record, not in a step's time."""
     if kept:
         kept[0].clock.restart()
         return kept[0]
-    kept.append(EpochMeters.on(device, timing))
+    kept.append(EpochMeters.on(device, timing, step))
     return kept[0]
 
 
 def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
-                timing: RankTiming, kept: list[EpochMeters] | None = None) -> tuple[Meter, StepDurations]:
+                timing: RankTiming, kept: list[EpochMeters] | None = None,
+                joined: bool = False) -> tuple[Meter, StepDurations]:
     """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
     times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step. `kept`: the
-    epoch's meters across in-job recoveries (see epoch_meters)."""
+    epoch's meters across in-job recoveries (see epoch_meters); `joined`: this rank joined the job in this epoch
+    (mpiddp.trainer.join), where the survivors run it again."""
     device = dist.device
     memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
     skipped = state.batches_done
@@ -263,7 +266,10 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     progress = make_progress(progress_wanted(cfg.outputs.progress) and dist.is_main,
                              optimizer_steps_per_epoch(len(loaders.train), cfg.training.grad_accum), f"epoch {epoch}/{cfg.training.epochs}")
     state.model.train()
-    meters = epoch_meters([] if kept is None else kept, device, timing)
+    again = bool(kept)  # run again after an in-job recovery or a grow
+    meters = epoch_meters([] if kept is None else kept, device, timing, state.step)
+    if again or joined:
+        log_caught_up_step(meters, dist, state, hooks, epoch, progress, cfg.outputs.log_every)
     clock = meters.clock
     if state.gradient_hook is not None:
         state.gradient_hook.on_ready = reached_collective(clock, hooks)
@@ -313,7 +319,19 @@ def log_window(meters: EpochMeters, dist: Dist, state: TrainState, hooks: Hooks,
     record = step_record(meters.window, dist, state, epoch)
     hooks.log.log(record)
     progress.update(0, postfix=f"loss {record['loss']:.4f}")
-    meters.window = Meter.on(dist.device)
+    meters.window, meters.logged_step = Meter.on(dist.device), state.step
+
+
+def log_caught_up_step(meters: EpochMeters, dist: Dist, state: TrainState, hooks: Hooks, epoch: int, progress: Any,
+                       log_every: int) -> None:
+    """Collective, as an epoch runs again after an in-job recovery (or a grow, with the rank that joined): the
+    metric line of a step whose update was done when the failure struck in the step's exchanges after it (the
+    stop agreement, the line's own reduction), so the survivors caught up on it and never train it again. Rank 0
+    writes the lines, so its word decides: a line it wrote before the failure is not written twice (a new rank 0
+    knows only its own part: at worst that one line stays missing)."""
+    due = state.step % log_every == 0 and meters.logged_step < state.step
+    if dist.from_main(lambda: due):
+        log_window(meters, dist, state, hooks, epoch, progress)
 
 
 def stop_in_epoch(signum: int, state: TrainState, dist: Dist, hooks: Hooks, epoch: int, meters: EpochMeters,
@@ -462,11 +480,13 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
 
     if state.pending_epoch is not None:  # resumed after a stop that left an epoch's evaluation undone: it comes first
         history.append(hooks.in_job(evaluated, cfg, "eval"))
-    for epoch in range(state.epoch + 1, cfg.training.epochs + 1):
+    first_epoch = state.epoch + 1
+    for epoch in range(first_epoch, cfg.training.epochs + 1):
         kept: list[EpochMeters] = []  # the epoch's meters, kept when an in-job recovery runs it again
 
         def trained(current: Config) -> None:
-            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing, kept)
+            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing, kept,
+                                                  joined and epoch == first_epoch)
             state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
             state.epoch, state.batches_done = epoch, 0
 

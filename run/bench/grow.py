@@ -1,14 +1,15 @@
 """Growing back after an in-job recovery (mpiddp/elastic/grow.py), measured on four fake hosts: the built-in
 trainer (digits) under `mpirun --with-ft ulfm` with three ranks on nodea-nodec and noded as the spare, grown onto
 two ways, interleaved: `spawn` (MPIDDP_SPARE_HOSTS=noded: MPI_Comm_spawn after the loss) and `hot` (-np 4 with
-MPIDDP_SPARE_RANKS=1: a hot spare waits on noded from the start, mpiddp/job/spares.py). The rank on nodeb is held
+MPIDDP_SPARE_RANKS=1: a hot spare waits on noded from the start, mpiddp/job/spares.py); `control` is the hot job
+with nothing killed, its throughput read over the same windows (what after / before reads with no grow). The rank on nodeb is held
 at step KILL_AT (--inject-fault stall-data) and SIGKILLed, the survivors recover, train a step on 2 ranks, and
 grow. Per run: the grow's phases as the job recorded them, the survivors' stand-still (`survivors_stall`), the new
 rank's warm-up, whether the launcher failed (a status other than 0) and took the crashing connect path (prterun's
 "PMIX ERROR" in the output), and the throughput (images/s per step, from metrics.jsonl) before the failure
 against after the grow (from SETTLE steps after it). Writes run/bench/results/only-grow-hot.json (or --out).
 
-usage: sudo python run/bench/grow.py [--repeats 10] [--transport gloo] [--modes spawn,hot] [--kill-at 20]
+usage: sudo python run/bench/grow.py [--repeats 10] [--transport gloo] [--modes spawn,hot[,control]] [--kill-at 20]
        [--job-flags '...']   (root: fake hosts are network namespaces)
 """
 
@@ -29,16 +30,21 @@ sys.path.insert(0, str(REPO / "tests"))
 RESULT = REPO / "run" / "bench" / "results" / "only-grow-hot.json"
 KILL_AT = 20  # steps at full size before the failure (30 steps an epoch on 3 ranks)
 SETTLE = 5  # steps after the grow left out of its throughput (warm-up of the new rank's caches)
+CONTROL_GROW_AFTER = 18  # `control`: steps from KILL_AT to where its "after" window starts (a hot grow's median)
 
 
 def start_job(hosts, work: Path, mode: str, transport: str, kill_at: int, extra: tuple[str, ...]):
-    """The job, started, and once its rank 1 holds the others up, that rank SIGKILLed."""
+    """The job, started, and once its rank 1 holds the others up, that rank SIGKILLed (`control`: the hot job,
+    nothing killed)."""
     from conftest import rank_pids
     from test_grow_e2e import GrowJob
     from test_hot_spares import hot_job
 
     flags = ("--grad-transport", transport, "--inject-fault", f"stall-data:1:{kill_at}", "--epochs", "3",
              "--save-every", "100", *extra)
+    if mode == "control":
+        return hot_job(hosts, work, *(flag for flag in flags if not flag.startswith("stall-data")
+                                      and flag != "--inject-fault"))
     if mode == "spawn":
         job = GrowJob(hosts, work, *flags)
         job.kill_when_stalled(1)
@@ -60,17 +66,27 @@ def one_run(hosts, work: Path, mode: str, transport: str, kill_at: int = KILL_AT
     if not (job.run_dir / "summary.json").exists():
         return {**launcher, "failed": True, "output_tail": tail}
     summary = json.loads((job.run_dir / "summary.json").read_text())
-    grew = next((r for r in summary["recoveries"] if r["cause"] == "grew"), None)
-    if grew is None:
-        return {**launcher, "failed": True, "output_tail": tail}
     steps = [r for r in (json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "step"]
     before = [r["images_per_second"] for r in steps if min(SETTLE, kill_at) <= r["step"] <= kill_at]  # warm-up out
+    if mode == "control":  # the same windows with nothing lost: what after / before reads without a grow
+        after = [r["images_per_second"] for r in steps if r["step"] > kill_at + CONTROL_GROW_AFTER + SETTLE]
+        return {**launcher, "images_per_second_before_failure": statistics.median(before),
+                "images_per_second_after_grow": statistics.median(after),
+                "after_vs_before": statistics.median(after) / statistics.median(before), "steps": len(steps),
+                "images_per_second_by_step": [round(r["images_per_second"], 1) for r in steps]}
+    grew = next((r for r in summary["recoveries"] if r["cause"] == "grew"), None)
+    if grew is None:
+        return {**launcher, "failed": True, "output_tail": tail}
     after = [r["images_per_second"] for r in steps if r["step"] > grew["step"] + SETTLE]
     phases = grew["phases"]
+    stall = grew.get("survivors_stall")
     return {**launcher, "grow_step": grew["step"], "phases_s": phases,
             "grow_downtime_s": sum(v for v in phases.values() if v is not None),
-            "survivors_stall_s": grew.get("survivors_stall"), "warm_up_s": grew.get("warm_up"),
+            "survivors_stall_s": stall, "ordinary_step_s": grew.get("ordinary_step"),
+            # from the boundary to the next step's end, the ordinary step in it not taken off
+            "survivors_span_s": stall + (grew.get("ordinary_step") or 0.0) if stall is not None else None,
+            "warm_up_s": grew.get("warm_up"),
             "images_per_second_before_failure": statistics.median(before),
             "images_per_second_after_grow": statistics.median(after) if after else None,
             "after_vs_before": statistics.median(after) / statistics.median(before) if after else None,
@@ -126,10 +142,14 @@ def summarise(runs: list[dict]) -> dict:
     table = {"runs": len(runs), "grew": len(grown), "exit_0": sum(1 for r in runs if r["status"] == 0),
              "launcher_failed": sum(1 for r in runs if r["launcher_failed"]),
              "runs_with_pmix_error": sum(1 for r in runs if r["pmix_errors"])}
-    if grown:
+    if grown and grown[0]["mode"] == "control":
+        table.update(after_vs_before_median=statistics.median(ratios))
+    elif grown:
         table.update(
             survivors_stall_s_median=statistics.median(r["survivors_stall_s"] for r in grown),
             survivors_stall_s_max=max(r["survivors_stall_s"] for r in grown),
+            survivors_span_s_median=statistics.median(r["survivors_span_s"] for r in grown),
+            ordinary_step_s_median=statistics.median(r["ordinary_step_s"] or 0.0 for r in grown),
             phases_s_median={name: statistics.median(r["phases_s"][name] or 0.0 for r in grown)
                              for name in grown[0]["phases_s"]},
             after_vs_before_median=statistics.median(ratios) if ratios else None)
