@@ -6,7 +6,7 @@ import pytest
 
 from mpiddp.elastic.decide import GrowPlan, format_spare_hosts, grow_due, parse_spare_hosts, plan_growth
 from mpiddp.recoveries import count_line, describe
-from mpiddp.elastic.decide import GROW_PHASES, grow_record, split_for_growth, stand_still
+from mpiddp.elastic.decide import GROW_PHASES, StepTimes, grow_record, split_for_growth, stand_still
 from mpiddp.elastic.decide import Resplit, resplit
 
 
@@ -469,3 +469,20 @@ def test_a_new_rank_whose_start_was_given_up_leaves_and_its_own_failed_word_wins
     assert freed == [True]
     both = warming([("failed", "FileNotFoundError: /data")], lost=[MpiError("MPI_ERR_PROC_FAILED: Process Failure")])
     assert both.poll() == "a new rank on noded could not warm up (FileNotFoundError: /data)"
+
+
+def test_the_ordinary_step_is_a_steps_own_time_at_that_size_never_a_first_step_or_what_lies_between():
+    times = StepTimes(keep=3)
+    times.ended(3, 1.0, ordinary=True)  # no start seen (the job's first boundary): nothing
+    for start, end in ((10.0, 10.2), (13.0, 13.1), (20.0, 20.3)):  # an evaluation or a save between: outside
+        times.started(start)
+        times.ended(3, end, ordinary=True)
+    times.started(30.0)
+    times.ended(3, 31.5, ordinary=False)  # the first step after a recovery or grow
+    times.started(40.0)
+    times.ended(2, 40.4, ordinary=True)  # at another size
+    assert times.at(3) == pytest.approx([0.2, 0.1, 0.3]) and times.at(2) == pytest.approx([0.4]) and times.at(4) == []
+    times.started(50.0)
+    times.ended(3, 50.5, ordinary=True)
+    assert times.at(3) == pytest.approx([0.1, 0.3, 0.5])  # the last `keep`
+    assert stand_still(1.6, times.at(3)) == pytest.approx({"survivors_stall": 1.3, "ordinary_step": 0.3})

@@ -312,15 +312,40 @@ def grow_record(step: int, ranks: list[int], hosts: list[str], before: int, afte
             "ordinary_step": None}
 
 
-ORDINARY_STEPS = 20  # recent steps at a size a grow's stand-still is weighed against (an epoch's end or a save is
-#                      one outlier among them: the median)
+
+ORDINARY_STEPS = 20  # recent steps at a size that a grow's stand-still is weighed against (their median)
+
+
+class StepTimes:
+    """A rank's recent ordinary training steps, by world size: each from its start, past its boundary's work (a
+    grow's take-in), to its end; never the first step after a recovery or grow. An evaluation, a save, the
+    per-step agreements and the metric line fall between two steps, outside both."""
+
+    def __init__(self, keep: int = ORDINARY_STEPS) -> None:
+        self._keep = keep
+        self._seconds: dict[int, list[float]] = {}
+        self._started: float | None = None
+
+    def started(self, now: float) -> None:
+        self._started = now
+
+    def ended(self, size: int, now: float, ordinary: bool) -> None:
+        if ordinary and self._started is not None:
+            kept = self._seconds.setdefault(size, [])
+            kept.append(now - self._started)
+            del kept[:-self._keep]
+        self._started = None
+
+    def at(self, size: int) -> list[float]:
+        return list(self._seconds.get(size, ()))
 
 
 def stand_still(seconds: float, ordinary: Iterable[float]) -> dict[str, float | None]:
     """A survivor's stand-still in a grow: `seconds` run from the step boundary where the grow stopped it to the end
     of its next step, so they hold one step of training; less an ordinary step at this size (the median of its
-    recent ones, `ordinary_step`) they are the time the grow cost. With no ordinary step known yet (a failure in the
-    job's first steps) the whole span, the upper bound, and `ordinary_step` None."""
+    recent ones, `ordinary_step`) they are the time the grow cost. With no ordinary step at this size known to this
+    rank (a failure in the job's first step; a rank that joined in an earlier grow and has not stepped since) the
+    whole span, the upper bound, and `ordinary_step` None."""
     known = list(ordinary)
     step = statistics.median(known) if known else None
     return {"survivors_stall": max(0.0, seconds - step) if step is not None else seconds, "ordinary_step": step}

@@ -485,7 +485,8 @@ def spawn_and_merge(comm: Any, plan: GrowPlan, command: list[str]) -> tuple[Any,
         info.Set("wdir", os.getcwd())  # `-m mpiddp` must find the same package (a checkout, a venv)
         # Open MPI binds a spawned process to one core whatever the job's --bind-to (measured: [0] of [0, 1]), so
         # the new rank got one CPU thread where its peers had their fair share, and its data and compute crawled.
-        # Unbound, it takes its share of the host as every rank does (mpiddp.job.bootstrap.fair_thread_count).
+        # Unbound, it takes its share of the host (mpiddp.job.bootstrap.fair_thread_count), as the ranks of
+        # `launch` (--bind-to none) do; a user's own binding of the first ranks is not carried over.
         info.Set("bind_to", "none")
         started = time.monotonic()
         inter = comm.Spawn(command, args=args, maxprocs=plan.count, info=info, root=0)

@@ -10,7 +10,6 @@ takes today's fail-fast path: it ends, and `launch` relaunches it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -21,8 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mpiddp import recoveries
-from mpiddp.elastic.decide import (ORDINARY_STEPS, Resplit, failure_refusal, job_refusal, nccl_errors_env, resplit,
-                                   split_for_growth, stand_still)
+from mpiddp.elastic.decide import Resplit, StepTimes, failure_refusal, job_refusal, nccl_errors_env, resplit
+from mpiddp.elastic.decide import split_for_growth, stand_still
 from mpiddp.elastic.engine import DistComm, Engine, Policy, from_furthest, refused
 from mpiddp.elastic.grow import GrowBack, say_grown
 from mpiddp.elastic.membership import check_ulfm, nccl_abort_available
@@ -64,10 +63,7 @@ class TrainerPolicy(Policy):
         self._recovered_at: float | None = None  # monotonic end of the last recovery, until the next step
         self._stalled_from: float | None = None  # monotonic step boundary where a grow stopped this survivor
         self._stepped_at = 0.0  # time.time() when this rank's last training step ended
-        self._beat_at: float | None = None  # monotonic end of this rank's last training step
-        # world size -> the seconds of this rank's recent ordinary steps at that size (boundary to boundary; never
-        # the first after a recovery or grow): what a grow's stand-still is weighed against
-        self._step_seconds: dict[int, collections.deque[float]] = {}
+        self.step_times = StepTimes()  # what a grow's stand-still is weighed against
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
         self.where = ""  # what `attempt` runs now: train or eval
@@ -105,6 +101,7 @@ class TrainerPolicy(Policy):
             self.in_step = phase in ("compute", "communication")
             if phase == "data" and self.where == "train":
                 self.grower.at_boundary(self)  # collective; Regrown when new ranks joined
+                self.step_times.started(time.monotonic())
 
         self._hooks = dataclasses.replace(hooks, save=self.around_save(hooks.save), heartbeat=heartbeat,
                                           phase=entered, in_job=self.attempt)
@@ -117,15 +114,13 @@ class TrainerPolicy(Policy):
         if phase != "train":
             return
         self.stepped, self._stepped_at, self.in_step = True, time.time(), False
-        now, size = time.monotonic(), self.dists[0].world_size
-        if self._recovered_at is not None and self.records:
+        now, size, first = time.monotonic(), self.dists[0].world_size, self._recovered_at is not None
+        if first and self.records:
             self.records[-1]["phases"]["first_step"] = now - self._recovered_at
             if self._stalled_from is not None:  # a grow: this survivor's stand-still
-                self.records[-1].update(stand_still(now - self._stalled_from, self._step_seconds.get(size, ())))
-            self._recovered_at = self._stalled_from = None
-        elif self._beat_at is not None:
-            self._step_seconds.setdefault(size, collections.deque(maxlen=ORDINARY_STEPS)).append(now - self._beat_at)
-        self._beat_at = now
+                self.records[-1].update(stand_still(now - self._stalled_from, self.step_times.at(size)))
+        self._recovered_at = self._stalled_from = None
+        self.step_times.ended(size, now, ordinary=not first)
 
     def around_save(self, save: Callable[[Any], None]) -> Callable[[Any], None]:
         def guarded(state: Any) -> None:
@@ -201,6 +196,7 @@ class TrainerPolicy(Policy):
         })
         # a grow whose first step never came (this failure struck first) has no stand-still: never this recovery's
         self._recovered_at, self._stalled_from = time.monotonic(), None
+        self.in_step = False  # the step in flight is settled: a failure before the next step's compute loses none
         # the new rank 0 puts it in the failures directory as it happens (this rank's phases so far): `launch` learns
         # of it, and of the host lost, when a later failure ends the job before summary.json
         if dist.is_main and directory is not None:
@@ -342,6 +338,7 @@ class TrainerPolicy(Policy):
             merged = {**record, "cause": cause, "phases": phases}
             if cause == "grew":  # the slowest survivor's stand-still (the new ranks have none)
                 stalls = [view[index][2:4] for view in views if view[index][2] is not None]
-                merged["survivors_stall"], merged["ordinary_step"] = max(stalls) if stalls else (None, None)
+                merged["survivors_stall"], merged["ordinary_step"] = \
+                    max(stalls, key=lambda stall: stall[0]) if stalls else (None, None)
             out.append(merged)
         return out

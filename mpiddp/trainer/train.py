@@ -327,8 +327,9 @@ def log_caught_up_step(meters: EpochMeters, dist: Dist, state: TrainState, hooks
     """Collective, as an epoch runs again after an in-job recovery (or a grow, with the rank that joined): the
     metric line of a step whose update was done when the failure struck in the step's exchanges after it (the
     stop agreement, the line's own reduction), so the survivors caught up on it and never train it again. Rank 0
-    writes the lines, so its word decides: a line it wrote before the failure is not written twice (a new rank 0
-    knows only its own part: at worst that one line stays missing)."""
+    writes the lines, so its word decides: a line it wrote before the failure is not written twice. A new rank 0
+    knows only its own part: where the old one died just before or after writing the line, that one line can stay
+    missing or come twice."""
     due = state.step % log_every == 0 and meters.logged_step < state.step
     if dist.from_main(lambda: due):
         log_window(meters, dist, state, hooks, epoch, progress)

@@ -71,6 +71,8 @@ def one_run(hosts, work: Path, mode: str, transport: str, kill_at: int = KILL_AT
     before = [r["images_per_second"] for r in steps if min(SETTLE, kill_at) <= r["step"] <= kill_at]  # warm-up out
     if mode == "control":  # the same windows with nothing lost: what after / before reads without a grow
         after = [r["images_per_second"] for r in steps if r["step"] > kill_at + CONTROL_GROW_AFTER + SETTLE]
+        if not after:
+            return {**launcher, "failed": True, "error": f"{len(steps)} steps: none after the window's start"}
         return {**launcher, "images_per_second_before_failure": statistics.median(before),
                 "images_per_second_after_grow": statistics.median(after),
                 "after_vs_before": statistics.median(after) / statistics.median(before), "steps": len(steps),
@@ -80,12 +82,10 @@ def one_run(hosts, work: Path, mode: str, transport: str, kill_at: int = KILL_AT
         return {**launcher, "failed": True, "output_tail": tail}
     after = [r["images_per_second"] for r in steps if r["step"] > grew["step"] + SETTLE]
     phases = grew["phases"]
-    stall = grew.get("survivors_stall")
     return {**launcher, "grow_step": grew["step"], "phases_s": phases,
             "grow_downtime_s": sum(v for v in phases.values() if v is not None),
-            "survivors_stall_s": stall, "ordinary_step_s": grew.get("ordinary_step"),
-            # from the boundary to the next step's end, the ordinary step in it not taken off
-            "survivors_span_s": stall + (grew.get("ordinary_step") or 0.0) if stall is not None else None,
+            # from the boundary to the next step's end, less an ordinary step at full size (its median before)
+            "survivors_stall_s": grew.get("survivors_stall"), "ordinary_step_s": grew.get("ordinary_step"),
             "warm_up_s": grew.get("warm_up"),
             "images_per_second_before_failure": statistics.median(before),
             "images_per_second_after_grow": statistics.median(after) if after else None,
@@ -142,14 +142,15 @@ def summarise(runs: list[dict]) -> dict:
     table = {"runs": len(runs), "grew": len(grown), "exit_0": sum(1 for r in runs if r["status"] == 0),
              "launcher_failed": sum(1 for r in runs if r["launcher_failed"]),
              "runs_with_pmix_error": sum(1 for r in runs if r["pmix_errors"])}
+    stalls = [r["survivors_stall_s"] for r in grown if r.get("survivors_stall_s") is not None]
+    ordinary = [r["ordinary_step_s"] for r in grown if r.get("ordinary_step_s") is not None]
     if grown and grown[0]["mode"] == "control":
         table.update(after_vs_before_median=statistics.median(ratios))
     elif grown:
         table.update(
-            survivors_stall_s_median=statistics.median(r["survivors_stall_s"] for r in grown),
-            survivors_stall_s_max=max(r["survivors_stall_s"] for r in grown),
-            survivors_span_s_median=statistics.median(r["survivors_span_s"] for r in grown),
-            ordinary_step_s_median=statistics.median(r["ordinary_step_s"] or 0.0 for r in grown),
+            survivors_stall_s_median=statistics.median(stalls) if stalls else None,
+            survivors_stall_s_max=max(stalls) if stalls else None,
+            ordinary_step_s_median=statistics.median(ordinary) if ordinary else None,
             phases_s_median={name: statistics.median(r["phases_s"][name] or 0.0 for r in grown)
                              for name in grown[0]["phases_s"]},
             after_vs_before_median=statistics.median(ratios) if ratios else None)
