@@ -486,3 +486,25 @@ def test_the_ordinary_step_is_a_steps_own_time_at_that_size_never_a_first_step_o
     times.ended(3, 50.5, ordinary=True)
     assert times.at(3) == pytest.approx([0.1, 0.3, 0.5])  # the last `keep`
     assert stand_still(1.6, times.at(3)) == pytest.approx({"survivors_stall": 1.3, "ordinary_step": 0.3})
+
+
+def test_a_new_ranks_rehearsal_step_leaves_nothing_the_take_in_does_not_replace():
+    """The warm-up's thrown-away step (mpiddp.trainer.join.rehearse) moves BatchNorm's running statistics and fills
+    gradients: the gradients are cleared, and rank 0's state loaded at the take-in puts every tensor back."""
+    import torch
+
+    from mpiddp.trainer.config import Config
+    from mpiddp.trainer.data import load_datasets
+    from mpiddp.trainer.join import rehearse
+    from mpiddp.trainer.models import build_model, input_channels
+
+    cfg = Config.of(device="cpu", wandb="disabled", progress="off", dataset="synthetic", arch="resnet18",
+                    image_size=16, batch_size=4)
+    datasets = load_datasets(cfg, lambda channels: input_channels(cfg.data.model_name, channels))
+    model = build_model(cfg.data.model_name, datasets.num_classes, datasets.channels, cfg.data.input_size)
+    survivors = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    rehearse(cfg, model, datasets, torch.device("cpu"))
+    assert any(not torch.equal(survivors[name], tensor) for name, tensor in model.state_dict().items())  # it ran
+    assert all(parameter.grad is None for parameter in model.parameters())
+    model.load_state_dict(survivors)  # what restored_state does with rank 0's payload
+    assert all(torch.equal(survivors[name], tensor) for name, tensor in model.state_dict().items())

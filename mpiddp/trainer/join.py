@@ -101,6 +101,7 @@ class Joined:
         model = build_model(self.cfg.data.model_name, self.datasets.num_classes, self.datasets.channels,
                             self.cfg.data.input_size).to(arrival.device)
         self.model, self.optimizer = model, build_optimizer(self.cfg.training, model.parameters())
+        rehearse(self.cfg, model, self.datasets, arrival.device)
 
     def build(self, payload: dict[str, Any], phases: dict[str, float | None]) -> None:
         """Collective (DDP): the state from `payload` in DDP over the grown job, the loaders at the same sample."""
@@ -209,3 +210,33 @@ def own_rng(survivor_state: Any, rank: int) -> None:
 
     digest = hashlib.sha256(bytes(survivor_state.numpy()) + rank.to_bytes(4, "little")).digest()
     torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def rehearse(cfg: Any, model: Any, datasets: Any, device: Any) -> None:
+    """Local, in the warm-up: one forward and backward of a training batch, thrown away. The first step after the
+    take-in, which the survivors wait for, then runs on warm kernels (oneDNN's primitives, the allocator, the
+    thread pool, autograd's first graph) instead of paying for them while they wait (measured: that step took
+    2-4 ordinary steps before). The weights, buffers and RNG state it touched come from rank 0 at the take-in."""
+    import torch
+    from torch.utils.data import default_collate
+
+    from mpiddp.trainer.train import autocast_for
+
+    batch = cfg.training.batch_size
+    if datasets.train is None:  # synthetic: random images of the configured size
+        size = cfg.data.image_size or 32
+        inputs = torch.rand((batch, datasets.channels, size, size))
+        targets = torch.randint(0, datasets.num_classes, (batch,))
+    else:
+        inputs, targets = default_collate([datasets.train[i] for i in range(min(batch, len(datasets.train)))])
+    memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
+    model.train()
+    try:
+        with autocast_for(cfg.training.amp, device):
+            loss = torch.nn.functional.cross_entropy(model(inputs.to(device, memory_format=memory_format)),
+                                                     targets.to(device))
+        loss.backward()
+    except (RuntimeError, ValueError) as exc:  # only a head start: the job's own first step says what is wrong
+        log.warning("grow: this rank's rehearsal step failed (%s); its first step in the job starts cold", exc)
+    model.zero_grad(set_to_none=True)
+

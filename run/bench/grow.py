@@ -107,6 +107,8 @@ def main() -> None:
                         "'--dataset synthetic --arch resnet18 --image-size 32 --steps-per-epoch 150 --epochs 2')")
     parser.add_argument("--transport", default="gloo", choices=("gloo", "mpi"))
     parser.add_argument("--out", type=Path, default=RESULT, help="where the results go (default: %(default)s)")
+    parser.add_argument("--keep", type=Path, help="copy each run's metrics.jsonl, summary.json and log here "
+                        "(DIR/MODE-REPEAT/): per-epoch step, data-wait and compute times per rank")
     args = parser.parse_args()
     os.chdir(REPO)
     runs = []
@@ -120,6 +122,8 @@ def main() -> None:
                     try:
                         runs.append(one_run(hosts, work, mode, args.transport, args.kill_at,
                                             tuple(args.job_flags.split())))
+                        if args.keep:
+                            keep(work, args.keep / f"{mode}-{repeat}")
                     except (Exception, OutcomeException) as exc:  # a run that never got so far (the tests' pytest.fail)
                         runs.append({"mode": mode, "transport": args.transport, "status": None, "pmix_errors": 0,
                                      "launcher_failed": True, "failed": True, "error": str(exc)[-3000:]})
@@ -133,6 +137,15 @@ def main() -> None:
                                     "summary": table,
                                     "runs": runs}, indent=1) + "\n")
     print(json.dumps(table, indent=1))
+
+
+def keep(work: Path, into: Path) -> None:
+    import shutil
+
+    into.mkdir(parents=True, exist_ok=True)
+    for source in (work / "run" / "metrics.jsonl", work / "run" / "summary.json", work / "job.log"):
+        if source.exists():
+            shutil.copy(source, into / source.name)
 
 
 def summarise(runs: list[dict]) -> dict:
