@@ -327,20 +327,22 @@ class FailsOnce(PointRecorder):
             raise RuntimeError("a peer failed")
 
 
+def run_again_once(body, current, where):
+    """The loop's `in_job` for an in-job recovery on the same rank: after a failure the epoch runs again from its
+    position."""
+    try:
+        return body(current)
+    except RuntimeError:
+        return body(current)
+
+
 def test_an_epoch_run_again_after_an_in_job_recovery_counts_its_steps_before_the_failure():
     cfg, dist, loaders, state = job(epochs=1, batch_size=64, log_every=1000)
     straight = train(cfg, copy.deepcopy(state), loaders, dist, hooks([]))
     cfg, dist, loaders, state = job(epochs=1, batch_size=64, log_every=1000)
     loop_hooks = hooks([])
     loop_hooks.callbacks = FailsOnce(3)
-
-    def in_job(body, current, where):  # in-job recovery on the same rank: the epoch runs again from its position
-        try:
-            return body(current)
-        except RuntimeError:
-            return body(current)
-
-    loop_hooks.in_job = in_job
+    loop_hooks.in_job = run_again_once
     outcome = train(cfg, state, loaders, dist, loop_hooks)
     assert loop_hooks.callbacks.failed
     assert outcome.timing.steps == straight.timing.steps == loaders.num_train // 64  # summary.json's `steps`
@@ -383,14 +385,7 @@ def test_a_step_caught_up_after_a_failure_in_its_exchanges_gets_its_metric_line_
     train(cfg, copy.deepcopy(state), loaders, dist, straight)
     stop = ExchangeFailsOnce(3)
     loop_hooks = hooks([], stop)
-
-    def in_job(body, current, where):  # in-job recovery on the same rank: the epoch runs again from its position
-        try:
-            return body(current)
-        except RuntimeError:
-            return body(current)
-
-    loop_hooks.in_job = in_job
+    loop_hooks.in_job = run_again_once
     outcome = train(cfg, state, loaders, dist, loop_hooks)
     assert stop.failed and outcome.timing.steps == loaders.num_train // 64
     lines = [record for record in loop_hooks.log.records if record["kind"] == "step"]
