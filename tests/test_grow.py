@@ -54,9 +54,11 @@ def test_growing_goes_back_to_the_first_per_rank_batch_at_the_same_sample():
 def test_a_position_off_the_new_batch_waits_for_the_epoch_start_and_a_batch_that_cannot_split_never_grows():
     # 2 x 12 x 2: 13 micro-batches = sample 312, not a multiple of 48: wait (an epoch's start always fits)
     assert split_for_growth(config(12, 2), config(16, 1), 2, 3, 13) == (None, None)
-    # a global batch of 14 (2 x 7) cannot split over 3 ranks
-    split, never = split_for_growth(config(7, 1), config(7, 1), 2, 3, 4)
-    assert split is None and "global batch" in never
+    # a global batch of 14 (2 x 7) splits over 3 ranks unevenly (5, 5, 4): the grow need not wait
+    assert split_for_growth(config(7, 1), config(7, 1), 2, 3, 4) == (Resplit(5, 1, 4, 14), None)
+    # a global batch the ranks cannot share (5 over 4 ranks of at most 1 a micro-batch) never grows
+    split, never = split_for_growth(config(1, 1), config(1, 1), 4, 4, 0, global_batch=5, position=0)
+    assert split is None and "empty micro-batch" in never
 
 
 def test_a_grow_is_recorded_and_told_next_to_the_recoveries():

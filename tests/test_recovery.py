@@ -69,8 +69,10 @@ def test_the_global_batch_is_kept_with_more_accumulation_and_the_position_conver
     assert resplit(16, 1, 3, 2, 5) == Resplit(12, 2, 10)
     # the per-rank batch stays when it divides: 8 x 4 x 1 = 32 -> 8 x 2 x 2, position 3 x 8 x 4 = 96 = 6 x 8 x 2
     assert resplit(8, 1, 4, 2, 3) == Resplit(8, 2, 6)
-    assert resplit(8, 2, 4, 3, 4) == "the global batch 64 does not split over 3 ranks (64 is not a multiple of 3): " \
-                                     "the job cannot keep its global batch on the survivors"
+    # 64 over 3 ranks: uneven (22, 21, 21 a step, in 3 micro-batches of at most 8), at the same step
+    assert resplit(8, 2, 4, 3, 4) == Resplit(8, 3, 6, 64)
+    assert resplit(8, 2, 4, 3, 4).describe(3) == ("21 or 22 per rank, each rank's gradient weighted by its share, in "
+                                                  "3 micro-batches")
 
 
 def test_a_failure_after_an_epochs_last_step_leaves_nothing_of_the_epoch_to_train():
@@ -87,12 +89,18 @@ def test_a_failure_after_an_epochs_last_step_leaves_nothing_of_the_epoch_to_trai
     assert len(sampler) == 0 and list(sampler) == []
     # mid-epoch positions are converted as before, and a global batch that does not split is still refused
     assert resplit(16, 1, 3, 2, 5, epoch_samples=1438) == Resplit(12, 2, 10)
-    assert isinstance(resplit(5, 1, 3, 2, 96, epoch_samples=1438), str)
+    # 15 samples a step do not split evenly over 2 ranks: past the epoch's end the uneven split has nothing left
+    end = resplit(5, 1, 3, 2, 96, epoch_samples=1438)
+    assert isinstance(end, Resplit) and end.uneven and end.batches_done == 192
 
 
 def test_a_batch_that_cannot_be_split_is_refused_in_one_line():
-    reason = resplit(5, 1, 3, 2, 1)  # 15 samples per step do not split over 2 ranks
-    assert isinstance(reason, str) and "15" in reason and "\n" not in reason
+    # 5 samples a step over 4 ranks of at most 1 a micro-batch: a rank would get an empty micro-batch
+    reason = resplit(1, 1, 5, 4, 0)
+    assert isinstance(reason, str) and "5" in reason and "empty micro-batch" in reason and "\n" not in reason
+    # half-way through a step (a position no step of 30 starts at) is refused too
+    reason = resplit(5, 2, 3, 2, 1)
+    assert isinstance(reason, str) and "not at the start of an optimizer step of 30 samples" in reason
 
 
 def _positions_trained(n: int, world: int, per_rank: int, seed: int, epoch: int, skip_batches: int,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpiddp.contract import SPARE_HOSTS_ENV, SPARE_RANKS_ENV
-from mpiddp.globalbatch import GlobalBatchError, split
+from mpiddp.globalbatch import GlobalBatchError, split, uneven_split
 
 # ---- can this job recover, and why not ---------------------------------------------------------------------------
 
@@ -177,47 +177,79 @@ PHASES = ("detect", "agree_and_shrink", "process_group", "ddp", "first_step")  #
 
 @dataclass(frozen=True)
 class Resplit:
-    """The survivors' per-rank batch, accumulation and data position (micro-batches done in the epoch)."""
+    """The survivors' per-rank batch (the most a rank takes in one micro-batch), accumulation and data position
+    (micro-batches done in the epoch). `global_batch` non-zero: an uneven split, where the ranks' shares of each
+    step differ by one sample (globalbatch.share) and each rank weighs its gradient by its share."""
 
     batch_size: int
     grad_accum: int
     batches_done: int
+    global_batch: int = 0
+
+    @property
+    def uneven(self) -> bool:
+        return self.global_batch > 0
+
+    def describe(self, world_size: int) -> str:
+        """How each rank takes the global batch, for the line that says the job went on."""
+        if not self.uneven:
+            return f"{self.batch_size} per rank x {self.grad_accum} accumulation"
+        fewer = self.global_batch // world_size
+        return (f"{fewer} or {fewer + 1} per rank, each rank's gradient weighted by its share, in "
+                f"{self.grad_accum} micro-batch{'es' if self.grad_accum > 1 else ''}")
 
 
 def resplit(batch_size: int, grad_accum: int, world_before: int, world_after: int,
-            batches_done: int, max_per_rank: int | None = None, epoch_samples: int | None = None) -> Resplit | str:
+            batches_done: int, max_per_rank: int | None = None, epoch_samples: int | None = None, *,
+            global_batch: int | None = None, position: int | None = None) -> Resplit | str:
     """The same global batch and the same global sample position on `world_after` ranks, or one line why not.
-    `max_per_rank`: the most samples a rank takes at once (default `batch_size`; a job growing back may return
-    to the per-rank batch it started with). `epoch_samples`: the samples of an epoch (None: synthetic batches,
-    counted per rank).
+    `max_per_rank`: the most samples a rank takes at once (default `batch_size`; the per-rank batch the job started
+    with). `epoch_samples`: the positions an epoch trains (None: synthetic batches). `global_batch`, `position`
+    (samples of the epoch trained): given where the split running now is uneven; else batch_size x world_before x
+    grad_accum and batches_done x batch_size x world_before.
 
     Ranks take the epoch's order interleaved (rank r's i-th sample is position r + i x W), so after
     `batches_done` micro-batches of `batch_size` on each of `world_before` ranks the job has trained exactly the
-    first batches_done x batch_size x world_before positions; the survivors continue at that position. A position
-    at or past the epoch's samples (the last round is padded with repeats) is the epoch's end: no sample is left."""
-    global_batch = batch_size * world_before * grad_accum
+    first batches_done x batch_size x world_before positions; the survivors continue at that position. Where the
+    global batch splits evenly at that position the split is even; otherwise each optimizer step's positions are
+    shared out interleaved, some ranks taking one sample more (Resplit.uneven), which any number of ranks can do
+    at a step's start. A position at or past the epoch's end is the epoch's end: no sample is left."""
+    global_batch = global_batch or batch_size * world_before * grad_accum
+    position = batches_done * batch_size * world_before if position is None else position
+    most = max_per_rank or batch_size
     try:
-        per_rank, accumulation = split(global_batch, world_after, max_per_rank or batch_size)
+        per_rank, accumulation = split(global_batch, world_after, most)
+        even: tuple[int, int] | None = (per_rank, accumulation)
+    except GlobalBatchError:
+        even = None
+    if even is not None and (position % (even[0] * world_after) == 0
+                             or (epoch_samples is not None and position >= epoch_samples)):
+        return Resplit(even[0], even[1], -(-position // (even[0] * world_after)))
+    try:
+        cap, accumulation = uneven_split(global_batch, world_after, most)
     except GlobalBatchError as exc:
         return f"{exc}: the job cannot keep its global batch on the survivors"
-    position = batches_done * batch_size * world_before
     if epoch_samples is not None and position >= epoch_samples:  # skips every rank's whole shard: nothing left
-        return Resplit(per_rank, accumulation, -(-position // (per_rank * world_after)))
-    if position % (per_rank * world_after):
-        return (f"the data position {position} does not fall on a batch of {per_rank} x {world_after} ranks: "
+        return Resplit(cap, accumulation, -(-position // global_batch) * accumulation, global_batch)
+    if position % global_batch:  # steps are whole global batches; only an epoch's last may be shorter
+        return (f"the data position {position} is not at the start of an optimizer step of {global_batch} samples: "
                 "the survivors cannot continue at the same sample")
-    return Resplit(per_rank, accumulation, position // (per_rank * world_after))
+    return Resplit(cap, accumulation, position // global_batch * accumulation, global_batch)
 
 
-def split_for_growth(cfg: Any, first: Any, world: int, grown: int, batches_done: int) -> tuple[Resplit | None, str | None]:
+def split_for_growth(cfg: Any, first: Any, world: int, grown: int, batches_done: int, *,
+                     global_batch: int | None = None, position: int | None = None,
+                     epoch_samples: int | None = None) -> tuple[Resplit | None, str | None]:
     """(the split on `grown` ranks at this position, None) when the job can grow now; (None, None) when not at
-    this position but at an epoch's start; (None, why) when never (the global batch does not split). `cfg`: the
-    config the job trains with now; `first`: the one it started with (its per-rank batch is the most a rank takes)."""
+    this position but at an epoch's start; (None, why) when never (the global batch cannot be kept). `cfg`: the
+    config the job trains with now; `first`: the one it started with (its per-rank batch is the most a rank takes);
+    `global_batch`, `position`, `epoch_samples`: as resplit's."""
     batch, accumulation, most = cfg.training.batch_size, cfg.training.grad_accum, first.training.batch_size
-    at_start = resplit(batch, accumulation, world, grown, 0, most)
+    at_start = resplit(batch, accumulation, world, grown, 0, most, global_batch=global_batch, position=0)
     if isinstance(at_start, str):
         return None, at_start
-    here = resplit(batch, accumulation, world, grown, batches_done, most)
+    here = resplit(batch, accumulation, world, grown, batches_done, most, epoch_samples,
+                   global_batch=global_batch, position=position)
     return (None, None) if isinstance(here, str) else (here, None)
 
 

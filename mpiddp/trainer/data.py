@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
 
 from mpiddp.errors import UserError
+from mpiddp.globalbatch import balanced
 from mpiddp.job.collective import Dist
 from mpiddp.job.helper_signals import (die_with_parent, ignore_stop_signals, mark_helper_parent, prepare_forkserver,
                                        stop_signals_blocked)
@@ -101,6 +102,63 @@ class SkippingSampler(Sampler[tuple[int, int]]):
         return max(0, len(self.base) - self.skip)  # a skip past the shard: the epoch's end (in-job recovery)
 
 
+def even_epoch_end(num_samples: int, world_size: int, batch_size: int) -> int:
+    """The positions of the epoch's order an evenly split epoch trains: each rank's shard (padded to
+    ceil(N / W) with repeats) in batches of `batch_size`, a trailing partial batch dropped where the shard holds a
+    whole one (build_loaders' drop_last)."""
+    per_rank = -(-num_samples // world_size)
+    return world_size * (per_rank // batch_size * batch_size if per_rank >= batch_size else per_rank)
+
+
+def uneven_micro_batches(rank: int, world_size: int, global_batch: int, accumulation: int, most: int,
+                         epoch_end: int) -> list[range]:
+    """This rank's micro-batches of an epoch under an uneven split (decide.Resplit.uneven), as positions of the
+    epoch's order: each optimizer step takes the next `global_batch` positions (the epoch's last, up to
+    `epoch_end`, may take fewer), rank r of W the step's positions r, r + W, ... (globalbatch.share), cut into
+    `accumulation` micro-batches of balanced sizes, at most `most` each. Every rank gets the same number of
+    micro-batches in each step: the loop's groups stay in step across ranks."""
+    batches: list[range] = []
+    for start in range(0, epoch_end, global_batch):
+        length = min(global_batch, epoch_end - start)
+        if length < world_size:  # a rank would train on nothing in this step: no rank trains it
+            break
+        largest_share = -(-length // world_size)
+        parts = accumulation if length == global_batch else min(accumulation, -(-largest_share // most))
+        parts = max(1, min(parts, length // world_size))  # no rank's micro-batch empty
+        mine = range(start + rank, start + length, world_size)
+        first = 0
+        for size in balanced(len(mine), parts):
+            batches.append(mine[first:first + size])
+            first += size
+    return batches
+
+
+class UnevenSampler(Sampler[list[tuple[int, int]]]):
+    """The batch sampler of an uneven split: this rank's micro-batches (uneven_micro_batches) of one permutation
+    per epoch, the one DistributedSampler draws (its seed + epoch; positions past the samples repeat the start, as its
+    padding does), keyed (index, seed) as SkippingSampler's: the same samples at the same positions, with the same
+    augmentation seeds, on any number of ranks. `skip`: micro-batches of the epoch already trained."""
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, global_batch: int, accumulation: int, most: int,
+                 epoch_end: int, seed: int) -> None:
+        self.num_samples, self.seed, self.epoch, self.skip = num_samples, seed, 0, 0
+        self.batches = uneven_micro_batches(rank, world_size, global_batch, accumulation, most, epoch_end)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        epoch_seed = _epoch_seed(self.seed, self.epoch)
+        for positions in self.batches[self.skip:]:
+            yield [(order[position % self.num_samples], _mix64(epoch_seed ^ position)) for position in positions]
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches) - self.skip)
+
+
 def _seed_generators(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
@@ -165,18 +223,21 @@ def _worker_init(worker_id: int) -> None:
 
 class SyntheticBatches:
     """The same random batch, made once on the device, `steps` times (micro-batches) per epoch: measures compute,
-    not I/O."""
+    not I/O. `sizes`: each micro-batch's size under an uneven split (its first rows), else the whole batch."""
 
-    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, steps: int) -> None:
-        self.inputs, self.labels, self.steps = inputs, labels, steps
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, steps: int, sizes: list[int] | None = None) -> None:
+        self.inputs, self.labels, self.steps, self.sizes = inputs, labels, steps, sizes
         self.skip = 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for _ in range(self.steps - self.skip):
-            yield self.inputs, self.labels
+        for index in range(self.skip, self.steps):
+            if self.sizes is None:
+                yield self.inputs, self.labels
+            else:
+                yield self.inputs[:self.sizes[index]], self.labels[:self.sizes[index]]
 
     def __len__(self) -> int:
-        return self.steps - self.skip
+        return max(0, self.steps - self.skip)
 
 
 @dataclass
@@ -193,21 +254,49 @@ class Datasets:
 class Loaders:
     train: Any  # DataLoader or SyntheticBatches
     eval: DataLoader | None
-    train_sampler: SkippingSampler | None
+    train_sampler: SkippingSampler | UnevenSampler | None
     num_train: int
     num_eval: int
     num_classes: int
     batch_size: int
+    world_size: int = 1
+    epoch_end: int = 0  # the positions of the epoch's order an epoch trains (synthetic: micro-batches x b x W)
+    global_batch: int = 0  # non-zero: an uneven split (decide.Resplit.uneven), each rank's share of a step differs
+    grad_accum: int = 1
 
     @property
     def epoch_samples(self) -> int | None:
         """The samples of one epoch of the whole job; None for synthetic batches (counted per rank)."""
         return self.num_train if self.train_sampler is not None else None
 
+    @property
+    def samples_per_step(self) -> int:
+        """The global batch: samples of the epoch's order one optimizer step trains (an epoch's last may train fewer)."""
+        return self.global_batch or self.batch_size * self.world_size * self.grad_accum
+
+    @property
+    def sample_weight(self) -> float | None:
+        """Under an uneven split, what a micro-batch's mean loss is scaled by per sample (W / global batch), so that
+        DDP's average over the ranks is the gradient of the mean loss over the global batch; None when even (each
+        of a step's equal micro-batches weighs 1 / accumulation)."""
+        return self.world_size / self.global_batch if self.global_batch else None
+
+    def position(self, batches_done: int) -> int:
+        """The samples of the epoch's order the job has trained after `batches_done` micro-batches on each rank."""
+        if not self.global_batch:
+            return batches_done * self.batch_size * self.world_size
+        total = len(self.train_sampler.batches) if isinstance(self.train_sampler, UnevenSampler) else self.train.steps
+        if batches_done >= total:  # the epoch's last step may be shorter than a global batch
+            return self.epoch_end
+        return batches_done // self.grad_accum * self.global_batch
+
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Reshuffle: every rank draws the same permutation for `epoch` and takes its own shard of it,
         starting after `skip_batches` batches (those a stopped run already trained on)."""
-        if self.train_sampler is not None:
+        if isinstance(self.train_sampler, UnevenSampler):
+            self.train_sampler.set_epoch(epoch)
+            self.train_sampler.skip = skip_batches
+        elif self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch)
             self.train_sampler.skip = skip_batches * self.batch_size
         else:
@@ -437,21 +526,38 @@ def stop_workers(loaders: Loaders) -> None:
             iterator._shutdown_workers()
 
 
-def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
-    """This rank's loaders: its shard of the training set (reshuffled per epoch) and of the eval set."""
+def synthetic_loaders(cfg: Config, datasets: Datasets, dist: Dist, global_batch: int, epoch_end: int) -> Loaders:
+    """build_loaders' for synthetic data: one random batch on the device, its first rows under an uneven split."""
     topo, device = dist.topology, dist.device
+    batch_size, accumulation, world = cfg.training.batch_size, cfg.training.grad_accum, topo.world_size
+    split = {"world_size": world, "global_batch": global_batch, "grad_accum": accumulation}
+    size = cfg.data.image_size or 32
+    generator = torch.Generator(device=device).manual_seed(cfg.training.seed + topo.rank)
+    inputs = torch.rand((batch_size, datasets.channels, size, size), generator=generator, device=device)
+    if cfg.training.channels_last:  # laid out once, so the step's conversion is a no-op
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, datasets.num_classes, (batch_size,), generator=generator, device=device)
+    if global_batch:
+        sizes = [len(batch) for batch in uneven_micro_batches(topo.rank, world, global_batch, accumulation,
+                                                               batch_size, epoch_end)]
+        return Loaders(SyntheticBatches(inputs, labels, len(sizes), sizes), None, None, sum(sizes), 0,
+                       datasets.num_classes, batch_size, epoch_end=epoch_end, **split)
+    # --steps-per-epoch counts optimizer steps: a split with more accumulation (--min-np, in-job recovery)
+    # takes as many steps an epoch, each of more micro-batches
+    micro_batches = cfg.data.steps_per_epoch * accumulation
+    return Loaders(SyntheticBatches(inputs, labels, micro_batches), None, None, micro_batches * batch_size, 0,
+                   datasets.num_classes, batch_size, epoch_end=micro_batches * batch_size * world, **split)
+
+
+def build_loaders(cfg: Config, datasets: Datasets, dist: Dist, *, global_batch: int = 0, epoch_end: int = 0) -> Loaders:
+    """This rank's loaders: its shard of the training set (reshuffled per epoch) and of the eval set.
+    `global_batch` non-zero: an uneven split of it (decide.Resplit.uneven; cfg's batch size is the most a rank takes
+    in one micro-batch, its accumulation the micro-batches of a step), over an epoch of `epoch_end` positions (the
+    full-size job's, so that an epoch keeps its steps on any number of ranks)."""
+    topo, device = dist.topology, dist.device
+    batch_size, accumulation, world = cfg.training.batch_size, cfg.training.grad_accum, topo.world_size
     if datasets.train is None:
-        size = cfg.data.image_size or 32
-        generator = torch.Generator(device=device).manual_seed(cfg.training.seed + topo.rank)
-        inputs = torch.rand((cfg.training.batch_size, datasets.channels, size, size), generator=generator, device=device)
-        if cfg.training.channels_last:  # laid out once, so the step's conversion is a no-op
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        labels = torch.randint(0, datasets.num_classes, (cfg.training.batch_size,), generator=generator, device=device)
-        # --steps-per-epoch counts optimizer steps: a split with more accumulation (--min-np, in-job recovery)
-        # takes as many steps an epoch, each of more micro-batches
-        micro_batches = cfg.data.steps_per_epoch * cfg.training.grad_accum
-        batches = SyntheticBatches(inputs, labels, micro_batches)
-        return Loaders(batches, None, None, micro_batches * cfg.training.batch_size, 0, datasets.num_classes, cfg.training.batch_size)
+        return synthetic_loaders(cfg, datasets, dist, global_batch, epoch_end)
     assert datasets.eval is not None
     on_disk = cfg.data.dataset in ON_DISK_DATASETS
     workers = cfg.data.num_workers if on_disk else 0  # in-memory tensors: workers would only add start-up time
@@ -471,19 +577,26 @@ def build_loaders(cfg: Config, datasets: Datasets, dist: Dist) -> Loaders:
             multiprocessing_context=cfg.data.worker_start_method,
             worker_init_fn=_worker_init,
         )
-    train_sampler = SkippingSampler(DistributedSampler(
-        datasets.train, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=cfg.training.seed  # type: ignore[arg-type]
-    ))
-    # A trailing batch of one would break BatchNorm; drop it when the shard holds at least one full batch.
     # On-disk datasets augment at random: each sample from its own seed (in-memory ones do not augment).
-    train = HelperSafeLoader(
-        PositionSeeded(datasets.train, reseed=on_disk), batch_size=cfg.training.batch_size, sampler=train_sampler,
-        drop_last=len(train_sampler) >= cfg.training.batch_size, **loader_options,
-    )
+    samples = PositionSeeded(datasets.train, reseed=on_disk)
+    train_sampler: SkippingSampler | UnevenSampler
+    if global_batch:
+        train_sampler = UnevenSampler(len(datasets.train), topo.rank, world, global_batch, accumulation,  # type: ignore[arg-type]
+                                      batch_size, epoch_end, cfg.training.seed)
+        train = HelperSafeLoader(samples, batch_sampler=train_sampler, **loader_options)
+    else:
+        train_sampler = SkippingSampler(DistributedSampler(
+            datasets.train, num_replicas=world, rank=topo.rank, shuffle=True, seed=cfg.training.seed  # type: ignore[arg-type]
+        ))
+        # A trailing batch of one would break BatchNorm; drop it when the shard holds at least one full batch.
+        train = HelperSafeLoader(samples, batch_size=batch_size, sampler=train_sampler,
+                                 drop_last=len(train_sampler) >= batch_size, **loader_options)
+        epoch_end = even_epoch_end(len(datasets.train), world, batch_size)  # type: ignore[arg-type]
     evaluation = HelperSafeLoader(
         datasets.eval, batch_size=cfg.training.eval_batch_size,
         sampler=EvalShardSampler(len(datasets.eval), topo.rank, topo.world_size), **loader_options,  # type: ignore[arg-type]
     )
     return Loaders(
-        train, evaluation, train_sampler, len(datasets.train), len(datasets.eval), datasets.num_classes, cfg.training.batch_size  # type: ignore[arg-type]
+        train, evaluation, train_sampler, len(datasets.train), len(datasets.eval), datasets.num_classes, batch_size,  # type: ignore[arg-type]
+        epoch_end=epoch_end, world_size=world, global_batch=global_batch, grad_accum=accumulation,
     )

@@ -67,6 +67,7 @@ class TrainerPolicy(Policy):
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
         self.where = ""  # what `attempt` runs now: train or eval
+        self._full_epoch_end: int | None = None  # full_epoch_end()
         self.grower = GrowBack.from_env()  # back to full size after a recovery
         # in a step, hung ranks, ranks cut off with a silent host, step: at the shrink
         self._failure: tuple[bool, set[int], set[int], int] = (False, set(), set(), 0)
@@ -172,8 +173,10 @@ class TrainerPolicy(Policy):
         parts = self.parts
         cfg = self.cfg or parts.cfg
         caught_up = self._same_position(parts.state, dist)
+        loaders = parts.loaders
         split = resplit(cfg.training.batch_size, cfg.training.grad_accum, before.world_size, dist.world_size,
-                        parts.state.batches_done, epoch_samples=parts.loaders.epoch_samples)
+                        parts.state.batches_done, parts.cfg.training.batch_size, loaders.epoch_end,
+                        global_batch=loaders.samples_per_step, position=loaders.position(parts.state.batches_done))
         if isinstance(split, str):
             self.fall_back(split, failed)
         self.rewrap(cfg, split, dist)
@@ -202,9 +205,9 @@ class TrainerPolicy(Policy):
         if dist.is_main and directory is not None:
             recoveries.record(directory, self.records[-1])
         if dist.is_main:
-            log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on at the same global batch (%d per rank "
-                        "x %d accumulation); agree and shrink %.3f s, process group %.3f s, DDP %.3f s",
-                        list(failed), ", ".join(hosts), dist.world_size, split.batch_size, split.grad_accum,
+            log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on at the same global batch (%s); "
+                        "agree and shrink %.3f s, process group %.3f s, DDP %.3f s",
+                        list(failed), ", ".join(hosts), dist.world_size, split.describe(dist.world_size),
                         phases["agree_and_shrink"], phases["process_group"], phases["ddp"])
         self.engine.say_reduced(len(self.records) == 1)
 
@@ -233,6 +236,13 @@ class TrainerPolicy(Policy):
 
         return from_furthest(DistComm(dist), position, payload, load) is not None
 
+    def full_epoch_end(self) -> int:
+        """The positions an epoch trains on the job's first split (its full size): an uneven split keeps them, so an
+        epoch has the same steps on any number of ranks. Taken before the first re-split changes the loaders."""
+        if self._full_epoch_end is None:
+            self._full_epoch_end = self.parts.loaders.epoch_end
+        return self._full_epoch_end
+
     def rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
         """Collective: the same module in DDP on the new group, and the loaders re-split at the same sample."""
         from mpiddp.trainer.data import build_loaders, stop_workers
@@ -247,8 +257,10 @@ class TrainerPolicy(Policy):
             new_cfg, dist, state.unwrapped, self.members, old_hook.transport if old_hook is not None else None,
             replicas_agree=True)  # _same_position made every survivor's weights the same
         stop_workers(loaders)  # persistent helpers of the old split
-        rebuilt = build_loaders(new_cfg, parts.datasets, dist)
-        for name in ("train", "eval", "train_sampler", "batch_size"):
+        rebuilt = build_loaders(new_cfg, parts.datasets, dist, global_batch=split.global_batch,
+                                epoch_end=self.full_epoch_end())
+        for name in ("train", "eval", "train_sampler", "batch_size", "world_size", "epoch_end", "global_batch",
+                     "grad_accum"):
             setattr(loaders, name, getattr(rebuilt, name))
         state.batches_done = split.batches_done
         self.cfg = new_cfg
@@ -274,8 +286,9 @@ class TrainerPolicy(Policy):
     def grow_split(self, world: int, grown: int) -> Resplit | str | None:
         """The split on `grown` ranks at this position; None when not here (at an epoch's start it is); why not,
         when never (the global batch does not split)."""
-        cfg = self.cfg or self.parts.cfg
-        split, never = split_for_growth(cfg, self.parts.cfg, world, grown, self.parts.state.batches_done)
+        cfg, loaders, done = self.cfg or self.parts.cfg, self.parts.loaders, self.parts.state.batches_done
+        split, never = split_for_growth(cfg, self.parts.cfg, world, grown, done, global_batch=loaders.samples_per_step,
+                                        position=loaders.position(done), epoch_samples=loaders.epoch_end)
         return f"{never}: the job cannot keep its global batch on {grown} ranks" if never is not None else split
 
     @staticmethod
@@ -299,7 +312,7 @@ class TrainerPolicy(Policy):
         self.changed_size()
         self._stalled_from = stalled_from
         say_grown(self.dists[0], self.engine.initial_world, record,
-                  f"at the same global batch ({split.batch_size} per rank x {split.grad_accum} accumulation)")
+                  f"at the same global batch ({split.describe(self.dists[0].world_size)})")
 
     def handover(self, split: Resplit) -> dict[str, Any]:
         """Rank 0's state for the new ranks of a grow: what a snapshot holds, from memory (mpiddp.trainer.join
@@ -312,7 +325,7 @@ class TrainerPolicy(Policy):
         return {
             "model": state.unwrapped.state_dict(), "optimizer": state.optimizer.state_dict(),
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
-            "rng": torch.get_rng_state(), "split": split,
+            "rng": torch.get_rng_state(), "split": split, "epoch_end": self.full_epoch_end(),
             "position": (state.step, state.epoch, state.batches_per_epoch, state.pending_epoch),
             "records": [dict(record) for record in self.records], "run_dir": str(parts.run_dir),
             "transport": hook.transport if hook is not None else None,

@@ -111,7 +111,8 @@ class Joined:
         self.run_dir = Path(payload["run_dir"])
         started = time.monotonic()
         self.current = cfg.replace(batch_size=split.batch_size, grad_accum=split.grad_accum)
-        self.loaders = build_loaders(self.current, self.datasets, dist)
+        self.loaders = build_loaders(self.current, self.datasets, dist, global_batch=split.global_batch,
+                                     epoch_end=payload["epoch_end"])
         self.state = restored_state(cfg, self.current, dist, (self.model, self.optimizer), payload, self.members)
         self.state.batches_done = split.batches_done
         own_rng(payload["rng"], dist.rank)
@@ -135,6 +136,7 @@ class Joined:
         parent, wandb_run_id = self.payload["saver"]
         saver = Saver(self.current, dist, checkpoint_dir_of(cfg.checkpoint, self.run_dir), self.watchdog,
                       wandb_run_id, Path(parent) if parent else None)
+        saver.loaders = self.loaders
         hooks = Hooks(NullLogger(), saver.save, stop, self.watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
                       self.watchdog.enter)
         self.recovery = recovery = TrainerPolicy()

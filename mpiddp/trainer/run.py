@@ -193,6 +193,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         guard.progress = lambda: (state.step, watchdog.progressed)
     # What the next snapshot continues: the one resumed from, then the last one this job saved (its lineage).
     saver = Saver(cfg, dist, checkpoint_dir, watchdog, wandb_run_id, restored[0] if restored is not None else None)
+    saver.loaders = loaders
     try:
         hooks = Hooks(run_logger, saver.save, stop, watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
                       watchdog.enter)
@@ -284,6 +285,7 @@ class Saver:
 
         self.cfg, self.dist, self.checkpoint_dir, self.watchdog = cfg, dist, checkpoint_dir, watchdog
         self.wandb_run_id, self.parent, self.cost = wandb_run_id, parent, SaveCost()
+        self.loaders: Any = None  # the loop's loaders: where in the epoch's order a snapshot stands, in samples
 
     def save(self, train_state: Any) -> None:
         from mpiddp.trainer import checkpoint
@@ -293,6 +295,9 @@ class Saver:
         self.watchdog.beat("save", train_state.step)
         started = time.perf_counter()
         snapshot = Snapshot.capture(train_state, dist, self.cfg.data.model_name, self.cfg.to_dict(), self.wandb_run_id)
+        if self.loaders is not None:  # an uneven split's micro-batches are not b x W samples each
+            snapshot.samples_done = self.loaders.position(train_state.batches_done) if train_state.batches_done else 0
+            snapshot.samples_per_step = self.loaders.samples_per_step
         self.parent = checkpoint.save(self.checkpoint_dir, snapshot, dist, self.cfg.checkpoint.keep_last, self.parent)
         # The save ends when every rank has heard `latest` moved: the slowest rank's time is the job's cost.
         seconds, nbytes = dist.reduce([time.perf_counter() - started, file_size(self.parent) if dist.is_main else 0],

@@ -83,6 +83,11 @@ class Snapshot:
     scaler: dict[str, Any] = field(default_factory=dict)
     batches_done: int = 0  # batches of epoch `epoch + 1` already trained (a stop part-way through)
     config: dict[str, Any] = field(default_factory=dict)
+    # Samples of epoch `epoch + 1`'s order trained, and per optimizer step: under an uneven split (in-job recovery
+    # on a world the global batch does not divide) batches are not batch_size x world_size samples. None in
+    # snapshots of an older mpiddp: derived from batches_done.
+    samples_done: int | None = None
+    samples_per_step: int | None = None
     wandb_run_id: str | None = None
     # Every rank's gradient-communication state (PowerSGD's error feedback and warm start), in rank order: in the
     # file only for snapshots of an older mpiddp. Now each rank saves its own in a side file (checkpoint.side_path)
@@ -201,6 +206,8 @@ class Snapshot:
 
     def global_batch(self) -> int | None:
         """Samples per optimizer step of the job that took the snapshot; None when its config is unknown."""
+        if self.samples_per_step is not None:
+            return self.samples_per_step
         if "batch_size" not in self.config:
             return None
         return int(self.config["batch_size"]) * self.world_size * int(self.config.get("grad_accum") or 1)
@@ -217,12 +224,13 @@ class Snapshot:
         if not done:
             return 0, ""
         saved_batch = int(self.config.get("batch_size", batch_size))
-        if self.world_size == world_size:
+        uneven = self.samples_done is not None and self.samples_done != done * saved_batch * self.world_size
+        if self.world_size == world_size and not uneven:
             if saved_batch == batch_size:
                 return done, ""
             return 0, (f"the snapshot was taken part-way through epoch {epoch} with --batch-size {saved_batch}: that "
                        f"epoch restarts from its beginning with {batch_size}")
-        samples = done * saved_batch * self.world_size
+        samples = done * saved_batch * self.world_size if self.samples_done is None else self.samples_done
         if self.global_batch() == batch_size * world_size * grad_accum and samples % (batch_size * world_size) == 0:
             return samples // (batch_size * world_size), ""
         return 0, (f"the snapshot was taken part-way through epoch {epoch} on another world size: that epoch "

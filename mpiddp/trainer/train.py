@@ -129,13 +129,16 @@ def micro_batch_groups(batches: Iterable[Batch], grad_accum: int) -> Iterator[li
 
 def train_step(
     state: TrainState, micro_batches: list[Batch], device: torch.device, amp: str = "off",
-    memory_format: torch.memory_format = torch.contiguous_format, loss_fn: nn.Module | None = None,
+    memory_format: torch.memory_format = torch.contiguous_format, sample_weight: float | None = None,
+    loss_fn: nn.Module | None = None,
 ) -> tuple[torch.Tensor, int]:
     """One optimizer step: forward and backward on every micro-batch, gradients all-reduced on the last one
     only (no_sync before), then scaler, optimizer and schedule. Returns (summed loss on the device, images).
 
     Each micro-batch's mean loss is divided by their number, so equal micro-batches on every rank give the
-    gradient of the mean loss over the global batch.
+    gradient of the mean loss over the global batch. Under an uneven split (`sample_weight`: ranks / global
+    batch, Loaders.sample_weight) it is scaled by its samples x that instead: DDP's average over the ranks is then
+    the same gradient, whatever each rank's share.
     """
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     loss_sum = torch.zeros((), device=device)
@@ -146,7 +149,8 @@ def train_step(
         with nullcontext() if index == len(micro_batches) - 1 else state.ddp.no_sync():
             with autocast_for(amp, device):
                 loss = loss_fn(state.model(inputs), targets)
-            state.scaler.scale(loss / len(micro_batches)).backward()
+            scaled = loss / len(micro_batches) if sample_weight is None else loss * (len(targets) * sample_weight)
+            state.scaler.scale(scaled).backward()
         loss_sum += loss.detach().float() * len(targets)
         images += len(targets)
     if state.gradient_hook is not None:
@@ -285,7 +289,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         clock.computing()
         hooks.phase("compute")
         hooks.callbacks.on_batch_loaded(state.step)
-        loss_sum, images = train_step(state, group, device, cfg.training.amp, memory_format)
+        loss_sum, images = train_step(state, group, device, cfg.training.amp, memory_format, loaders.sample_weight)
         clock.step_done(images)
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
