@@ -108,18 +108,21 @@ def hosts(tmp_path_factory):
         yield cluster
 
 
-def hot_job(hosts, tmp_path, *flags: str, spares: int = 1):
-    """`mpirun --with-ft ulfm -np 3+spares` of the trainer with MPIDDP_SPARE_RANKS=spares: three ranks train,
-    noded's wait."""
+def hot_job(hosts, tmp_path, *flags: str, spares: int = 1, workers: str = "nodea:1,nodeb:1,nodec:1"):
+    """`mpirun --with-ft ulfm -np W+spares` of the trainer with MPIDDP_SPARE_RANKS=spares: the `workers` slots
+    train (three ranks on three hosts by default), noded's wait."""
     from test_recovery_e2e import JOB, Job
+
+    layout = f"{workers},noded:{spares}" if spares else workers
+    ranks = sum(int(slot.split(":")[1]) for slot in layout.split(","))
 
     class HotJob(Job):
         def __init__(self) -> None:
             self.run_dir, self.log = tmp_path / "run", tmp_path / "job.log"
             env, self.mark = marked_env(MPIDDP_SPARE_RANKS=str(spares))
             env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
-            command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", str(3 + spares), "-H",
-                       HOSTS.replace("noded:1", f"noded:{spares}"), "-x", "MPIDDP_SPARE_RANKS", sys.executable,
+            command = [find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", str(ranks), "-H",
+                       layout, "-x", "MPIDDP_SPARE_RANKS", sys.executable,
                        "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
             self.start = lambda: self._start(hosts.command_on("nodea", command), env)
             self.start()
@@ -261,3 +264,34 @@ def test_rank_0_killed_the_new_rank_0_takes_the_hot_spare_in(hosts, tmp_path):
     assert status == 0, output[-6000:]
     assert "running at full size again: 3 ranks" in output, output[-3000:]
     assert f"this process (pid {pids[3]}) joins as rank 2 of 3" in output, output[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("spares", [0, 1])
+def test_two_ranks_a_host_one_lost_the_job_goes_on_in_the_job_at_the_same_global_batch(hosts, tmp_path, spares):
+    """The layout of GPU clusters, several ranks a host: 2 on nodea, 2 on nodeb, rank 3 (nodeb) killed. The global
+    batch of 64 does not split over 3 ranks: they share each step unevenly (22, 21, 21), each gradient weighted by
+    its share, and finish in the same processes with every step once (22 an epoch, as on 4). With a hot spare
+    waiting on noded the job grows back to 4 at once."""
+    from conftest import rank_pids
+    from test_recovery_e2e import metrics
+
+    epochs = 2 + 2 * spares  # time for the spare to warm up while the survivors train
+    job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", str(epochs), "--inject-fault",
+                  "stall-data:3:5", spares=spares, workers="nodea:2,nodeb:2")
+    pids = job.wait_for("the processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 + spares
+                        and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    subprocess.run(["kill", "-KILL", str(pids[3])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert ("3 ranks go on at the same global batch (21 or 22 per rank, each rank's gradient weighted by its share, "
+            "in 2 micro-batches)") in output, output[-4000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    changes = [(item["cause"], item["world_after"]) for item in summary["recoveries"]]
+    assert changes == [("process_failed", 3)] + ([("grew", 4)] * spares), summary["recoveries"]
+    assert summary["recoveries"][0]["hosts_lost"] == ["nodeb"]
+    assert summary["world_size"] == 3 + spares and summary["eval_accuracy"] > 0.8, summary
+    steps = [r["step"] for r in metrics(job.run_dir) if r["kind"] == "step"]
+    assert steps == list(range(1, 22 * epochs + 1)), steps
