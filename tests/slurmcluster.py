@@ -20,9 +20,21 @@ CLIENTS = ("sbatch", "scontrol", "scancel", "srun", "sinfo")
 GRACE_S = 60  # the preemptible partition's grace time: SIGTERM, then this long to save before the kill
 
 
-def unavailable_reason() -> str | None:
+def impossible_reason(env: dict[str, str] | None = None) -> str | None:
+    """Why a test Slurm cannot start here (the tier then skips, saying so), or None where it should: as root with
+    Slurm installed, or as root under CI (`CI=true`, where .ci/run installs it). Where it should, anything
+    missing or failing is a failure (`missing_parts`, SlurmCluster.up), never a skip: the tier cannot vanish."""
+    env = os.environ if env is None else env
     if os.geteuid() != 0:
         return "a test Slurm needs root (its daemons run as root here)"
+    if shutil.which("slurmctld") is None and env.get("CI") != "true":
+        return ("Slurm is not installed (slurmctld missing): apt-get install slurmctld slurmd slurm-client munge "
+                "libpmix-dev (under CI=true this fails instead)")
+    return None
+
+
+def missing_parts() -> str | None:
+    """What a test Slurm lacks here, where it should start: a failure, with what to do."""
     missing = [tool for tool in (*DAEMONS, *CLIENTS) if shutil.which(tool) is None]
     if missing:
         return f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd slurm-client munge"

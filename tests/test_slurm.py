@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, job_env
-from slurmcluster import SlurmCluster, unavailable_reason
+from slurmcluster import SlurmCluster, impossible_reason, missing_parts
 
 pytestmark = pytest.mark.mpi
 SBATCH = str(REPO / "run" / "slurm.sbatch")
@@ -22,15 +22,19 @@ FAST = ("--no-progress", "--wandb", "disabled")
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    reason = unavailable_reason()
+    reason = impossible_reason()
     if reason:
         pytest.skip(reason)
+    missing = missing_parts()
+    if missing:  # root, and Slurm installed or CI: the tier must run, not vanish in a skip
+        pytest.fail(f"the Slurm tier should run here (root, Slurm installed or CI=true) but: {missing}")
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         cluster.up()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # a machine that cannot run the daemons: say why and skip
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         cluster.down()
-        pytest.skip(f"cannot start a test Slurm here: {exc}")
+        pytest.fail(f"cannot start a test Slurm here, where it should start (root, Slurm installed or CI=true): "
+                    f"{exc}")
     try:
         yield cluster
     finally:
