@@ -120,3 +120,16 @@ def test_stopped_mid_epoch_on_two_ranks_and_resumed_on_one_ends_where_the_straig
     # restarting the epoch, as a resume at another global batch does: 1.4e-2; the crops and flips seeded by the
     # rank's position instead of the job's: 2.5e-4)
     assert difference < 1e-6, difference
+
+
+def test_a_snapshot_taken_under_an_uneven_split_resumes_at_its_sample_on_an_even_world():
+    """In-job recovery left 3 of 4 ranks sharing a global batch of 128 unevenly (micro-batches of at most 22, 2 a
+    step): 4 micro-batches are 2 steps, 256 samples, not 4 x 22 x 3. The snapshot says so, and a relaunch on 4
+    ranks of 32 (or 2 of 32 x 2) continues at sample 256."""
+    taken = Snapshot(arch="digits_cnn", model={}, optimizer={}, scheduler={}, epoch=EPOCH - 1, step=0, rng=[],
+                     world_size=3, batches_done=4, config={"batch_size": 22, "grad_accum": 2}, samples_done=256,
+                     samples_per_step=128)
+    assert taken.global_batch() == 128
+    assert taken.position_on(4, 32, 1) == (2, "")
+    assert taken.position_on(2, 32, 2) == (4, "")
+    assert taken.position_on(3, 22, 2)[0] == 0  # 22 x 3 x 2 = 132 is another global batch: the epoch restarts
