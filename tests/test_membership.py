@@ -69,12 +69,14 @@ class FakeWork:
 
     def __init__(self, polls: int, error: Exception | None = None) -> None:
         self.polls, self.error = polls, error
+        self.waited = 0  # wait() calls: the work's own end (its error, if any) is taken
 
     def is_completed(self) -> bool:
         self.polls -= 1
         return self.polls < 0
 
     def wait(self) -> bool:
+        self.waited += 1
         if self.error is not None:
             raise self.error
         return True
@@ -97,7 +99,14 @@ def watching(reports: list[tuple[int, ...] | None]) -> Membership:
 
 
 def test_wait_returns_when_the_collective_completes_and_nobody_failed():
-    watching([None, None, None]).wait(FakeWork(polls=3))
+    asked = []
+    members = watching([None, None, None])
+    failed = members.failed
+    members.failed = lambda: asked.append(1) or failed()  # type: ignore[method-assign]
+    work = FakeWork(polls=3)
+    assert members.wait(work) is None
+    # it polled until the work completed (3 polls not complete, asking MPI between them), then took its end
+    assert work.polls == -1 and work.waited == 1 and len(asked) == 3
 
 
 def test_wait_raises_members_lost_when_mpi_reports_a_failure_first():
