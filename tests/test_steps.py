@@ -91,3 +91,39 @@ def test_schedulers_and_a_fused_optimizers_grad_scaler_see_the_optimizer_itself(
         scheduler.step()
         results.append((model.weight.detach().clone(), inner.param_groups[0]["lr"]))
     assert torch.allclose(results[0][0], results[1][0]) and results[0][1] == results[1][1] == 0.05
+
+
+@pytest.fixture
+def under_recovery(solo_group, monkeypatch):
+    """mpiddp's wrapper as under in-job recovery (its watched hook and buffer broadcast), with no MPI."""
+    from types import SimpleNamespace
+
+    from mpiddp.elastic import steps
+
+    monkeypatch.setattr(steps, "current", lambda: object())
+    monkeypatch.setattr(steps, "enabled", lambda: SimpleNamespace(members=None))
+
+
+def test_under_recovery_the_wrapper_turns_ddps_buffer_sync_off_without_torchs_deprecation_warning(under_recovery):
+    """The wrapper broadcasts the buffers itself, watched: torch's own sync before each forward is off, by the name
+    this torch takes (`forward_sync_buffers` from 2.13, where `broadcast_buffers` warns on every rank)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13+: "`broadcast_buffers` is deprecated" (a FutureWarning)
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    assert ddp._watched_buffers and ddp.ddp.broadcast_buffers is False
+
+
+def test_the_buffer_sync_is_turned_off_by_the_name_the_torch_takes():
+    from mpiddp.elastic.steps import _forward_sync_off
+
+    new, old = {"module": None, "forward_sync_buffers": None}, {"module": None, "broadcast_buffers": None}
+    assert _forward_sync_off({}, new) == ({"forward_sync_buffers": False}, True)
+    assert _forward_sync_off({"broadcast_buffers": True}, new) == ({"forward_sync_buffers": False}, True)
+    assert _forward_sync_off({}, old) == ({"broadcast_buffers": False}, True)  # torch before 2.13
+    # the user's own choice of no sync: left as given, nothing to watch
+    assert _forward_sync_off({"broadcast_buffers": False}, new) == ({"broadcast_buffers": False}, False)
+    assert _forward_sync_off({"forward_sync_buffers": False}, new) == ({"forward_sync_buffers": False}, False)
+    assert _forward_sync_off({"broadcast_buffers": False, "forward_sync_buffers": True}, new) == \
+        ({"forward_sync_buffers": False}, True)  # torch's rule: the new name wins

@@ -48,6 +48,7 @@ log = logging.getLogger("mpiddp")
 # torch's DDP skips its broadcast of the weights where it can (torch 2.5+): after a recovery every survivor holds
 # the same weights already
 _DDP_INIT_SYNC = "init_sync"
+_DDP_FORWARD_SYNC = "forward_sync_buffers"  # torch 2.13+: `broadcast_buffers`, renamed (the old name warns)
 
 
 class _WatchedAllReduce:
@@ -149,10 +150,10 @@ class DistributedDataParallel(nn.Module):
         self.watch = _WatchedAllReduce(self._recovery.members) if self._recovery is not None else None
         # DDP's buffer broadcast before each forward is a collective a failed peer would end the job in: under
         # in-job recovery this wrapper does it, watched (see _WatchedAllReduce.broadcast_buffers)
-        self._watched_buffers = self.watch is not None and kwargs.get("broadcast_buffers", True) is not False
+        self._watched_buffers = False
+        if self.watch is not None:
+            kwargs, self._watched_buffers = _forward_sync_off(kwargs, _ddp_parameters())
         self._sync_next = True  # DDP's rule: after a forward with gradients to reduce (not under no_sync or no_grad)
-        if self._watched_buffers:
-            kwargs = {**kwargs, "broadcast_buffers": False}
         self._args, self._kwargs = args, kwargs
         self.ddp = self._wrap(module)
         _models.append(weakref.ref(self))
@@ -221,6 +222,22 @@ class DistributedDataParallel(nn.Module):
         self.ddp = self._wrap(module, replicas_agree=True)
         if self.watch is not None:
             self.watch.new_step()
+
+
+def _forward_sync_off(kwargs: dict[str, Any], parameters: Any) -> tuple[dict[str, Any], bool]:
+    """DDP's arguments with its own buffer sync before each forward off, and whether they asked for that sync (the
+    wrapper then does it, watched). torch 2.13 named it `forward_sync_buffers` and deprecated `broadcast_buffers`
+    (a FutureWarning on every rank): where DDP takes the new name it is used, the old one dropped; before 2.13,
+    `broadcast_buffers=False` (which there also leaves buffers out of DDP's sync at start)."""
+    wanted = kwargs.get(_DDP_FORWARD_SYNC)
+    if wanted is None:  # torch's rule: the new name, where given, wins; neither given means True
+        wanted = kwargs.get("broadcast_buffers")
+    if wanted is False:
+        return dict(kwargs), False
+    if _DDP_FORWARD_SYNC in parameters:
+        rest = {name: value for name, value in kwargs.items() if name != "broadcast_buffers"}
+        return {**rest, _DDP_FORWARD_SYNC: False}, True
+    return {**kwargs, "broadcast_buffers": False}, True
 
 
 def _ddp_parameters() -> Any:
