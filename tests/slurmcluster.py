@@ -37,7 +37,8 @@ def missing_parts() -> str | None:
     """What a test Slurm lacks here, where it should start: a failure, with what to do."""
     missing = [tool for tool in (*DAEMONS, *CLIENTS) if shutil.which(tool) is None]
     if missing:
-        return f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd slurm-client munge"
+        return (f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd "
+                "slurm-client munge")
     if not Path("/etc/munge/munge.key").is_file():
         return "munge has no key (/etc/munge/munge.key): reinstall munge"
     return None

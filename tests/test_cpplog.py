@@ -17,8 +17,8 @@ from mpiddp.job.cpplog import quiet_cpp_warnings
 quiet_cpp_warnings(*split_command(sys.argv[1:]))
 import torch.distributed as tdist
 server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
-                           "s = d.TCPStore('127.0.0.1', 0, 2, True, wait_for_workers=False); print(s.port, flush=True); "
-                           "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                           "s = d.TCPStore('127.0.0.1', 0, 2, True, wait_for_workers=False); "
+                           "print(s.port, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
 client = tdist.TCPStore("127.0.0.1", int(server.stdout.readline()), 2, False)
 client.set("a", "1")
 server.kill()

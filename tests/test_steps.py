@@ -110,7 +110,7 @@ def test_under_recovery_the_wrapper_turns_ddps_buffer_sync_off_without_torchs_de
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # torch 2.13+: "`broadcast_buffers` is deprecated" (a FutureWarning)
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13+: "`broadcast_buffers` is deprecated"
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     assert ddp._watched_buffers and ddp.ddp.broadcast_buffers is False
 
