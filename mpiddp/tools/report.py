@@ -145,34 +145,57 @@ def recovery_lines(summary: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def rank_means(epochs: list[dict[str, Any]], key: str) -> list[float]:
-    """Each rank's `key` averaged over the epochs that recorded it (empty when none did)."""
-    per_epoch = [r[key] for r in epochs if r.get(key)]
-    if not per_epoch:
-        return []
-    return [sum(values[rank] for values in per_epoch) / len(per_epoch) for rank in range(len(per_epoch[0]))]
+def rank_series(epochs: list[dict[str, Any]], key: str | tuple[str, ...]) -> list[list[tuple[int, float]]]:
+    """Per rank, its (epoch, value) over the epochs it was in: an epoch after a recovery lists fewer ranks, one
+    after a grow more, so rank r (that epoch's rank number) has a value only in the epochs with more than r ranks.
+    A tuple of keys sums them, over the epochs that recorded them all. Empty when no epoch recorded `key`."""
+    keys = (key,) if isinstance(key, str) else key
+    series: list[list[tuple[int, float]]] = []
+    for record in epochs:
+        lists = [record.get(k) for k in keys]
+        if not all(lists):
+            continue
+        for rank, values in enumerate(zip(*lists)):
+            if rank == len(series):
+                series.append([])
+            series[rank].append((record["epoch"], sum(values)))
+    return series
+
+
+def rank_means(epochs: list[dict[str, Any]], key: str | tuple[str, ...]) -> list[float]:
+    """Each rank's `key` averaged over the epochs it was in that recorded it (empty when none did)."""
+    return [sum(value for _, value in values) / len(values) for values in rank_series(epochs, key)]
+
+
+def above_the_others(values: list[float], rank: int) -> float:
+    """How far `rank`'s value stands above the median of the other ranks' (0.0 with no other rank)."""
+    others = values[:rank] + values[rank + 1:]
+    return values[rank] - statistics.median(others) if others else 0.0
 
 
 def straggler_line(epochs: list[dict[str, Any]]) -> str | None:
     """Each rank's time before it waits for the others (data wait + compute; every rank's whole step is the
-    slowest one's after the all-reduce), and the rank that holds the job back, with what slows it."""
+    slowest one's after the all-reduce), and the rank that holds the job back, with what slows it. A rank is
+    held against the median of the *other* ranks: with itself in, two ranks' median is their mean and a rank
+    1.2x slower than its peer would read 1.1x."""
     waits, computes = rank_means(epochs, "rank_data_wait_s"), rank_means(epochs, "rank_compute_s")
-    if not waits or not computes:  # a run written before the split was recorded
+    if not waits or len(waits) != len(computes):  # a run written before the split was recorded
         busy, parts = rank_means(epochs, "rank_step_time_s"), None
     else:
-        busy, parts = [w + c for w, c in zip(waits, computes)], (waits, computes)
+        busy, parts = rank_means(epochs, ("rank_data_wait_s", "rank_compute_s")), (waits, computes)
     if not busy:
         return None
     slowest = max(range(len(busy)), key=busy.__getitem__)
-    median = statistics.median(busy)
+    others = busy[:slowest] + busy[slowest + 1:]
+    median = statistics.median(others) if others else busy[slowest]
     ratio = busy[slowest] / median if median > 0 else 1.0
     verdict = "no straggler"
     if ratio > 1.1:
         cause = ""
         if parts is not None:
-            extra_wait = waits[slowest] - statistics.median(waits)
-            cause = ": waiting for data" if extra_wait > computes[slowest] - statistics.median(computes) else ": computing"
-        verdict = f"rank {slowest} is a straggler ({ratio:.2f}x the median{cause})"
+            cause = (": waiting for data" if above_the_others(waits, slowest) > above_the_others(computes, slowest)
+                     else ": computing")
+        verdict = f"rank {slowest} is a straggler ({ratio:.2f}x the others' median{cause})"
     if parts is None:
         return f"mean step time per rank: {', '.join(f'{t * 1000:.1f} ms' for t in busy)}; {verdict}"
     return ("mean data wait + compute per rank: "
@@ -218,13 +241,11 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.set(xlabel="seconds since the first record", ylabel="images/s (all ranks)", title="throughput")
     save(fig, "throughput.png")
 
-    timed = [r for r in epochs if r.get("rank_compute_s")]
-    if timed:
+    busy = rank_series(epochs, ("rank_data_wait_s", "rank_compute_s"))
+    if busy:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for rank in range(len(timed[0]["rank_compute_s"])):
-            ax.plot([r["epoch"] for r in timed],
-                    [1000 * (r["rank_data_wait_s"][rank] + r["rank_compute_s"][rank]) for r in timed], "o-",
-                    label=f"rank {rank}")
+        for rank, points in enumerate(busy):  # each rank over the epochs it was in
+            ax.plot([epoch for epoch, _ in points], [1000 * value for _, value in points], "o-", label=f"rank {rank}")
         ax.set(xlabel="epoch", ylabel="data wait + compute per step (ms)",
                title="time before the all-reduce wait, per rank (stragglers stand out)")
         ax.legend(ncol=4, fontsize="small")
