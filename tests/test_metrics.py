@@ -123,13 +123,14 @@ def test_the_straggler_line_names_the_rank_and_what_slows_it():
 
     slow_loader = [{"rank_step_time_s": [0.2, 0.2, 0.2], "rank_data_wait_s": [0.01, 0.01, 0.09],
                     "rank_compute_s": [0.1, 0.1, 0.1]}]
-    assert straggler_line(slow_loader).endswith("rank 2 is a straggler (1.73x the median: waiting for data)")
+    assert straggler_line(slow_loader).endswith("rank 2 is a straggler (1.73x the others' median: waiting for data)")
     slow_gpu = [{"rank_step_time_s": [0.2, 0.2], "rank_data_wait_s": [0.0, 0.0], "rank_compute_s": [0.1, 0.05]}]
-    assert straggler_line(slow_gpu).endswith("rank 0 is a straggler (1.33x the median: computing)")
+    # held against the other rank, not a median of two that includes itself (that would read 1.33x)
+    assert straggler_line(slow_gpu).endswith("rank 0 is a straggler (2.00x the others' median: computing)")
     even = [{"rank_step_time_s": [0.2, 0.2], "rank_data_wait_s": [0.0, 0.0], "rank_compute_s": [0.1, 0.1]}]
     assert straggler_line(even).endswith("no straggler")
     older_run = [{"rank_step_time_s": [0.1, 0.3]}]  # written before the split was recorded
-    assert straggler_line(older_run) == "mean step time per rank: 100.0 ms, 300.0 ms; rank 1 is a straggler (1.50x the median)"
+    assert straggler_line(older_run) == "mean step time per rank: 100.0 ms, 300.0 ms; rank 1 is a straggler (3.00x the others' median)"
 
 
 class FakeRun:

@@ -82,7 +82,7 @@ def test_report_plots_a_run_and_names_the_straggler(run_job):
         assert (job.run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert "digits_cnn on digits: 2 ranks on 1 hosts" in report.output
     assert "eval accuracy" in report.output and "mean data wait + compute per rank" in report.output
-    assert "rank 1 is a straggler" in report.output and "the median: computing)" in report.output
+    assert "rank 1 is a straggler" in report.output and "the others' median: computing)" in report.output
 
 
 def test_report_on_a_missing_run_is_one_line(tmp_path):

@@ -158,7 +158,7 @@ def rank_series(epochs: list[dict[str, Any]], key: str | tuple[str, ...]) -> lis
         for rank, values in enumerate(zip(*lists)):
             if rank == len(series):
                 series.append([])
-            series[rank].append((record["epoch"], sum(values)))
+            series[rank].append((record.get("epoch", 0), sum(values)))
     return series
 
 
