@@ -392,3 +392,32 @@ def test_a_step_caught_up_after_a_failure_in_its_exchanges_gets_its_metric_line_
     expected = [record["step"] for record in straight.log.records if record["kind"] == "step"]
     assert [record["step"] for record in lines] == expected and 3 in expected[:3]
     assert all(record["images_per_second"] > 0 for record in lines)  # the caught-up line carries its images
+
+
+@pytest.mark.parametrize("log_every", [1, 2, 3])
+@pytest.mark.parametrize("where", ["mid-epoch", "the epoch's last step"])
+def test_a_stopped_and_resumed_run_has_one_metric_line_per_due_step(log_every, where):
+    """A stop after a step due a line writes that line before its save (the resume starts after the step, so a
+    line left for later is lost): stopped and resumed, the run has the lines of a run with no stop, none twice."""
+    cfg, dist, loaders, state = job(epochs=2, batch_size=64, log_every=log_every)
+    steps_per_epoch = len(loaders.train)
+    stop_at = 3 if where == "mid-epoch" else steps_per_epoch
+    straight = hooks([])
+    train(cfg, copy.deepcopy(state), loaders, dist, straight)
+    expected = [record["step"] for record in straight.log.records if record["kind"] == "step"]
+
+    events = []
+    stop = StopRequest()
+    stopped = hooks([], stop)
+    stopped.log.log = lambda record: events.append((record["kind"], record["step"]))
+    stopped.save = lambda state: events.append(("save", state.step))
+    stopped.heartbeat = lambda phase, step: setattr(stop, "signum", signal.SIGTERM) if step == stop_at else None
+    with pytest.raises(Stopped):
+        train(cfg, state, loaders, dist, stopped)
+    due = stop_at % log_every == 0
+    assert events[-1] == ("save", stop_at) and (events[-2] == ("step", stop_at)) == due  # the line, then the save
+    resumed = hooks([])
+    train(cfg, state, loaders, dist, resumed)
+    lines = [step for kind, step in events if kind == "step"]
+    lines += [record["step"] for record in resumed.log.records if record["kind"] == "step"]
+    assert lines == expected and (stop_at in lines) == due

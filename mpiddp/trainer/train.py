@@ -16,7 +16,7 @@ from torch import nn
 
 from mpiddp.errors import UserError
 from mpiddp.job.collective import Dist
-from mpiddp.job.log import make_progress, progress_wanted
+from mpiddp.job.log import NullProgress, make_progress, progress_wanted
 from mpiddp.job.stopping import Stopped, StopRequest
 from mpiddp.trainer.callbacks import Callback, Callbacks
 from mpiddp.trainer.config import Config, TrainingSettings
@@ -304,7 +304,8 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         signum, save_due = hooks.stop.agreed_with_save(dist, hooks.save_clock.due())
         if signum:
             progress.close()
-            stop_in_epoch(signum, state, dist, hooks, epoch, meters, batches_seen, epoch_batches)
+            stop_in_epoch(signum, state, dist, hooks, epoch, meters, batches_seen, epoch_batches,
+                          cfg.outputs.log_every)
         if save_due and batches_seen < epoch_batches:  # a snapshot by time, mid-epoch: resumed as a stop's is
             state.batches_done = batches_seen
             hooks.save_now(state)
@@ -340,8 +341,12 @@ def log_caught_up_step(meters: EpochMeters, dist: Dist, state: TrainState, hooks
 
 
 def stop_in_epoch(signum: int, state: TrainState, dist: Dist, hooks: Hooks, epoch: int, meters: EpochMeters,
-                  batches_seen: int, epoch_batches: int) -> NoReturn:
-    """Collective: every rank agreed to stop after this step: save where the epoch stands, raise Stopped."""
+                  batches_seen: int, epoch_batches: int, log_every: int) -> NoReturn:
+    """Collective: every rank agreed to stop after this step: its metric line when one is due (before the save:
+    the resume starts after this step, so a line written later would be lost with a stop), then save where the
+    epoch stands, raise Stopped."""
+    if state.step % log_every == 0 and meters.logged_step < state.step:
+        log_window(meters, dist, state, hooks, epoch, NullProgress())  # the caller closed the bar
     state.batches_done = batches_seen
     if batches_seen >= epoch_batches:  # the epoch's training is complete: saved as the epoch, as a stop
         meters.account()  # during its evaluation is (never a 0-step epoch later), its evaluation left to the resume
