@@ -26,6 +26,16 @@ def test_the_summary_keeps_the_slowest_rank_of_each_phase_every_rank_reached():
     assert list(slowest_per_phase([{p: 1.0 for p in reversed(PHASES)}])) == list(PHASES)  # in phase order
 
 
+def test_a_rank_that_joined_the_running_job_is_left_out_of_its_start_up():
+    """After a grow the joined rank's own start (7-14 s, the grow's cost) is not the job's: its None is skipped
+    and the other ranks keep their numbers."""
+    per_rank = [{"interpreter_and_imports": 2.0, "first_step": 1.0}, None, {"interpreter_and_imports": 3.0,
+                                                                           "first_step": 0.5}]
+    assert slowest_per_phase(per_rank) == {"interpreter_and_imports": {"seconds": 3.0, "rank": 2},
+                                           "first_step": {"seconds": 1.0, "rank": 0}}
+    assert slowest_per_phase([None]) == {}
+
+
 # --- a finished rank ends without the interpreter's teardown (mpiddp.job.mpistart.exit_without_teardown) ------
 
 EXIT_PROGRAM = """

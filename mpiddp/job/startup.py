@@ -41,11 +41,14 @@ class StartupClock:
         return out
 
 
-def slowest_per_phase(per_rank: list[dict[str, float]]) -> dict[str, dict[str, float | int]]:
-    """{phase: {"seconds": the slowest rank's, "rank": that rank}} for the phases every rank reached."""
+def slowest_per_phase(per_rank: list[dict[str, float] | None]) -> dict[str, dict[str, float | int]]:
+    """{phase: {"seconds": the slowest rank's, "rank": that rank}} for the phases every rank reached. A None is a
+    rank that joined the running job (a grow): its own start is the grow's cost, recorded with the grow, not the
+    job's, so it is left out (the ranks keep their numbers)."""
+    started = {rank: durations for rank, durations in enumerate(per_rank) if durations is not None}
     out: dict[str, dict[str, float | int]] = {}
     for phase in PHASES:
-        if per_rank and all(phase in durations for durations in per_rank):
-            rank = max(range(len(per_rank)), key=lambda r: per_rank[r][phase])
-            out[phase] = {"seconds": per_rank[rank][phase], "rank": rank}
+        if started and all(phase in durations for durations in started.values()):
+            slowest = max(started, key=lambda r: started[r][phase])
+            out[phase] = {"seconds": started[slowest][phase], "rank": slowest}
     return out

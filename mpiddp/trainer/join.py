@@ -160,7 +160,7 @@ class Joined:
         if cfg.checkpoint.model_filename:
             save_weights(checkpoint_dir_of(cfg.checkpoint, self.run_dir) / cfg.checkpoint.model_filename,
                          self.state.unwrapped.state_dict(), dist)
-        summarise(self.recovery.cfg or cfg, dist, outcome, self.loaders, startup.started_at, startup)
+        summarise(self.recovery.cfg or cfg, dist, outcome, self.loaders, startup.started_at, startup, joined=True)
         self.recovery.gathered(dist)
         dist.from_main(lambda: None)  # rank 0 writes the summary
         if dist.topology.job_record:

@@ -124,17 +124,18 @@ def resume_mode(checkpoints: CheckpointSettings, dist: Dist, run_dir: Path | Non
 
 
 def summarise(cfg: Config, dist: Dist, outcome: Any, loaders: Any, job_started_at: float,
-              startup: StartupClock) -> dict[str, Any]:
+              startup: StartupClock, joined: bool = False) -> dict[str, Any]:
     """Collective: gather every rank's timing to global rank 0, which alone writes the job's summary and returns
-    it; the other ranks return an empty dict."""
+    it; the other ranks return an empty dict. A rank that `joined` the running job (a grow) leaves its start out of
+    the job's (`time_to_first_step_s`, `startup_s`): the grow's record has it."""
     import torch
 
     timing = outcome.timing
     if timing.first_step_done_at is not None:
         startup.mark("first_step", at=timing.first_step_done_at)
     gathered = dist.gather(  # a few hundred numbers per rank, however long the run
-        (timing.durations, timing.images_after_warmup, timing.seconds_after_warmup, timing.first_step_done_at,
-         startup.durations())
+        (timing.durations, timing.images_after_warmup, timing.seconds_after_warmup,
+         None if joined else timing.first_step_done_at, None if joined else startup.durations())
     )
     (finished_at,) = dist.reduce([time.time()], "max")
     if gathered is None:  # not global rank 0: nothing of the summary is for this rank
