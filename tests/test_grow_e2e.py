@@ -16,6 +16,7 @@ import pytest
 from conftest import find_mpirun
 from fakehosts import FakeHosts, running_fake_hosts
 from mpiddp import failure
+from mpiddp.job.startup import PHASES
 from spawnbug import CRASH_STATUSES, excuse, prterun_crash
 from test_leftovers import marked_env
 from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, survivors_pids
@@ -110,6 +111,11 @@ def test_the_job_grows_back_onto_the_spare_host_and_finishes_at_full_size(hosts,
     assert round(first["images_per_second"] * first["epoch_time_s"]) == expected, (grew["step"], first)
     assert second["images_per_second"] > 0  # the epoch after the grow, at full size (the benchmark compares it)
     assert summary["world_size"] == 3 and summary["eval_accuracy"] > 0.8, summary
+    # the job's start-up is the first ranks' own: the joined rank's start (the grow's, above) is not in it
+    assert set(summary["startup_s"]) == set(PHASES), summary["startup_s"]
+    assert all(entry["rank"] < 2 for entry in summary["startup_s"].values()), summary["startup_s"]
+    assert sum(e["seconds"] for e in summary["startup_s"].values()) == pytest.approx(summary["time_to_first_step_s"],
+                                                                                    abs=1.0)
     if status != 0:
         crash = prterun_crash(status, output)
         assert crash is not None, f"status {status}, not prterun's crash\n{output[-6000:]}"
