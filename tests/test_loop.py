@@ -421,3 +421,13 @@ def test_a_stopped_and_resumed_run_has_one_metric_line_per_due_step(log_every, w
     lines = [step for kind, step in events if kind == "step"]
     lines += [record["step"] for record in resumed.log.records if record["kind"] == "step"]
     assert lines == expected and (stop_at in lines) == due
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_training_keeps_ddps_first_bucket_layout(deterministic):
+    """DDP lays its buckets out again after a job's first step: a resumed job's first step would then all-reduce
+    another layout than the uninterrupted run's, which 3 ranks' ring all-reduce sums in another order
+    (test_exact_resume.py). --deterministic keeps the first layout in every job."""
+    cfg, dist, loaders, state = job(epochs=1, batch_size=256, deterministic=deterministic)
+    train(cfg, state, loaders, dist, hooks([]))
+    assert state.ddp._get_ddp_logging_data()["has_rebuilt_buckets"] == (0 if deterministic else 1)

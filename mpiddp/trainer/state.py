@@ -100,6 +100,17 @@ def build_state(cfg: Config, dist: Dist, num_classes: int, channels: int, batche
 DDP_CAN_SKIP_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
+def keeps_first_bucket_layout(training: TrainingSettings) -> bool:
+    """--deterministic: DDP's buckets keep their first layout for the whole run. DDP lays them out again after a
+    job's first step (in the order the gradients were ready), so a resumed job's first step would all-reduce
+    another layout than the uninterrupted run's same step; with 3 ranks or more a ring all-reduce (gloo's,
+    measured) sums each element in an order set by its place in the bucket, and the weights would differ in the
+    last bits (two ranks are exact: a + b = b + a). find_unused_parameters turns the new layout off, at one walk
+    of the autograd graph per step (its one-time C++ warning about that shows only where torch's C++ warnings
+    are, as with --log-level debug); --static-graph lays the buckets out again all the same."""
+    return training.deterministic and not training.static_graph
+
+
 def wrap(cfg: Config, dist: Dist, model: nn.Module, members: Any = None,
          transport: compression.TransportChoice | None = None, replicas_agree: bool = False,
          ) -> tuple[DistributedDataParallel, compression.GradientHook, nn.Module]:
@@ -113,6 +124,7 @@ def wrap(cfg: Config, dist: Dist, model: nn.Module, members: Any = None,
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.training.bucket_cap_mb,
         static_graph=cfg.training.static_graph,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less per step
+        find_unused_parameters=keeps_first_bucket_layout(cfg.training),
         **({"init_sync": False} if replicas_agree and DDP_CAN_SKIP_INIT_SYNC else {}),
     )
     quiet = transport is not None
