@@ -431,3 +431,21 @@ def test_deterministic_training_keeps_ddps_first_bucket_layout(deterministic):
     cfg, dist, loaders, state = job(epochs=1, batch_size=256, deterministic=deterministic)
     train(cfg, state, loaders, dist, hooks([]))
     assert state.ddp._get_ddp_logging_data()["has_rebuilt_buckets"] == (0 if deterministic else 1)
+
+
+def test_a_snapshot_by_time_mid_epoch_comes_after_its_steps_metric_line():
+    """A --save-interval snapshot mid-epoch is taken after its step's line: a resume from it (the job lost as a
+    whole meanwhile) starts after that step, so a line left until after the save would be lost."""
+    from mpiddp.trainer.saveclock import SaveClock
+
+    cfg, dist, loaders, state = job(epochs=1, batch_size=64, log_every=1)
+    clock = [0.0]
+    events = []
+    loop_hooks = hooks([])
+    loop_hooks.save_clock = SaveClock(10.0, now=lambda: clock[0])
+    loop_hooks.log.log = lambda record: events.append((record["kind"], record["step"]))
+    loop_hooks.save = lambda state: events.append(("save", state.step))
+    loop_hooks.heartbeat = lambda phase, step: clock.__setitem__(0, 100.0) if step == 2 else None
+    train(cfg, state, loaders, dist, loop_hooks)
+    at = events.index(("save", 2))
+    assert events[at - 1] == ("step", 2), events[:at + 1]

@@ -306,13 +306,13 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             progress.close()
             stop_in_epoch(signum, state, dist, hooks, epoch, meters, batches_seen, epoch_batches,
                           cfg.outputs.log_every)
+        if state.step % cfg.outputs.log_every == 0:  # before a snapshot: a resume from it starts after this step
+            log_window(meters, dist, state, hooks, epoch, progress)
         if save_due and batches_seen < epoch_batches:  # a snapshot by time, mid-epoch: resumed as a stop's is
             state.batches_done = batches_seen
             hooks.save_now(state)
         elif save_due:  # the epoch's last step: its own snapshot after the evaluation is the one, not a copy before
             hooks.save_clock.pending = True
-        if state.step % cfg.outputs.log_every == 0:
-            log_window(meters, dist, state, hooks, epoch, progress)
     meters.account()
     progress.close()
     return meters.totals, meters.durations
