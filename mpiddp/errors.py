@@ -46,6 +46,18 @@ class LostAfterFinish(RuntimeError):
     one line (the message quotes MPI_ERR_PROC_FAILED: `launch` reads this rank as a witness) and is relaunched."""
 
 
+class PeersLost(RuntimeError):
+    """The job ends because peers failed and in-job recovery was refused (mpiddp.elastic's NotRecovered): `hosts`
+    name where they ran, `ranks` their ranks in the world the job's placement file describes, empty where that file
+    already follows the survivors (a refusal after the shrink). FailFast records them as the failure, so `launch`
+    blames their hosts, not the rank that raised: the survivors know who was lost, MPI's launcher may say nothing."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), hosts: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.hosts = hosts
+
+
 class HelpRequested(Exception):
     """`--help` or `--version`: rank 0 prints the text, every rank exits 0."""
 

@@ -18,6 +18,7 @@ from mpiddp.elastic.grow import GrowBack, Regrown
 from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, WatchedTransport, members_lost,
                                        mpi_error_of)
 from mpiddp.elastic.survivors import bind_topology, mark_recovered, shrunk_topology, unless_end_decided
+from mpiddp.errors import PeersLost
 from mpiddp.job.collective import Dist, MpiTransport
 
 if TYPE_CHECKING:
@@ -28,9 +29,9 @@ log = logging.getLogger("mpiddp")
 T = TypeVar("T")
 
 
-class NotRecovered(RuntimeError):
-    """A failure in-job recovery does not cover: FailFast ends the job (the message names the lost peers in MPI's
-    words, so `launch` reads this rank's record as a witness, not as the failed rank)."""
+class NotRecovered(PeersLost):
+    """A failure in-job recovery does not cover: FailFast ends the job, its record naming the lost peers and their
+    hosts (PeersLost), so `launch` leaves those hosts out of the relaunch; the message names them in MPI's words."""
 
 
 def refused(dist: Dist, reason: str | None, level: int) -> bool:
@@ -125,6 +126,7 @@ class Engine:
         self.min_size = min_size
         self.initial_world = dists[0].world_size  # a rank that joined a grown job: the first job's (its hello)
         self.policy = policy
+        self.lost_in: Topology | None = None  # during a recovery: the world its lost ranks are numbered in
         policy.engine, policy.members, policy.dists = self, members, dists
 
     @classmethod
@@ -170,6 +172,7 @@ class Engine:
         """Collective over the survivors: shrink, rebuild, the policy's resume and settle; NotRecovered (the job
         ends) where it cannot."""
         policy, dist = self.policy, self.dists[0]
+        self.lost_in = dist.topology
         # detect: from this rank's last sign of life of the job (its last step, or the start of the collective
         # that failed) to MPI's report: an upper bound on the detection latency
         waited_from = max(self.members.waiting_since or 0.0, policy.alive_at()) or lost.detected_at
@@ -183,8 +186,8 @@ class Engine:
         before = dist.topology
         try:
             recovered = self.members.recover(self.min_size)
-        except RecoveryFailed as exc:
-            self.fall_back(str(exc), lost.ranks)
+        except RecoveryFailed as exc:  # the shrink's account of who failed, where it got that far
+            self.fall_back(str(exc), exc.failed or lost.ranks)
         mark_recovered()
         failed = recovered.failed_ranks
         bind_topology(self.dists, self.members, shrunk_topology(before, recovered.old_ranks_alive, recovered.rank),
@@ -200,12 +203,22 @@ class Engine:
         phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
                   phase: time.monotonic() - started}
         policy.settle(before, failed, phases, outcome)
+        self.lost_in = None
 
     def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
-        """One line why, then today's fail-fast path (FailFast aborts the job; `launch` relaunches it)."""
+        """One line why, then today's fail-fast path (FailFast aborts the job, recording `ranks` and their hosts as
+        the failure; `launch` relaunches it without them). `ranks`: in a recovery, of the world that lost them
+        (lost_in). Outside one (a grow's new ranks failing as they join) they are named in the message only, and
+        FailFast's record says what MPI reports failed, as before."""
         log.error("in-job recovery not possible: %s; ending the job", reason)
         names = ", ".join(map(str, ranks)) or "?"
-        error = NotRecovered(f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)")
+        now, world = self.dists[0].topology, self.lost_in
+        known = [rank for rank in ranks if world is not None and 0 <= rank < world.world_size]
+        hosts = tuple(dict.fromkeys(world.host_of(rank) for rank in known)) if world is not None else ()
+        # once the survivors follow the shrunk job its new rank 0 rewrites the placement `launch` maps ranks with:
+        # the lost ranks, of the old world, are then named by their hosts only
+        error = NotRecovered(f"in-job recovery not possible: {reason} (MPI_ERR_PROC_FAILED: ranks {names} failed)",
+                             tuple(known) if world is now else (), hosts)
         if self.policy.hide_cause:
             raise error from None
         raise error

@@ -46,7 +46,12 @@ class MembersLost(Exception):
 
 
 class RecoveryFailed(RuntimeError):
-    """In-job recovery cannot go on (the message says why, in one line): fall back to failing the job."""
+    """In-job recovery cannot go on (the message says why, in one line): fall back to failing the job. `failed`: the
+    ranks of the communicator the shrink left out, where it got that far (else empty)."""
+
+    def __init__(self, message: str, failed: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 @dataclass(frozen=True)
@@ -230,14 +235,14 @@ class Membership:
         failed = tuple(r for r in range(old_size) if r not in set(alive))
         refusal = recovery_refusal(old_size, failed, min_size)
         if refusal is not None:
-            raise RecoveryFailed(refusal)
+            raise RecoveryFailed(refusal, failed)
         shrunk = time.monotonic()
         self._disarm()
         self.comm = new
         try:
             self._rebuild_process_group()
         except self._mpi.Exception as exc:
-            raise RecoveryFailed(f"a second failure during recovery (MPI: {exc}): the job ends") from None
+            raise RecoveryFailed(f"a second failure during recovery (MPI: {exc}): the job ends", failed) from None
         self._arm()
         phases = {"agree_and_shrink": shrunk - started, "process_group": time.monotonic() - shrunk}
         log.warning("in-job recovery: ranks %s of %d failed; %d ranks go on (agree and shrink %.3f s, process "

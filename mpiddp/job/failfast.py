@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 # The exit statuses are re-exported here, where callers have always found them.
 from mpiddp.errors import (EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR,  # noqa: F401
-                           AgreedError, EndDecided, LostAfterFinish, ScriptError, ScriptExit, UserError)
+                           AgreedError, EndDecided, LostAfterFinish, PeersLost, ScriptError, ScriptExit, UserError)
 from mpiddp.failure import FailureRecord, records_dir, write_rank
 from mpiddp.job.log import flush_logs
 from mpiddp.job.topology import LauncherMismatch
@@ -150,6 +150,9 @@ class FailFast:
         else:
             kind = "exception"
             message = f"{type(exc).__name__}: {message}"
+            refused = _peers_lost(exc)
+            if refused is not None:
+                return self._refused(refused, known)
             lost = self._failed_peers()
             if lost:
                 return self._peers_failed(lost, rank, type(exc).__name__, known)
@@ -172,6 +175,16 @@ class FailFast:
         said = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} on {', '.join(hosts)}"
         return FailureRecord("killed", list(lost), hosts, f"{said} died (MPI's fault tolerance reports "
                              f"{'them' if len(lost) > 1 else 'it'} failed; rank {rank} saw {seen})", **known)
+
+    def _refused(self, exc: PeersLost, known: dict) -> FailureRecord:
+        """The survivors refused an in-job recovery and end the job: the ranks they lost (and their hosts, which
+        they know from the placement) are the failure, whatever MPI tells this rank now (after a shrink: nothing).
+        Every survivor's record starts alike ("lost in the job:"), so launch takes them as one failure and blames
+        the hosts any of them names."""
+        ranks = ", ".join(map(str, exc.ranks))
+        said = f"rank{'s' if len(exc.ranks) > 1 else ''} {ranks}" if ranks else "ranks"
+        message = f"lost in the job: {said} on {', '.join(exc.hosts)}; {str(exc).splitlines()[0]}"[:500]
+        return FailureRecord("killed", list(exc.ranks), list(exc.hosts), message, **known)
 
     def _where(self) -> tuple[int | None, bool | None]:
         if self.progress is None:  # the loop (or the script) has not started: nothing done yet
@@ -215,6 +228,19 @@ class FailFast:
             # The store died with rank 0: that failure is the root cause (mpirun names it); this one follows.
             self.reported_first = False
         return self.reported_first
+
+
+def _peers_lost(exc: BaseException) -> PeersLost | None:
+    """The refused recovery behind `exc`, naming hosts: `exc` itself, or the one it was raised from or while
+    handling (a `run` script's ScriptError hides its cause)."""
+    seen: set[int] = set()
+    each: BaseException | None = exc
+    while each is not None and id(each) not in seen:
+        seen.add(id(each))
+        if isinstance(each, PeersLost) and each.hosts:
+            return each
+        each = each.__cause__ or each.__context__
+    return None
 
 
 def _report(text: str, to_stdout: bool = False) -> None:

@@ -187,6 +187,15 @@ def _signature(record: FailureRecord) -> tuple[str, str, int | None]:
     return record.kind, message.split(":", 1)[0].strip(), record.status
 
 
+def _hosts_named(record: FailureRecord, host_of: dict[int, str]) -> list[str]:
+    """The hosts a record blames: its ranks' in the attempt's placement, where it knows every one of them; else the
+    record's own names (a record's hosts are listed once each, not once per rank; and survivors that refused a
+    recovery after the shrink name the lost ranks' hosts only, the placement already numbering the survivors)."""
+    if record.ranks and all(rank in host_of for rank in record.ranks):
+        return [host_of[rank] for rank in record.ranks]
+    return list(record.hosts)
+
+
 def from_records(records: list[FailureRecord], status: int, world_size: int,
                  host_of: dict[int, str] | None = None) -> Failure | None:
     """The failure every rank's record shows together (rules 1 to 4 and 6 of the module docstring), or None
@@ -208,7 +217,7 @@ def from_records(records: list[FailureRecord], status: int, world_size: int,
                        step=primary.step, **common)
     alike = [r for r in named if _signature(r) == _signature(primary)]
     ranks = tuple(sorted({rank for r in alike for rank in r.ranks}))
-    hosts = tuple(dict.fromkeys(host_of.get(rank) or host for r in alike for rank, host in zip(r.ranks, r.hosts)))
+    hosts = tuple(dict.fromkeys(host for r in alike for host in _hosts_named(r, host_of)))
     every_rank = {r.rank for r in alike} >= set(range(world_size)) and world_size > 0
     known_hosts = set(host_of.values())
     every_host = len(known_hosts) > 1 and set(hosts) >= known_hosts

@@ -325,14 +325,19 @@ class Supervisor:
         placement it recorded (else the slot order), and the launcher's evidence (mpiddp.launch.diagnose)."""
         records = failure.read_all(self.failure_file)
         num_ranks = attempt.num_ranks or self.num_ranks
-        placement = placement_of(failure.read_placement(self.failure_file), hosts_now, num_ranks)
+        recorded = failure.read_placement(self.failure_file)
+        placement = placement_of(recorded, hosts_now, num_ranks)
         found = diagnose(attempt.status or 1, records, output, num_ranks, placement)
         if found.step is None:
             found = Failure(**{**asdict(found), "step": last_logged_step(metrics)})
         if found.hosts and not found.ranks and found.kind != "unreachable":
-            # the launcher named the host only: its ranks follow from the placement
+            # the launcher named the host only: its ranks follow from the placement. A host the job's recorded
+            # placement has no rank on (its ranks lost in a refused recovery, the placement already the survivors')
+            # keeps no ranks: the slot order would number another host's survivors
             ranks = tuple(r for r, name in placement.items() if any(same_host(name, h) for h in found.hosts))
-            found = Failure(**{**asdict(found), "ranks": ranks or ranks_on(hosts_now, found.hosts)})
+            if not ranks and recorded is None:
+                ranks = ranks_on(hosts_now, found.hosts)
+            found = Failure(**{**asdict(found), "ranks": ranks})
         return found, placement, records
 
     def _first_hosts(self) -> list[Host]:
