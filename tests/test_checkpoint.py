@@ -220,6 +220,38 @@ def test_latest_moves_only_after_every_rank_heard_the_save(tmp_path, solo, monke
     assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
 
 
+def test_a_save_given_up_when_a_peer_died_leaves_no_file_and_is_saved_again_under_its_name(tmp_path, solo, monkeypatch):
+    """In-job recovery gives up a save that lost a rank after rank 0 wrote the file: rank 0 removes that file
+    (`latest` never named it), and the save done again by the survivors takes the same name, in the lineage."""
+    checkpoint.save(tmp_path, snapshot(1), solo, keep_last=3)
+
+    def peer_died():
+        raise RuntimeError("rank 1 is gone")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(solo.transport, "barrier", peer_died)
+        with pytest.raises(RuntimeError, match="rank 1 is gone"):
+            checkpoint.save(tmp_path, snapshot(2), solo, keep_last=3, parent=tmp_path / name(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage", name(1)]
+    assert checkpoint.save(tmp_path, snapshot(2), solo, keep_last=3, parent=tmp_path / name(1)).name == name(2)
+    assert checkpoint.read_lineage(tmp_path) == [name(1), name(2)]
+    assert checkpoint.resolve("auto", tmp_path)[1].epoch == 2
+
+
+def test_a_rank_0_killed_while_it_wrote_leaves_a_temporary_file_that_is_never_a_snapshot_and_goes(tmp_path, solo):
+    """A rank 0 SIGKILLed in the middle of a snapshot's write leaves write_atomic's temporary file (no clean-up
+    runs): resume never takes it, and the next save (the survivors', or the relaunch's) removes it."""
+    checkpoint.save(tmp_path, snapshot(1), solo, keep_last=3)
+    partial = tmp_path / f".{name(2)}.x1y2z3.tmp"
+    partial.write_bytes((tmp_path / name(1)).read_bytes()[:100])  # half a snapshot
+    assert names(tmp_path) == [name(1)] and checkpoint.resolve("auto", tmp_path)[1].epoch == 1
+    (tmp_path / "latest").unlink()  # a directory without `latest` too (the newest by name)
+    assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
+    checkpoint.save(tmp_path, snapshot(2), solo, keep_last=3, parent=tmp_path / name(1))
+    assert not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage", name(1), name(2)]
+
+
 def test_interrupted_save_keeps_previous_snapshot(tmp_path, solo, monkeypatch):
     checkpoint.save(tmp_path, snapshot(1), solo, keep_last=3)
 

@@ -449,3 +449,86 @@ def test_a_snapshot_by_time_mid_epoch_comes_after_its_steps_metric_line():
     train(cfg, state, loaders, dist, loop_hooks)
     at = events.index(("save", 2))
     assert events[at - 1] == ("step", 2), events[:at + 1]
+
+
+class SaveFailsOnce:
+    """The loop's `save` where a peer dies during the first one (in-job recovery then gives it up)."""
+
+    def __init__(self):
+        self.saved, self.failed = [], False
+
+    def __call__(self, state):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a peer failed during the save")
+        self.saved.append((state.epoch, state.step, state.batches_done))
+
+
+def recorded_in_job(calls):
+    def in_job(body, current, where):
+        calls.append(where)
+        return run_again_once(body, current, where)
+
+    return in_job
+
+
+def test_a_failure_during_an_epochs_save_saves_it_again_and_evaluates_it_once():
+    """A rank lost during epoch 1's save: the save is given up and done again once recovered (the epoch's record is
+    written once, its evaluation not redone), and training goes on. Before: the evaluation's body ran again, the
+    epoch's record already gone from the state (an AssertionError)."""
+    cfg, dist, loaders, state = job(epochs=2, batch_size=64, log_every=1000)
+    loop_hooks = hooks([])
+    loop_hooks.save, calls = SaveFailsOnce(), []
+    loop_hooks.in_job = recorded_in_job(calls)
+    outcome = train(cfg, state, loaders, dist, loop_hooks)
+    steps = len(loaders.train)
+    assert loop_hooks.save.failed and loop_hooks.save.saved == [(1, steps, 0), (2, 2 * steps, 0)]
+    assert [r["epoch"] for r in outcome.epochs] == [1, 2]
+    assert [r["epoch"] for r in loop_hooks.log.records if r["kind"] == "epoch"] == [1, 2]
+    assert calls == ["train", "eval", "save", "train", "eval", "save"]
+
+
+def test_a_failure_during_a_stops_save_saves_it_again_then_stops():
+    cfg, dist, loaders, state = job(epochs=2, batch_size=64, grad_accum=2)
+    stop = StopRequest()
+    loop_hooks = hooks([], stop)
+    loop_hooks.save = SaveFailsOnce()
+    loop_hooks.in_job = run_again_once
+    loop_hooks.heartbeat = lambda phase, step: setattr(stop, "signum", signal.SIGUSR1)
+    with pytest.raises(Stopped) as caught:
+        train(cfg, state, loaders, dist, loop_hooks)
+    assert caught.value.step == 1 and loop_hooks.save.saved == [(0, 1, 2)]  # saved where it stopped, once
+
+
+def test_every_drill_but_a_programs_own_error_fires_once_per_run(monkeypatch):
+    """A resumed or relaunched job (the same flags) goes past a kill, stall or stop drill (before: a stall-save
+    stalled the relaunch's save again); raise fires in every job, as a program's own error would."""
+    from mpiddp.trainer import drills
+    from mpiddp.trainer.config import FaultInjection
+
+    for kind in drills.ONCE_PER_RUN:
+        (drill,) = drills.drills_for(FaultInjection.parse(f"{kind}:0:2"), 0, resumed=True)
+        assert drill.fault is None, kind
+        (drill,) = drills.drills_for(FaultInjection.parse(f"{kind}:0:2"), 0, resumed=False)
+        assert drill.fault is not None, kind
+    (drill,) = drills.drills_for(FaultInjection.parse("raise:0:2"), 0, resumed=True)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        drill.on_step_end(2)
+    (drill,) = drills.drills_for(FaultInjection.parse("slow-compute:0:2"), 0, resumed=True)
+    assert drill.fault is not None
+
+
+def test_kill_save_kills_the_rank_at_the_start_of_its_save_only(monkeypatch):
+    from mpiddp.trainer import drills
+    from mpiddp.trainer.config import FaultInjection
+
+    killed = []
+    monkeypatch.setattr(drills.os, "kill", lambda pid, signum: killed.append(signum))
+    (drill,) = drills.drills_for(FaultInjection.parse("kill-save:1:30"), 1, resumed=False)
+    drill.on_step_end(30)
+    drill.on_eval_start(30)
+    drill.on_save_start(29)
+    assert killed == []
+    with pytest.raises(SystemExit):  # os.kill patched: the drill's process goes on to its exit
+        drill.on_save_start(30)
+    assert killed == [signal.SIGKILL]

@@ -14,14 +14,15 @@ from mpiddp.elastic.decide import job_refusal, nccl_errors_env
 from mpiddp.elastic.decide import Resplit, resplit
 
 
-def test_a_failure_in_training_or_evaluation_after_the_first_step_is_recoverable():
+def test_a_failure_in_training_evaluation_or_a_save_after_the_first_step_is_recoverable():
     assert refusal("train", True, "cpu", "none") is None
     assert refusal("eval", True, "cpu", "fp16") is None
+    assert refusal("save", True, "cpu", "none") is None  # rank 0 writes atomically: the save is given up, done again
 
 
 @pytest.mark.parametrize("where, stepped, device, compression, says", [
     ("train", False, "cpu", "none", "before the first training step"),
-    ("save", True, "cpu", "none", "during a save"),
+    ("save", False, "cpu", "none", "before the first training step"),
     ("train", True, "xpu", "none", "on xpu is not built"),
     ("train", True, "cpu", "powersgd", "PowerSGD"),
 ])
@@ -255,3 +256,43 @@ def test_a_recovery_rewraps_without_broadcasting_the_model_where_torch_allows(mo
     state.wrap(Config.of(dataset="digits"), dist, torch.nn.Linear(4, 2), transport=TransportChoice("gloo", "gloo", "test"),
                replicas_agree=replicas_agree)
     assert bool(synced) is not replicas_agree
+
+
+class AgreeingMembers:
+    """Membership's part of a save's agreement: what MPI_Comm_agree answers, and the failed ranks MPI reports."""
+
+    def __init__(self, agreed, failed=()):
+        self.agreed, self.failed_ranks, self.asked = agreed, failed, []
+
+    def all_completed(self, completed):
+        self.asked.append(completed)
+        return self.agreed and completed
+
+    def confirm(self, grace_s):
+        return self.failed_ranks or None
+
+
+def test_a_save_that_completed_here_but_not_on_every_survivor_is_given_up_here_too():
+    """A save's collectives can complete on some ranks only: its outcome is agreed, so a rank whose save returned
+    gives it up with the others (MembersLost: the engine recovers, every survivor saves again); before, it went on
+    into the next body while the others redid the save."""
+    from mpiddp.elastic.membership import MembersLost
+    from mpiddp.trainer.elastic_policy import TrainerPolicy
+
+    policy, saved = TrainerPolicy(), []
+    policy.members = AgreeingMembers(agreed=True)
+    policy.around_save(saved.append)("state")
+    assert saved == ["state"] and policy.members.asked == [True]
+    policy.members = AgreeingMembers(agreed=False, failed=(2,))
+    with pytest.raises(MembersLost) as caught:
+        policy.around_save(saved.append)("state")
+    assert caught.value.ranks == (2,) and policy.members.asked == [True]
+    lost = MembersLost((1,), 0.0)
+
+    def peer_died(state):
+        raise lost
+
+    policy.members = AgreeingMembers(agreed=True)
+    with pytest.raises(MembersLost) as caught:
+        policy.around_save(peer_died)("state")
+    assert caught.value is lost and policy.members.asked == [False]  # this rank's word: not completed

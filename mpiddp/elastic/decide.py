@@ -58,11 +58,10 @@ def in_job_recovery_refusal(library_version: str, env: Mapping[str, str], has_ap
 
 def failure_refusal(where: str, stepped: bool, device_type: str, compression: str) -> str | None:
     """The trainer's: None when a failure that struck in `where` (train, eval, save, ...) can be recovered in the
-    job, else one line why not. `stepped`: whether this job completed a training step."""
+    job, else one line why not. `stepped`: whether this job completed a training step. A save is recovered too:
+    rank 0 writes it atomically and moves `latest` last, so the survivors give it up and save again."""
     if not stepped:
         return "a rank failed before the first training step: in-job recovery starts with training"
-    if where == "save":
-        return "a rank failed during a save: the snapshot may be incomplete"
     if device_type not in ("cpu", "cuda"):
         return f"in-job recovery on {device_type} is not built"
     if compression == "powersgd":

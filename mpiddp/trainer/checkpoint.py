@@ -113,12 +113,41 @@ def read_side(snapshot_path: Path, rank: int) -> dict[str, Any] | None:
         return None
 
 
+def remove_partial(directory: Path) -> list[str]:
+    """Rank 0, before it writes a snapshot: the temporary files of saves that never finished (a rank 0 killed while
+    it wrote, whose write_atomic could not clean up). Their names (`.snapshot-....pt.XXXX.tmp`) never pass for a
+    snapshot; they are only space. Only rank 0 of the one job that owns `directory` writes there, and not now.
+    Returns the names removed."""
+    removed = []
+    for partial in directory.glob(".snapshot-epoch*.tmp"):
+        try:
+            partial.unlink()
+            removed.append(partial.name)
+        except OSError:
+            pass  # gone already, or not ours to remove: only space either way
+    if removed:
+        log.warning("removed %d unfinished snapshot file(s) of an interrupted save in %s: %s", len(removed),
+                    directory, ", ".join(removed))
+    return removed
+
+
+def give_up(directory: Path, path: Path) -> None:
+    """Rank 0, when a save fails after it wrote `path` (a rank lost before every rank heard of it): the file goes
+    unless `latest` already names it, so the save done again takes its name and no unpublished file is left."""
+    try:
+        if latest_name(directory) != path.name:
+            path.unlink(missing_ok=True)
+    except OSError as exc:  # an unpublished file left is only space: never what `latest` names
+        log.warning("could not remove %s of an interrupted save (%s)", path, exc.strerror or exc)
+
+
 def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     """Rank 0's first part of `save`: the file alone (`latest` still names the previous one). A UserError leaves
     the previous snapshot intact."""
     path = directory / snapshot_name(snapshot.epoch, snapshot.batches_done)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        remove_partial(directory)
         path = directory / free_name(directory, snapshot.epoch, snapshot.batches_done)
         payload = snapshot.to_payload()
         write_atomic(path, lambda out: torch.save(payload, out))
@@ -172,13 +201,21 @@ def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int, parent
     """Collective: rank 0 writes the snapshot, which continues `parent` (see `publish`); every rank hears it
     succeeded (a barrier, so a rank that died meanwhile stops the job before anything moves); then rank 0 moves
     `latest` and rotates, and every rank returns the path. A failure raises the same AgreedError everywhere while
-    the previous snapshot stays loadable."""
+    the previous snapshot stays loadable; a peer lost after the file was written raises there, and rank 0 removes
+    the file that `latest` does not name (give_up)."""
     path = dist.from_main(lambda: write_snapshot(directory, snapshot))
-    if snapshot.side_ranks:  # each rank writes its own side file: its PowerSGD state never passes through rank 0
-        dist.agree(lambda: write_side(path, dist.rank, snapshot.own_side))  # and a barrier, as below
-    else:
-        dist.barrier()  # `latest` names only a snapshot that every rank knows was saved
-    dist.from_main(lambda: publish(directory, path, keep_last, parent))
+    try:
+        if snapshot.side_ranks:  # each rank writes its own side file: its PowerSGD state never passes through rank 0
+            dist.agree(lambda: write_side(path, dist.rank, snapshot.own_side))  # and a barrier, as below
+        else:
+            dist.barrier()  # `latest` names only a snapshot that every rank knows was saved
+        dist.from_main(lambda: publish(directory, path, keep_last, parent))
+    except UserError:
+        raise  # a disk's error, said alike on every rank: the files stay as its message says
+    except Exception:  # a peer lost (in-job recovery gives the save up and saves again)
+        if dist.is_main:  # a local clean-up, no collective
+            give_up(directory, path)
+        raise
     log.debug("saved %s", path)  # the caller logs it with its cost
     return path
 

@@ -39,7 +39,7 @@ AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 PROGRESS = ("auto", "on", "off")
 FAULT_KINDS = ("raise", "exit0", "exit1", "stall", "kill", "slow-data", "slow-compute", "stall-data", "signal",
-               "signal-eval", "stall-eval", "stall-save")
+               "signal-eval", "stall-eval", "stall-save", "kill-save")
 ALL_RANKS = -1
 # the hang watchdog fires within one interval (at most 5 s) of --hang-timeout and records at once: a collective
 # timeout at least this much later (or a quarter more, for long timeouts) leaves it room on a loaded machine
@@ -49,12 +49,13 @@ HANG_REPORT_MARGIN_S = 30.0
 @dataclass(frozen=True)
 class FaultInjection:
     """A deliberate failure for testing: `KIND:RANK:STEP`; KIND raise, exit0, exit1 or stall, kill (SIGKILL of the
-    rank's own process, only in a run that is not resumed, so a relaunch gets past it), stall-data (blocked
+    rank's own process; kill-save: at the start of the save at step STEP), stall-data (blocked
     forever loading the batch after step STEP, while the others wait in the all-reduce; stall-eval and stall-save:
     the same at the start of the evaluation or of the save at step STEP), or a straggler from
     STEP on: slow-data or slow-compute, or a stop drill: signal (SIGUSR1 to the rank's process group after step
     STEP; STEP 0: once the first batch is loaded) or signal-eval (the same in the evaluation at step STEP);
-    RANK a number or `all`."""
+    RANK a number or `all`. Kills, stalls and stop drills fire once per run: not in a resumed or relaunched job
+    (drills.ONCE_PER_RUN), so a relaunch gets past them; raise and exit (a program's own error) fire in every job."""
 
     kind: str
     rank: int

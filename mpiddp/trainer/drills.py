@@ -15,15 +15,22 @@ from mpiddp.trainer.config import ALL_RANKS, FaultInjection
 log = logging.getLogger(__name__)
 
 STRAGGLE_S = 0.05
+# A lost process, a hang, a stop: what happens once to a run, so a resumed or relaunched job (the same flags) goes
+# past it. raise and exit stand for a program's own error, which every relaunch meets again (launch gives up on
+# it); a straggler (slow-*) is a lasting condition.
+ONCE_PER_RUN = ("kill", "kill-save", "stall", "stall-data", "stall-eval", "stall-save", "signal", "signal-eval")
+FAILURES = {"step": ("raise", "exit0", "exit1", "stall", "kill"), "save": ("kill-save",)}  # inject_fault's, by point
 
 
-def inject_fault(fault: FaultInjection | None, rank: int, step: int, resumed: bool = False) -> None:
-    """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job."""
-    if fault is None or fault.kind.startswith(("slow-", "signal", "stall-")) or not fault.hits(rank, step) or \
-            (fault.kind == "kill" and resumed):
+def inject_fault(fault: FaultInjection | None, rank: int, step: int, resumed: bool = False, at: str = "step") -> None:
+    """Fail on purpose (--inject-fault), to prove that one rank's failure ends the whole job (or, under in-job
+    recovery, that the survivors go on). `at`: the loop's point, "step" (after step STEP) or "save" (kill-save,
+    at the start of the save at step STEP)."""
+    if fault is None or fault.kind not in FAILURES[at] or not fault.hits(rank, step) or \
+            (fault.kind in ONCE_PER_RUN and resumed):
         return
     log.warning("injecting fault %r at step %d", fault.kind, step)
-    if fault.kind == "kill":
+    if fault.kind in ("kill", "kill-save"):
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would: no record, no report
@@ -55,10 +62,10 @@ def straggle(fault: FaultInjection | None, rank: int, step: int, phase: str) -> 
 
 class Drills(Callback):
     """The --inject-fault drill of this rank at its point of the loop. `resumed`: a resumed or relaunched run,
-    which a `kill` lets through (so a relaunch gets past it)."""
+    where a drill of ONCE_PER_RUN does not fire again (so a relaunch gets past it)."""
 
     def __init__(self, fault: FaultInjection, rank: int, resumed: bool) -> None:
-        self.fault: FaultInjection | None = fault
+        self.fault: FaultInjection | None = None if resumed and fault.kind in ONCE_PER_RUN else fault
         self.rank, self.resumed = rank, resumed
 
     def on_data_wait(self, step: int) -> None:
@@ -79,6 +86,7 @@ class Drills(Callback):
 
     def on_save_start(self, step: int) -> None:
         straggle(self.fault, self.rank, step, "save")
+        inject_fault(self.fault, self.rank, step, self.resumed, at="save")
 
     def on_recovered(self, rank: int) -> None:
         # The drill named a rank number, which now belongs to another process: it has fired; a straggler stays.

@@ -24,7 +24,7 @@ from mpiddp.elastic.decide import Resplit, StepTimes, failure_refusal, job_refus
 from mpiddp.elastic.decide import split_for_growth, stand_still
 from mpiddp.elastic.engine import DistComm, Engine, Policy, from_furthest, refused
 from mpiddp.elastic.grow import GrowBack, say_grown
-from mpiddp.elastic.membership import check_ulfm, nccl_abort_available
+from mpiddp.elastic.membership import CONFIRM_S, MembersLost, check_ulfm, members_lost, nccl_abort_available
 from mpiddp.elastic.survivors import hosts_of, unless_end_decided
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist
@@ -57,7 +57,6 @@ class TrainerPolicy(Policy):
     def __init__(self) -> None:
         self.cfg: Any = None  # the config on the survivors (per-rank batch, accumulation), once recovered
         self.stepped = False  # a training step completed in this job
-        self.saving = False  # inside a save: a failure there is not recovered
         self.in_step = False  # inside a training step (its forward, backward or gradient all-reduce)
         self.records: list[dict[str, Any]] = []  # this rank's view of each recovery (phases in its own seconds)
         self._recovered_at: float | None = None  # monotonic end of the last recovery, until the next step
@@ -66,7 +65,7 @@ class TrainerPolicy(Policy):
         self.step_times = StepTimes()  # what a grow's stand-still is weighed against
         self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
         self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
-        self.where = ""  # what `attempt` runs now: train or eval
+        self.where = ""  # what `attempt` runs now: train, eval or save
         self._full_epoch_end: int | None = None  # full_epoch_end()
         self.grower = GrowBack.from_env()  # back to full size after a recovery
         # in a step, hung ranks, ranks cut off with a silent host, step: at the shrink
@@ -124,20 +123,36 @@ class TrainerPolicy(Policy):
         self.step_times.ended(size, now, ordinary=not first)
 
     def around_save(self, save: Callable[[Any], None]) -> Callable[[Any], None]:
+        """The save, its outcome agreed (MPI_Comm_agree, uniform): a rank lost during it makes every survivor give
+        it up together, so none goes on past a save that the others redo (a save's collectives can complete on
+        some ranks only). Rank 0 writes the file atomically and moves `latest` last: a given-up save leaves the
+        last complete snapshot as the one a resume takes."""
         def guarded(state: Any) -> None:
-            self.saving = True
-            save(state)
-            self.saving = False  # left set when the save raised: the failure struck during the save
+            lost = None
+            try:
+                save(state)
+            except Exception as exc:
+                lost = members_lost(self.members, exc)
+                if lost is None:
+                    raise
+            if not self.members.all_completed(lost is None):
+                raise lost or MembersLost(self.members.confirm(CONFIRM_S) or (), time.time())
 
         return guarded
 
     def attempt(self, body: Callable[[Any], T], cfg: Any, where: str) -> T:
-        """Collective: `body(config)`, run again on the survivors (with their config) after each recovery."""
+        """Collective: `body(config)`, run again on the survivors (with their config) after each recovery. A save
+        runs through it inside a train or eval body: that body's `where` holds again once the save is done."""
+        outer = self.where
+
         def again() -> T:
             self.where = where
             return body(self.cfg or cfg)
 
-        return self.engine.run(again)
+        try:
+            return self.engine.run(again)
+        finally:
+            self.where = outer
 
     # -- the recovery itself: the engine's policy -----------------------------------------------------------------
 
@@ -157,7 +172,7 @@ class TrainerPolicy(Policy):
 
     def refusal(self) -> str | None:
         cfg = self.cfg or self.parts.cfg
-        return failure_refusal("save" if self.saving else self.where, self.stepped, self.dists[0].device_type,
+        return failure_refusal(self.where, self.stepped, self.dists[0].device_type,
                                cfg.training.grad_compression)
 
     def before_shrink(self) -> None:

@@ -93,7 +93,7 @@ class Hooks:
     # called at fixed points of each step (the --inject-fault drills are one, added by `train`)
     callbacks: Callback = field(default_factory=Callbacks)
     # in-job recovery (mpiddp.trainer.elastic_policy): runs body(config) and, after the survivors recovered from a failed
-    # rank, again with their config; `where` is train or eval. Without it: body(config), once.
+    # rank, again with their config; `where` is train, eval or save. Without it: body(config), once.
     in_job: Callable[[Callable[[Config], Any], Config, str], Any] = lambda body, cfg, where: body(cfg)
 
     def save_now(self, state: TrainState) -> None:
@@ -101,6 +101,13 @@ class Hooks:
         self.callbacks.on_save_start(state.step)
         self.save(state)
         self.save_clock.restart()
+
+    def save_or_again(self, state: TrainState) -> None:
+        """Collective: save_now, through in-job recovery: a rank lost during the save gives it up (rank 0 writes
+        atomically, so `latest` still names the last complete snapshot) and the survivors save again. For a
+        save after which no step of the running epoch follows (an epoch's end, a stop); a mid-epoch save's
+        failure is the epoch's own, whose run again saves at its next step (the save clock is still due)."""
+        self.in_job(lambda current: self.save_now(state), None, "save")
 
 
 @dataclass
@@ -355,7 +362,7 @@ def stop_in_epoch(signum: int, state: TrainState, dist: Dist, hooks: Hooks, epoc
         if dist.is_main:  # a local log line, no collective
             log.warning("stopping after the last step of epoch %d: its training is saved, its evaluation is "
                         "left to --resume", epoch)
-    hooks.save_now(state)
+    hooks.save_or_again(state)
     raise Stopped(signal.Signals(signum).name, state.step)
 
 
@@ -380,7 +387,7 @@ def evaluate_or_stop(training: TrainingSettings, state: TrainState, loaders: Loa
         if dist.is_main:  # a local log line, no collective
             log.warning("stopping during the evaluation of epoch %d: its training is saved, its evaluation is left to "
                         "--resume", epoch)
-        hooks.save_now(state)
+        hooks.save_or_again(state)
         raise Stopped(signal.Signals(signum).name, state.step)
     return sums
 
@@ -435,7 +442,7 @@ def finish_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, h
         epoch, cfg.training.epochs, record["train_loss"], accuracy, record["images_per_second"], record["epoch_time_s"],
     )
     if epoch % cfg.checkpoint.save_every == 0 or epoch == cfg.training.epochs or hooks.save_clock.pending:
-        hooks.save_now(state)
+        hooks.save_or_again(state)  # not the evaluation again: its record is written
     return record
 
 
