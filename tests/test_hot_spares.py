@@ -295,3 +295,8 @@ def test_two_ranks_a_host_one_lost_the_job_goes_on_in_the_job_at_the_same_global
     assert summary["world_size"] == 3 + spares and summary["eval_accuracy"] > 0.8, summary
     steps = [r["step"] for r in metrics(job.run_dir) if r["kind"] == "step"]
     assert steps == list(range(1, 22 * epochs + 1)), steps
+    # `report` draws the real record: epochs on 3 ranks, then (grown) on 4
+    drawn = subprocess.run([sys.executable, "-m", "mpiddp", "report", str(job.run_dir)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0 and "Traceback" not in drawn.stderr, drawn.stdout + drawn.stderr
+    assert list(job.run_dir.glob("*.png")), drawn.stdout
