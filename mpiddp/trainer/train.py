@@ -315,14 +315,22 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
                           cfg.outputs.log_every)
         if state.step % cfg.outputs.log_every == 0:  # before a snapshot: a resume from it starts after this step
             log_window(meters, dist, state, hooks, epoch, progress)
-        if save_due and batches_seen < epoch_batches:  # a snapshot by time, mid-epoch: resumed as a stop's is
-            state.batches_done = batches_seen
-            hooks.save_now(state)
-        elif save_due:  # the epoch's last step: its own snapshot after the evaluation is the one, not a copy before
-            hooks.save_clock.pending = True
+        if save_due:
+            save_by_time(state, hooks, batches_seen, epoch_batches)
     meters.account()
     progress.close()
     return meters.totals, meters.durations
+
+
+def save_by_time(state: TrainState, hooks: Hooks, batches_seen: int, epoch_batches: int) -> None:
+    """Collective, where every rank agreed rank 0's clock called for a snapshot (--save-interval): mid-epoch it
+    saves now, resumed as a stop's is; on the epoch's last step the epoch's own snapshot, after its evaluation, is
+    the one, not a copy before it."""
+    if batches_seen < epoch_batches:
+        state.batches_done = batches_seen
+        hooks.save_now(state)
+    else:
+        hooks.save_clock.pending = True
 
 
 def log_window(meters: EpochMeters, dist: Dist, state: TrainState, hooks: Hooks, epoch: int, progress: Any) -> None:
