@@ -13,6 +13,7 @@ short to wait that long between reports (then the timeout wins: a hang is still 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 STORE_REQUESTS_PER_S = 100.0  # what all ranks' watchers together ask of rank 0's store each second, at most
@@ -53,3 +54,59 @@ def add_within(store: Any, key: str, amount: int, seconds: float) -> int:
     if not result:
         raise TimeoutError(f"rank 0's store did not answer within {seconds:g} s")
     return result[0]
+
+
+class StoreUnanswered(TimeoutError):
+    """A request to rank 0's store timed out: not answered within its deadline, or sent while an earlier one
+    still waits for its answer."""
+
+
+class AnsweredWithin:
+    """A store whose every request is answered within `seconds`, or raises StoreUnanswered: a watcher never
+    blocks on rank 0's store. A stopped rank 0 holds its sockets open, so a TCPStore client would wait in recv
+    for as long as the process is stopped (torch's own timeout does not cover every request). The request that
+    did not answer is left to finish in its daemon thread; until it does, no other is sent (it would queue
+    behind it on the one connection) and each raises at once. `unanswered_since`: when that request was sent
+    (time.monotonic()), None while the store answers."""
+
+    def __init__(self, store: Any, seconds: float) -> None:
+        self.inner = store
+        self.seconds = seconds
+        self.unanswered_since: float | None = None
+        self._pending: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if not callable(attribute):
+            return attribute
+        return lambda *args, **kwargs: self._ask(name, attribute, args, kwargs)
+
+    def _ask(self, name: str, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._lock:
+            if self._pending is not None and self._pending.is_alive():
+                assert self.unanswered_since is not None
+                raise StoreUnanswered(f"rank 0's store timed out: a request has waited "
+                                      f"{time.monotonic() - self.unanswered_since:.0f} s for its answer")
+            self._pending = None
+            self.unanswered_since = None
+        answer: list[Any] = []
+        failure: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                answer.append(request(*args, **kwargs))
+            except BaseException as exc:  # handed to the caller's thread
+                failure.append(exc)
+
+        asker = threading.Thread(target=ask, name="mpiddp-store-request", daemon=True)
+        sent = time.monotonic()
+        asker.start()
+        asker.join(self.seconds)
+        if asker.is_alive():
+            with self._lock:
+                self._pending, self.unanswered_since = asker, sent
+            raise StoreUnanswered(f"rank 0's store timed out: {name} not answered within {self.seconds:g} s")
+        if failure:
+            raise failure[0]
+        return answer[0]

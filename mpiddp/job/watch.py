@@ -56,6 +56,12 @@ class StoreMixin:
         values = self.store.multi_get(present) if present else []
         return {storekeys.rank_of_progress(key): json.loads(value) for key, value in zip(present, values)}
 
+    def pid_of(self, rank: int) -> int | None:
+        """The pid in `rank`'s progress record, None before it published one."""
+        key = storekeys.progress(rank)
+        pid = json.loads(self.store.get(key)).get("pid") if self.store.check([key]) else None
+        return pid if isinstance(pid, int) else None
+
     def hang_requested(self) -> bool:
         return bool(self.store.check([storekeys.HANG_REQUEST]))
 

@@ -26,7 +26,7 @@ from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
 from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
 from mpiddp.job.silenthost import SILENT_HOST_S, QuietHosts, cut_connections, host_addresses, kernel_answers
-from mpiddp.job.storeload import paced_interval, store_rate
+from mpiddp.job.storeload import AnsweredWithin, StoreUnanswered, paced_interval, store_rate
 from mpiddp.job.watch import Ending, Watcher, own_stacks
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advanc
 # in-job recovery: one more, to look for silent hosts (rank 0 also reads every rank's record: two requests)
 HOST_WATCH_REQUESTS = REQUESTS_PER_INTERVAL + 1
 HOST_WATCH_INTERVAL_S = 2.0  # in-job recovery: reports this often (in a small job), for the silent-host watch
+REQUEST_DEADLINE_S = 5.0  # the longest a store request may keep the watchdog waiting (less with a short timeout)
 
 
 class Watchdog(Watcher):
@@ -61,6 +62,9 @@ class Watchdog(Watcher):
                  failure_dir: Path | None = None, run_dir: Path | None = None,
                  trace: Callable[[], bytes] | None = None) -> None:
         super().__init__(timeout_s, rank, world_size, label, store, abort)
+        if store is not None:  # never blocked on rank 0's store: a stopped rank 0 holds its sockets open
+            self.store = AnsweredWithin(store, max(self.interval, min(REQUEST_DEADLINE_S, timeout_s / 2)))
+        self.rank_0_pid: int | None = None  # from rank 0's first progress record: to end it when its store is mute
         self.run_dir = run_dir  # where the hang file goes (None: stderr only)
         self.trace = trace  # this rank's flight-recorder dump (NCCL), written to the run dir when the job hangs
         self.answered = False  # this rank gave its stacks (and dump) for the hang file
@@ -151,6 +155,7 @@ class Watchdog(Watcher):
         self.excluded = set()  # rank numbers of the old world
         self.quiet, self.judged, self.cut_hosts, self.silenced = fresh.quiet, set(), set(), set()
         self.own_ticks.clear()
+        self.rank_0_pid = None  # the new rank 0's, read again
         self.stopped = threading.Event()
         self.recovering = False
         self.thread = threading.Thread(target=self._watch, name=self.THREAD_NAME, daemon=True)
@@ -178,7 +183,15 @@ class Watchdog(Watcher):
     def poll(self) -> Ending | None:
         if self.recovering:
             return None
+        try:
+            return self._poll_store()
+        except StoreUnanswered:
+            return self._store_mute()
+
+    def _poll_store(self) -> Ending | None:
         self._publish()
+        if self.rank_0_pid is None and self.rank != 0:
+            self.rank_0_pid = self.pid_of(0)
         asked = not self.answered and self.hang_requested()
         if time.monotonic() - self.last_beat > self.timeout_s:
             return self._fire
@@ -242,18 +255,61 @@ class Watchdog(Watcher):
 
     def store_failed(self, exc: Exception) -> None:
         if not self.recovering and STORE_UNANSWERED.search(str(exc)):
-            self._store_unanswered(exc)
+            self._rank_0_hung(str(exc))
 
-    def _store_unanswered(self, exc: BaseException) -> None:
-        """Rank 0's store (in rank 0's process) stopped answering while the job runs: rank 0 is stopped or wedged,
-        and nothing can be gathered through the store. Name rank 0 as behind, in this rank's record, and end the
-        job, rather than leave every other rank waiting on it forever."""
-        where = self.host_of_rank.get(0, "?")
-        text = (f"mpiddp: hang watchdog: {self.label}: rank 0's store (rank 0 on {where}) stopped answering "
-                f"({exc}); rank 0 is stopped or wedged; ending the job\n"
-                f"mpiddp: Python stacks of {self.label}:\n{own_stacks()}")
-        self._record({}, [0])
-        self.end_job(text)
+    def _store_mute(self) -> Ending | None:
+        """A store request is still unanswered: rank 0 (which holds the store) is stopped or wedged once that has
+        lasted --hang-timeout; until then (a slow answer under load) the watch goes on."""
+        since = self.store.unanswered_since
+        if since is None or time.monotonic() - since < self.timeout_s:
+            return None
+        return lambda: self._rank_0_hung(f"not answered for {time.monotonic() - since:.0f} s")
+
+    def _rank_0_hung(self, why: str) -> None:
+        """Rank 0's store stopped answering: rank 0 is stopped or wedged, and nothing can be gathered through its
+        store. Under in-job recovery (its pid known from its first progress record) rank 0 is ended like any hung
+        rank: by a peer on its host (SIGKILL), else by `launch` (asked through a file); MPI then declares it failed
+        and the survivors recover on a new store, as when rank 0 is killed. Else, or when the recovery does not
+        begin within max(--hang-timeout, EXCLUDE_WAIT_MIN_S), this rank records rank 0 as behind and ends the job
+        (launch relaunches without its host). The witness (rank 1) writes the hang file with its own stacks."""
+        stopped = self.stopped
+        host, pid = self.host_of_rank.get(0, "?"), self.rank_0_pid
+        stacks = own_stacks()
+        end = self.exclude_hung and pid is not None and self.world_size > 1 and 0 in self.host_of_rank
+        lines = [f"mpiddp: hang watchdog: {self.label}: rank 0's store (rank 0 on {host}) stopped answering ({why}; "
+                 f"--hang-timeout {self.timeout_s:g}): rank 0 is stopped or wedged",
+                 "ranks behind: 0 at an unknown step (its store holds the progress of every rank)"]
+        if end:
+            lines.append(describe_exclusion({"ranks": {"0": {"pid": pid, "host": host}}}))
+        sys.stderr.write("\n".join(lines) + f"\nmpiddp: Python stacks of {self.label}:\n{stacks}")
+        sys.stderr.flush()
+        hang_file = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt" if self.run_dir else None
+        if hang_file is not None and self.rank == 1:
+            text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines, f"ranks behind: 0 on {host}",
+                    "", f"==== Python stacks of {self.label} (the others' are in their own output)", stacks]
+            try:
+                write_text_atomic(hang_file, "\n".join(text))
+                sys.stderr.write(f"mpiddp: hang report: {hang_file}\n")
+            except OSError as exc:
+                sys.stderr.write(f"mpiddp: could not write the hang report {hang_file}: {exc}\n")
+            sys.stderr.flush()
+        if end:
+            assert pid is not None
+            self.excluded.add(0)  # the recovery's cause: a hang
+            if self.host_of_rank.get(self.rank) == host:
+                sys.stderr.write(f"mpiddp: hang watchdog: {self.label}: ending rank 0 (pid {pid}) on {host} with "
+                                 "SIGKILL: in-job recovery leaves it behind\n")
+                end_process(pid)
+            elif not any(h == host and r != 0 for r, h in self.host_of_rank.items()) and self.failure_dir is not None:
+                if ask_to_end(self.failure_dir, 0, host, pid):  # one request, whichever survivor writes it first
+                    sys.stderr.write(f"mpiddp: hang watchdog: no other rank runs on {host}: asking launch to end "
+                                     f"rank 0 (pid {pid})\n")
+            sys.stderr.flush()
+            if stopped.wait(max(self.timeout_s, EXCLUDE_WAIT_MIN_S)):
+                return  # the survivors recovered on a new store: this watch is over
+            self.excluded.discard(0)
+        self._record({}, [0], hang_file if self.rank == 1 else None)
+        self.abort(EXIT_HANG)
 
     def _dump_trace(self) -> None:
         """On NCCL: this rank's flight-recorder buffer into the run dir, and whether it worked, in the store."""

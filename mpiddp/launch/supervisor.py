@@ -54,6 +54,10 @@ FINISHED_LINGER_S = 60.0
 # host's ranks forever, so it is ended once it had a moment to end by itself.
 LOST_HOST_LINGER_S = 5.0
 RELAY_POLL_S = 0.1  # how often a relay looks for new output
+# A stop (SIGTERM, SIGUSR1, Ctrl-C) lets the ranks save a snapshot; a job still running this long after it (a rank
+# stopped or wedged holds the others in the stop's collectives) is ended whole, as the third Ctrl-C ends it
+STOP_GRACE_S = 120.0
+STOP_GRACE_ENV = "MPIDDP_STOP_GRACE_S"  # another grace, in seconds (tests)
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,8 @@ class Supervisor:
         self.child: subprocess.Popen[str] | None = None
         self.stop_signal = 0
         self.interrupts = 0
+        self.stopped_at: float | None = None  # time.monotonic() of the first stop signal
+        self.killed_at: float | None = None  # time.time() when launch ended the job itself after a stop
         # A relaunch resumes by itself (its restart count); with the user's --resume PATH, the job prefers the
         # snapshots this launch saved, which record this id.
         self.launch_id = uuid.uuid4().hex[:12]
@@ -253,7 +259,10 @@ class Supervisor:
                 return EXIT_USER_ERROR
             metrics = failure.read_metrics(self.plan.run_dir)  # once per attempt (it grows with the run): used below
             self._count_steps_lost(metrics)
-            attempt.recoveries = recoveries.of_attempt(self.plan.run_dir, self.failure_file, attempt.started_at)
+            # a "recovery" from launch's own end of the job after a stop (a rank killed before its peers) is none
+            attempt.recoveries = [item for item in recoveries.of_attempt(self.plan.run_dir, self.failure_file,
+                                                                         attempt.started_at)
+                                  if self.killed_at is None or float(item.get("time", 0.0)) < self.killed_at]
             attempt.status = self._job_status(attempt)
             within = recoveries.count_line(attempt.recoveries)
             if attempt.status == 0 or self.stop_signal:
@@ -506,7 +515,7 @@ class Supervisor:
         for relay in relays:
             relay.start()
         self.ended_after_loss = False
-        status = _wait_unless_lingering(child, marked, lost)
+        status = _wait_unless_lingering(child, marked, lost, self._stop_overdue)
         self.ended_after_loss = status == -signal.SIGKILL and bool(lost()) and marked()
         end_session(child.pid)
         done.set()  # the relays read to the end of what was written, then stop
@@ -515,8 +524,22 @@ class Supervisor:
             relay.join(max(0.0, deadline - time.monotonic()))
         return status, "".join(tail)
 
+    def _stop_overdue(self) -> bool:
+        """Whether the job outlived a stop's grace (STOP_GRACE_S): launch then ends it whole."""
+        if self.stopped_at is None:
+            return False
+        grace = stop_grace(self.env)
+        if time.monotonic() - self.stopped_at < grace:
+            return False
+        say(f"the job still runs {grace:g} s after the stop (a rank stopped or wedged holds the others): ending it "
+            "without a snapshot")
+        self.killed_at = time.time()
+        return True
+
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = self.stop_signal or signum
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
         running = self.child is not None and self.child.poll() is None
         if signum == signal.SIGINT:
             self.interrupts += 1
@@ -525,6 +548,7 @@ class Supervisor:
             elif self.interrupts >= KILL_AFTER_INTERRUPTS and running:
                 _say_now("killing the job (SIGKILL to the launcher's process group): no snapshot")
                 assert self.child is not None
+                self.killed_at = time.time()
                 _kill_group(self.child.pid)  # its own session: the group id is its pid
                 return
         if running:
@@ -623,12 +647,20 @@ def _pass_on(line: str, target: TextIO, tail: OutputKeeper) -> None:
     tail.append(line)
 
 
+def stop_grace(env: dict[str, str]) -> float:
+    """STOP_GRACE_S, or the seconds STOP_GRACE_ENV names."""
+    try:
+        return max(0.0, float(env.get(STOP_GRACE_ENV, STOP_GRACE_S)))
+    except ValueError:
+        return STOP_GRACE_S
+
+
 def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], bool],
-                           lost: Callable[[], list[str]] = list) -> int:
+                           lost: Callable[[], list[str]] = list, overdue: Callable[[], bool] = lambda: False) -> int:
     """The launcher's status once it exits; if it is still running FINISHED_LINGER_S after the job marked its
     end (a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return its -9. After a job
     whose records say it `lost` a host in the job (Open MPI's mpirun waits for that host's ranks forever), after
-    LOST_HOST_LINGER_S."""
+    LOST_HOST_LINGER_S. Once `overdue` (a stop's grace ran out), SIGKILL its session at once."""
     mark_seen: float | None = None
     hosts: list[str] = []
     while True:
@@ -636,6 +668,9 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
             return child.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
+        if overdue():
+            end_session(child.pid)
+            return child.wait()
         if mark_seen is None:
             mark_seen = time.monotonic() if marked() else None
             hosts = lost() if mark_seen is not None else []
