@@ -4,6 +4,7 @@ recovery, or when nothing ends it in time, the job ends as before. The end-to-en
 test_recovery_e2e.py (a peer on the host) and test_drill.py (launch)."""
 
 import json
+import time
 import threading
 
 import pytest
@@ -233,3 +234,72 @@ def test_the_daemons_of_a_launcher_that_died_by_a_signal_are_ended_on_the_other_
     ran: list[list[str]] = []
     end_daemons(["agent"], ["nodeb", "nodec"], 7, run=lambda command: ran.append(command) or 0)
     assert sorted(command[1] for command in ran) == ["nodeb", "nodec"]
+
+
+class StoppedStore(DictStore):
+    """Rank 0's store once rank 0 is SIGSTOPped: every request waits (a stopped process keeps its sockets open)."""
+
+    def __init__(self):
+        super().__init__()
+        self.answering = threading.Event()
+        self.answering.set()
+
+    def add(self, key, amount):
+        self.answering.wait()
+        return super().add(key, amount)
+
+
+def polled_until_an_ending(watchdog, seconds=30.0):
+    """The watchdog's rounds, each on a thread of its own (a round that never returns fails the test, not hangs it),
+    until one returns what ends the job; (that ending, seconds it took)."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        found = []
+        round_ = threading.Thread(target=lambda: found.append(watchdog.poll()), daemon=True)
+        round_.start()
+        round_.join(watchdog.interval + 5)
+        assert not round_.is_alive(), "a round of the watchdog blocked on rank 0's stopped store"
+        if found[0] is not None:
+            return found[0], time.monotonic() - started
+        time.sleep(watchdog.interval)  # the watcher's own pace between rounds
+    pytest.fail("rank 0's mute store was never noticed")
+
+
+@pytest.mark.parametrize("exclude_hung", [True, False])
+def test_a_stopped_rank_0_whose_store_never_answers_is_ended_after_the_hang_timeout(tmp_path, ended, exclude_hung):
+    """Issue 44: rank 0 holds the store and is stopped; each request to it has a deadline, and once it has not
+    answered for --hang-timeout, rank 0 is named: under in-job recovery launch is asked to end it (its pid from its
+    first progress record) and the recovery follows; without it, the job ends with rank 0 recorded as behind."""
+    store, aborted = StoppedStore(), []
+    hosts = {0: "hosta", 1: "hostb", 2: "hostc"}
+    watchdogs = [Watchdog(1, rank, 3, f"rank {rank}/3", store, aborted.append, hosts,
+                          tmp_path / failure.FAILURES_DIR, tmp_path) for rank in range(3)]
+    for each in watchdogs:
+        each.exclude_hung = exclude_hung
+        each._publish()
+    record = json.loads(store.get(storekeys.progress(0)))
+    store.set(storekeys.progress(0), json.dumps({**record, "pid": STOPPED_PID}))
+    witness = watchdogs[1]
+    assert witness.poll() is None and witness.rank_0_pid == STOPPED_PID
+    store.answering.clear()  # rank 0 stopped
+    ending, took = polled_until_an_ending(witness)
+    assert took >= witness.timeout_s  # never before the hang timeout
+    run = threading.Thread(target=ending, daemon=True)
+    run.start()
+    directory = tmp_path / failure.FAILURES_DIR
+    if exclude_hung:
+        assert wait_for(lambda: failure.to_end(directory))
+        ((_, asked),) = failure.to_end(directory)
+        assert (asked["host"], asked["pid"], asked["rank"]) == ("hosta", STOPPED_PID, 0)
+        assert witness.excluded == {0}  # the recovery's cause: a hang
+        witness.stopped.set()  # the survivors recovered on a new store
+        run.join(30)
+        assert not run.is_alive() and aborted == [] and failure.read_all(directory) == []
+    else:
+        run.join(30)
+        assert aborted == [EXIT_HANG] and failure.to_end(directory) == []
+        (record,) = failure.read_all(directory)
+        assert (record.kind, record.ranks, record.hosts) == ("hang", [0], ["hosta"])
+    (hang_file,) = tmp_path.glob("hang-*.txt")
+    assert "ranks behind: 0 on hosta" in hang_file.read_text()
+    store.answering.set()  # the stopped request's thread ends
