@@ -9,8 +9,8 @@ Scenarios, on fake hosts (network namespaces, tests/fakehosts.py; needs root), e
                      back to 4
   stop-rank-0        -H nodea:1,nodeb:1,nodec:1 -np 2: rank 0 SIGSTOPped after the epoch-2 snapshot,
                      --hang-timeout 10: recovered in the job, or one relaunch without nodea
-  kill-in-save       -H nodea:1,nodeb:1,nodec:1 -np 2: rank 1 (nodeb) SIGKILLs itself during the save after
-                     epoch 2 (--inject-fault kill-save)
+  kill-in-save       -H nodea:1,nodeb:1,nodec:1 -np 2: rank 1 (nodeb) SIGKILLs itself as the save after
+                     epoch 2 (step 44) starts (--inject-fault kill-save)
 A run finishes when launch exits 0 with the job's summary.json; "one attempt" counts attempts.json's entries (a
 start-up race of Open MPI's launcher, status 213 before any rank ran, is counted apart); a healthy host is any
 host but the one whose rank was lost in an attempt's excluded_hosts; leftovers are processes still in any fake
@@ -68,7 +68,7 @@ SCENARIOS = {
                             ("--epochs", "6", "--hang-timeout", "10", "--grad-transport", "gloo"), "nodea", 240,
                             stop_rank_0_after="snapshot-epoch0002.pt", relaunch_allowed=True),
     "kill-in-save": Scenario(("nodea", "nodeb", "nodec"), "nodea:1,nodeb:1,nodec:1", 2,
-                             ("--epochs", "4", "--inject-fault", "kill-save:1:2"), "nodeb", 120),
+                             ("--epochs", "4", "--inject-fault", "kill-save:1:44"), "nodeb", 120),
 }
 
 
