@@ -49,6 +49,17 @@ HOST_WATCH_INTERVAL_S = 2.0  # in-job recovery: reports this often (in a small j
 REQUEST_DEADLINE_S = 5.0  # the longest a store request may keep the watchdog waiting (less with a short timeout)
 
 
+
+def write_report(path: Path, text: list[str], what: str) -> None:
+    """Write a hang report atomically and say where in one line (a full disk is said, not raised: the job's end
+    must not wait on it)."""
+    try:
+        write_text_atomic(path, "\n".join(text))
+        sys.stderr.write(f"mpiddp: {what}: {path}\n")
+    except OSError as exc:
+        sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
+    sys.stderr.flush()
+
 class Watchdog(Watcher):
     """beat(phase, step) from the main thread; the thread fires when beats stop for `timeout_s`. enter(phase)
     says where in a step the rank is, without counting as progress."""
@@ -287,12 +298,7 @@ class Watchdog(Watcher):
         if hang_file is not None and self.rank == 1:
             text = [f"mpiddp hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", *lines, f"ranks behind: 0 on {host}",
                     "", f"==== Python stacks of {self.label} (the others' are in their own output)", stacks]
-            try:
-                write_text_atomic(hang_file, "\n".join(text))
-                sys.stderr.write(f"mpiddp: hang report: {hang_file}\n")
-            except OSError as exc:
-                sys.stderr.write(f"mpiddp: could not write the hang report {hang_file}: {exc}\n")
-            sys.stderr.flush()
+            write_report(hang_file, text, "hang report")
         if end:
             assert pid is not None
             self.excluded.add(0)  # the recovery's cause: a hang
@@ -465,12 +471,7 @@ class Watchdog(Watcher):
                 text += [f"==== Python stacks of {stacks[rank]}", ""]
             else:
                 text += [f"==== {where}: no stacks (stopped, dead, or its watchdog did not fire in time)", ""]
-        try:
-            write_text_atomic(path, "\n".join(text))
-            sys.stderr.write(f"mpiddp: hang report with every rank's stacks: {path}\n")
-        except OSError as exc:
-            sys.stderr.write(f"mpiddp: could not write the hang report {path}: {exc}\n")
-        sys.stderr.flush()
+        write_report(path, text, "hang report with every rank's stacks")
 
     def _describe_traces(self) -> list[str]:
         """What the dumps of the ranks that answered show (a file of an earlier job in the run dir is not read)."""
