@@ -1,4 +1,4 @@
-"""torch's C++ warnings quieted in a rank's process (mpiddp/job/cpplog.py): a dead rank 0's store must not put
+"""torch's C++ warnings quieted in a rank's process (mpiddp/cpplog.py): a dead rank 0's store must not put
 torch's C++ stack trace into a survivor's log."""
 
 import subprocess
@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from mpiddp.job.cpplog import CPP_LOG_LEVEL_ENV, debug_asked, quiet_cpp_warnings
+from mpiddp.cpplog import CPP_LOG_LEVEL_ENV, debug_asked, quiet_cpp_warnings
 
 # a TCPStore server in a process of its own, killed; this process's client then sends to it, as a survivor's
 # watcher does to rank 0's store after rank 0 died
 DEAD_STORE = """
 import os, signal, subprocess, sys
 from mpiddp.commands import split_command
-from mpiddp.job.cpplog import quiet_cpp_warnings
+from mpiddp.cpplog import quiet_cpp_warnings
 quiet_cpp_warnings(*split_command(sys.argv[1:]))
 import torch.distributed as tdist
 server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "

@@ -159,7 +159,7 @@ def test_rank_0_and_its_store_killed_in_the_gloo_all_reduce_the_survivors_finish
     job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:0:5")
     pids = job.kill_when_stalled(0)
     assert_recovered(job, pids, 0, "nodea")
-    # a survivor's request to the dead store: torch's one-line error, not its C++ stack (mpiddp.job.cpplog)
+    # a survivor's request to the dead store: torch's one-line error, not its C++ stack (mpiddp.cpplog)
     assert "Exception raised from" not in job.output() and "frame #" not in job.output(), job.output()[-5000:]
 
 
