@@ -220,16 +220,19 @@ def test_latest_moves_only_after_every_rank_heard_the_save(tmp_path, solo, monke
     assert checkpoint.resolve("auto", tmp_path)[1].epoch == 1
 
 
-def test_a_save_given_up_when_a_peer_died_leaves_no_file_and_is_saved_again_under_its_name(tmp_path, solo, monkeypatch):
-    """In-job recovery gives up a save that lost a rank after rank 0 wrote the file: rank 0 removes that file
-    (`latest` never named it), and the save done again by the survivors takes the same name, in the lineage."""
+@pytest.mark.parametrize("where", ["barrier", "bcast"])
+def test_a_save_given_up_when_a_peer_died_leaves_no_file_and_is_saved_again_under_its_name(tmp_path, solo, monkeypatch,
+                                                                                          where):
+    """In-job recovery gives up a save that lost a rank after rank 0 wrote the file (noticed in the barrier after
+    it, or in the broadcast of its name): rank 0 removes that file (`latest` never named it), and the save done
+    again by the survivors takes the same name, in the lineage."""
     checkpoint.save(tmp_path, snapshot(1), solo, keep_last=3)
 
-    def peer_died():
+    def peer_died(*args):
         raise RuntimeError("rank 1 is gone")
 
     with monkeypatch.context() as patched:
-        patched.setattr(solo.transport, "barrier", peer_died)
+        patched.setattr(solo.transport, where, peer_died)
         with pytest.raises(RuntimeError, match="rank 1 is gone"):
             checkpoint.save(tmp_path, snapshot(2), solo, keep_last=3, parent=tmp_path / name(1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage", name(1)]

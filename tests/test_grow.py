@@ -510,3 +510,15 @@ def test_a_new_ranks_rehearsal_step_leaves_nothing_the_take_in_does_not_replace(
     assert all(parameter.grad is None for parameter in model.parameters())
     model.load_state_dict(survivors)  # what restored_state does with rank 0's payload
     assert all(torch.equal(survivors[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_a_joined_rank_keeps_the_survivors_full_epoch_end():
+    """A rank that joined in a partial grow has loaders of that size's even split, whose epoch ends elsewhere than
+    the first split's: it keeps the survivors' (the handover's), or after the next loss it would train a step the
+    others do not (a hang)."""
+    from mpiddp.trainer.elastic_policy import TrainerPolicy
+
+    policy = TrainerPolicy()
+    policy.parts = SimpleNamespace(loaders=SimpleNamespace(epoch_end=1400))
+    policy.keep_full_epoch_end(1344)
+    assert policy.full_epoch_end() == 1344

@@ -532,3 +532,16 @@ def test_kill_save_kills_the_rank_at_the_start_of_its_save_only(monkeypatch):
     with pytest.raises(SystemExit):  # os.kill patched: the drill's process goes on to its exit
         drill.on_save_start(30)
     assert killed == [signal.SIGKILL]
+
+
+def test_drills_count_a_run_as_resumed_only_when_a_snapshot_was_restored(monkeypatch):
+    """A first run started with --resume auto (a batch script always passes it) restores nothing: its once-per-run
+    drills fire; a job that restored a snapshot (its steps), or a relaunch, has had them."""
+    import mpiddp.trainer.train as loop
+
+    asked = []
+    monkeypatch.setattr(loop, "drills_for", lambda fault, rank, resumed: asked.append(resumed) or [])
+    cfg, dist, loaders, state = job(epochs=1, batch_size=256, resume="auto")
+    train(cfg, state, loaders, dist, hooks([]))
+    train(cfg.replace(epochs=2), state, loaders, dist, hooks([]))  # state.step > 0: as after a restore
+    assert asked == [False, True]

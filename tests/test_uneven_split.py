@@ -151,3 +151,37 @@ def test_shares_differ_by_one_and_sum_to_the_global_batch():
         shares = [share(global_batch, world, rank) for rank in range(world)]
         assert sum(shares) == global_batch and max(shares) - min(shares) <= 1
     assert uneven_split(512, 15, 32) == (18, 2)  # 35 or 34 a rank: 2 micro-batches of at most 18
+
+
+def test_the_epochs_shorter_last_step_is_the_full_jobs_too():
+    """4 ranks of 8 x 2 accumulation over 800 samples: 25 micro-batches a rank, so the epoch's last step is one
+    micro-batch (32 samples, not 64). Shared unevenly over 3 ranks it weighs each sample by 3 / 32, the mean over
+    that step's samples, as the full job's shorter group does (weighted by 3 / 64 it would be half the update)."""
+    from mpiddp.trainer.data import Loaders
+
+    num_samples, inputs_labels = 800, data(800)
+    world, batch, accumulation, survivors = 4, 8, 2, 3
+    end = even_epoch_end(num_samples, world, batch)
+    split = resplit(batch, accumulation, world, survivors, 24, epoch_samples=end)  # after 12 whole steps
+    assert isinstance(split, Resplit) and split.uneven
+    expected = []
+    for rank in range(world):
+        sampler = SkippingSampler(DistributedSampler(range(num_samples), num_replicas=world, rank=rank, shuffle=True,
+                                                     seed=SEED))
+        sampler.set_epoch(EPOCH)
+        indices = [index for index, _ in sampler]
+        expected.append(one_step([indices[24 * batch:25 * batch]], *inputs_labels, None))
+    gradients, taken = [], 0
+    for rank in range(survivors):
+        sampler = UnevenSampler(num_samples, rank, survivors, split.global_batch, split.grad_accum, split.batch_size,
+                                end, SEED)
+        sampler.set_epoch(EPOCH)
+        sampler.skip = split.batches_done
+        loaders = Loaders(None, None, sampler, num_samples, 0, CLASSES, split.batch_size, world_size=survivors,
+                          epoch_end=end, global_batch=split.global_batch, grad_accum=split.grad_accum)
+        micro = [[index for index, _ in keys] for keys in sampler]
+        taken += sum(len(batch) for batch in micro)
+        gradients.append(one_step(micro, *inputs_labels, loaders.sample_weight(split.batches_done)))
+    assert taken == 32
+    got, want = torch.stack(gradients).mean(0), torch.stack(expected).mean(0)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (got - want).abs().max()

@@ -203,8 +203,14 @@ def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int, parent
     `latest` and rotates, and every rank returns the path. A failure raises the same AgreedError everywhere while
     the previous snapshot stays loadable; a peer lost after the file was written raises there, and rank 0 removes
     the file that `latest` does not name (give_up)."""
-    path = dist.from_main(lambda: write_snapshot(directory, snapshot))
+    written: list[Path] = []  # rank 0's file, once written: a peer lost in from_main's own broadcast leaves it too
+
+    def write() -> Path:
+        written.append(write_snapshot(directory, snapshot))
+        return written[0]
+
     try:
+        path = dist.from_main(write)
         if snapshot.side_ranks:  # each rank writes its own side file: its PowerSGD state never passes through rank 0
             dist.agree(lambda: write_side(path, dist.rank, snapshot.own_side))  # and a barrier, as below
         else:
@@ -213,8 +219,8 @@ def save(directory: Path, snapshot: Snapshot, dist: Dist, keep_last: int, parent
     except UserError:
         raise  # a disk's error, said alike on every rank: the files stay as its message says
     except Exception:  # a peer lost (in-job recovery gives the save up and saves again)
-        if dist.is_main:  # a local clean-up, no collective
-            give_up(directory, path)
+        if dist.is_main and written:  # a local clean-up, no collective
+            give_up(directory, written[0])
         raise
     log.debug("saved %s", path)  # the caller logs it with its cost
     return path

@@ -274,12 +274,15 @@ class Loaders:
         """The global batch: samples of the epoch's order one optimizer step trains (an epoch's last may train fewer)."""
         return self.global_batch or self.batch_size * self.world_size * self.grad_accum
 
-    @property
-    def sample_weight(self) -> float | None:
-        """Under an uneven split, what a micro-batch's mean loss is scaled by per sample (W / global batch), so that
-        DDP's average over the ranks is the gradient of the mean loss over the global batch; None when even (each
-        of a step's equal micro-batches weighs 1 / accumulation)."""
-        return self.world_size / self.global_batch if self.global_batch else None
+    def sample_weight(self, batches_done: int) -> float | None:
+        """Under an uneven split, what a micro-batch's mean loss is scaled by per sample in the step that starts
+        after `batches_done` micro-batches (W / the step's samples: the global batch, fewer in the epoch's last
+        step), so that DDP's average over the ranks is the gradient of the mean loss over the step's samples, as
+        the even split's is; None when even (each of a step's equal micro-batches weighs 1 / their number)."""
+        if not self.global_batch:
+            return None
+        start = self.position(batches_done)
+        return self.world_size / min(self.global_batch, self.epoch_end - start)
 
     def position(self, batches_done: int) -> int:
         """The samples of the epoch's order the job has trained after `batches_done` micro-batches on each rank."""

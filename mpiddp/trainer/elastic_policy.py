@@ -258,6 +258,11 @@ class TrainerPolicy(Policy):
             self._full_epoch_end = self.parts.loaders.epoch_end
         return self._full_epoch_end
 
+    def keep_full_epoch_end(self, positions: int) -> None:
+        """A rank that joined a grown job: the survivors' full_epoch_end (its own loaders may be of a partial grow's
+        even split, whose epoch ends elsewhere: after the next loss it would train a step nobody else does)."""
+        self._full_epoch_end = positions
+
     def rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
         """Collective: the same module in DDP on the new group, and the loaders re-split at the same sample."""
         from mpiddp.trainer.data import build_loaders, stop_workers

@@ -143,6 +143,7 @@ class Joined:
         recovery.grower.joined(self.hello["grower"])
         Engine(self.members, [dist], self.hello["min_size"], recovery).initial_world = self.hello["initial_world"]
         recovery.records, recovery.cfg, recovery.stepped = self.records, self.current, True
+        recovery.keep_full_epoch_end(self.payload["epoch_end"])  # the survivors' (the first split's), not its own
         recovery.changed_size()  # the grow's first step is this rank's too
         recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=self.loaders, datasets=self.datasets,
                                          watchdog=self.watchdog, guard=None, run_dir=self.run_dir, saver=saver)

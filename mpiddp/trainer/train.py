@@ -143,9 +143,9 @@ def train_step(
     only (no_sync before), then scaler, optimizer and schedule. Returns (summed loss on the device, images).
 
     Each micro-batch's mean loss is divided by their number, so equal micro-batches on every rank give the
-    gradient of the mean loss over the global batch. Under an uneven split (`sample_weight`: ranks / global
-    batch, Loaders.sample_weight) it is scaled by its samples x that instead: DDP's average over the ranks is then
-    the same gradient, whatever each rank's share.
+    gradient of the mean loss over the global batch. Under an uneven split (`sample_weight`: ranks / the step's
+    samples, Loaders.sample_weight) it is scaled by its samples x that instead: DDP's average over the ranks is
+    then the same gradient, whatever each rank's share.
     """
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     loss_sum = torch.zeros((), device=device)
@@ -296,7 +296,8 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         clock.computing()
         hooks.phase("compute")
         hooks.callbacks.on_batch_loaded(state.step)
-        loss_sum, images = train_step(state, group, device, cfg.training.amp, memory_format, loaders.sample_weight)
+        loss_sum, images = train_step(state, group, device, cfg.training.amp, memory_format,
+                                      loaders.sample_weight(batches_seen))
         clock.step_done(images)
         if timing.first_step_done_at is None:
             timing.first_step_done_at = time.time()
@@ -474,7 +475,7 @@ def train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: H
     --save-interval has passed (mid-epoch), and at the step where the ranks agree to stop on a signal, after
     which Stopped is raised on every rank.
     """
-    resumed = cfg.checkpoint.resume is not None or dist.topology.restarts > 0
+    resumed = state.step > 0 or dist.topology.restarts > 0  # a snapshot restored (--resume with none: a first run)
     drills = drills_for(cfg.drills.inject_fault, dist.rank, resumed)
     if drills:
         if not isinstance(hooks.callbacks, Callbacks):
