@@ -47,10 +47,20 @@ def test_a_survivors_request_to_a_dead_store_logs_one_line_not_torchs_cpp_trace(
     assert "Exception raised from" not in said and "frame #" not in said and "[c10d]" not in said, said
 
 
+def torch_logs_the_store_trace() -> bool:
+    """torch 2.5 and later log a TCPStore client's C++ stack trace on a broken connection; 2.4 raises the one-line
+    error only, so there is nothing for debug level to show (the floor run)."""
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 def test_at_debug_level_or_where_the_user_chose_a_level_torchs_trace_is_the_detail():
     for said in (dead_store_output("--log-level", "debug"),
                  dead_store_output("--epochs", "1", env={CPP_LOG_LEVEL_ENV: "WARNING"})):
-        assert "[c10d]" in said and "Exception raised from" in said, said[-2000:]
+        assert "survivor: DistNetworkError" in said, said[-2000:]
+        if torch_logs_the_store_trace():
+            assert "[c10d]" in said and "Exception raised from" in said, said[-2000:]
 
 
 @pytest.mark.parametrize("command, args, environ, level", [
