@@ -282,9 +282,10 @@ class GrowBack:
             self.used[host] = self.used.get(host, 0) + 1
         recovery.follow_watch(dist)
         if dist.is_main:
-            log.warning("growing back: ranks %s started on %s (spawn %.3f s, merge %.3f s); they warm up while the "
-                        "job trains on %d ranks", list(new_ranks), ", ".join(plan.hosts), phases["spawn"],
-                        phases["merge"], dist.world_size)
+            started = ("woken", "wake") if self.hot else ("started", "spawn")  # a hot spare runs already
+            log.warning("growing back: ranks %s %s on %s (%s %.3f s, merge %.3f s); they warm up while the job "
+                        "trains on %d ranks", list(new_ranks), started[0], ", ".join(plan.hosts), started[1],
+                        phases["spawn"], phases["merge"], dist.world_size)
 
     def _take_in_when_ready(self, recovery: Any) -> None:
         """Collective over the survivors, step 2: rank 0 looks whether every new rank is ready (no wait) and says
@@ -500,6 +501,8 @@ def enter(arrival: Arrival) -> Joining:
     rank 0 ended."""
     merged, hello, topology, device = arrival.merged, arrival.hello, arrival.topology, arrival.device
     warm = time.monotonic() - arrival.since
+    # a warning, as every rank's recovery lines are: a new rank is never rank 0, whose lines alone show at info
+    log.warning("grow: warm in %.3f s; the job takes this rank in at its next step boundary", warm)
     try:
         merged.send(("ready", warm), dest=0, tag=READY_TAG)
         merged.recv(source=0, tag=JOIN_TAG)
@@ -516,7 +519,6 @@ def enter(arrival: Arrival) -> Joining:
     before = hello["topology"].world_size
     hostnames = arrival.hostnames
     added = (list(range(before, len(hostnames))), list(hostnames[before:]), before, len(hostnames))
-    log.info("grow: warmed up in %.3f s while the job trained", warm)
     return Joining(members, hello, topology, device, added, phases)
 
 
