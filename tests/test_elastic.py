@@ -245,7 +245,7 @@ def test_the_finish_watch_follows_the_survivors_onto_their_new_store_under_the_n
     survivor.rendezvous = SimpleNamespace(client=lambda: new_store)
     watch.follow(survivor)
     try:
-        assert (watch.rank, watch.world_size, watch.store) == (1, 2, new_store)
+        assert (watch.rank, watch.world_size, watch.store.inner) == (1, 2, new_store)  # each request with a deadline
         assert watch.thread is not old_thread and watch.thread.is_alive()
         watch.interval = 0.02
         watch.finished()

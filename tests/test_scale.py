@@ -234,5 +234,5 @@ def test_the_watchers_use_the_ranks_one_connection(tmp_path):
     topo = build_topology(1, [RankRecord(r, "node", 0, r, 2) for r in range(2)])
     dist = Dist(topo, SoloTransport()).placed("cpu", None, "gloo", rendezvous, 1)
     assert Watchdog.for_job(60, dist, tmp_path).store.inner is Holder.store  # each request with a deadline
-    assert FinishWatch.for_job(60, dist, rendezvous).store is Holder.store
+    assert FinishWatch.for_job(60, dist, rendezvous).store.inner is Holder.store
     assert Watchdog.for_job(0, dist, tmp_path).store is None  # turned off: nothing to talk to

@@ -67,3 +67,40 @@ def test_a_store_gone_at_the_end_of_the_job_ends_the_watch_quietly():
     watch.start().finished()
     watch.thread.join(30)
     assert not watch.thread.is_alive() and aborted == []
+
+
+class MuteStore:
+    """Rank 0's store as a client sees it while rank 0 is stopped: the connection stays open and no request is
+    ever answered (each blocks until the test lets go)."""
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        def request(*args, **kwargs):
+            self.release.wait()
+            raise RuntimeError("Connection reset by peer")
+        return request
+
+
+def test_a_mute_store_ends_the_job_after_the_finish_timeout_finished_or_not(capsys):
+    """A stopped rank 0 holds its store's sockets open: the finish watch's requests must not wait on it forever.
+    After --finish-timeout of silence the job ends, said in one line."""
+    for finished in (True, False):
+        store, aborted = MuteStore(), []
+        watch = FinishWatch(0.4, rank(1, aborted), store)
+        watch.interval = 0.02
+        watch.start()
+        if finished:
+            watch.finished()
+        try:
+            assert wait_for(lambda: aborted == [EXIT_HANG], seconds=30), finished
+            watch.thread.join(30)
+        finally:
+            store.release.set()
+        err = capsys.readouterr().err
+        doing = "finished its script" if finished else "runs"
+        assert f"mpiddp: rank 1/2 {doing}, and rank 0's store has not answered for" in err, err
+        assert "rank 0 is stopped or its host unreachable (--finish-timeout 0.4); ending the job" in err, err

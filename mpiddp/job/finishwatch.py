@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from mpiddp.job.collective import Dist, Rendezvous
+from mpiddp.job.storeload import StoreUnanswered, answered_within
 from mpiddp.job.watch import Ending, Watcher, own_stacks
 
 
@@ -28,6 +29,8 @@ class FinishWatch(Watcher):
 
     def __init__(self, timeout_s: float, dist: Dist, store: Any | None, setting: str = "--finish-timeout {}") -> None:
         super().__init__(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread)
+        if store is not None:  # never blocked on rank 0's store: a stopped rank 0 holds its sockets open
+            self.store = answered_within(store, self.interval, timeout_s)
         self.setting = setting.format(f"{timeout_s:g}")  # how the user changes the timeout, for the messages
         self.done = threading.Event()
         self.first_seen: float | None = None  # when this rank first saw another rank finished
@@ -66,6 +69,24 @@ class FinishWatch(Watcher):
             self.store = None
 
     def poll(self) -> Ending | None:
+        try:
+            return self._poll_store()
+        except StoreUnanswered:
+            return self._store_mute()
+
+    def _store_mute(self) -> Ending | None:
+        """Rank 0's store did not answer in time (rank 0 stopped, or its host unreachable): after `timeout_s` of
+        that the job ends, so that no rank waits forever, finished or not."""
+        since = self.store.unanswered_since if self.store is not None else None
+        if since is None or time.monotonic() - since <= self.timeout_s:
+            return None
+        waited = time.monotonic() - since
+        doing = "finished its script" if self.done.is_set() else "runs"
+        return lambda: self.end_job(
+            f"mpiddp: {self.label} {doing}, and rank 0's store has not answered for {waited:.0f} s: rank 0 is "
+            f"stopped or its host unreachable ({self.setting}); ending the job\n")
+
+    def _poll_store(self) -> Ending | None:
         now = time.monotonic()
         if self.done.is_set():
             if self.reported is None:
@@ -85,13 +106,13 @@ class FinishWatch(Watcher):
             return None
         self.first_seen = self.first_seen or now
         if now - self.first_seen > self.timeout_s:
-            waited = now - self.first_seen
-            return lambda: self._fire(waited)
+            waited, finished = now - self.first_seen, self.finished_ranks()
+            return lambda: self._fire(waited, finished)
         return None
 
-    def _fire(self, waited: float) -> None:
+    def _fire(self, waited: float, finished: list[int]) -> None:
         self.end_job(
             f"mpiddp: {self.label} is still running {waited:.0f} s after the script finished on rank(s) "
-            f"{_shown(self.finished_ranks())} ({self.setting}). If it waits in a collective for them, it would never "
+            f"{_shown(finished)} ({self.setting}). If it waits in a collective for them, it would never "
             f"return: every rank must make the same collective calls. Ending the job; Python stacks of "
             f"{self.label}:\n{own_stacks()}")

@@ -18,6 +18,7 @@ from typing import Any
 
 STORE_REQUESTS_PER_S = 100.0  # what all ranks' watchers together ask of rank 0's store each second, at most
 INTERVALS_PER_TIMEOUT = 5  # a watcher reports at least this often within the timeout it watches for
+REQUEST_DEADLINE_S = 5.0  # the longest a store request may keep a watcher waiting (less with a short timeout)
 
 
 def paced_interval(base_s: float, world_size: int, requests_per_interval: int, timeout_s: float) -> float:
@@ -110,3 +111,9 @@ class AnsweredWithin:
         if failure:
             raise failure[0]
         return answer[0]
+
+
+def answered_within(store: Any, interval_s: float, timeout_s: float) -> AnsweredWithin:
+    """`store` for a watcher that asks every `interval_s` and watches for `timeout_s`: each request answered
+    within REQUEST_DEADLINE_S, or half the timeout where that is shorter, never less than one interval."""
+    return AnsweredWithin(store, max(interval_s, min(REQUEST_DEADLINE_S, timeout_s / 2)))

@@ -26,7 +26,7 @@ from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_HANG
 from mpiddp.job.flightrec import TRACE_PREFIX, describe_traces, load_trace, nccl_trace, slim, trace_path, write_trace
 from mpiddp.job.silenthost import SILENT_HOST_S, QuietHosts, cut_connections, host_addresses, kernel_answers
-from mpiddp.job.storeload import AnsweredWithin, StoreUnanswered, paced_interval, store_rate
+from mpiddp.job.storeload import StoreUnanswered, answered_within, paced_interval, store_rate
 from mpiddp.job.watch import Ending, Watcher, own_stacks
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ REQUESTS_PER_INTERVAL = 3  # each watchdog's store requests per interval: advanc
 # in-job recovery: one more, to look for silent hosts (rank 0 also reads every rank's record: two requests)
 HOST_WATCH_REQUESTS = REQUESTS_PER_INTERVAL + 1
 HOST_WATCH_INTERVAL_S = 2.0  # in-job recovery: reports this often (in a small job), for the silent-host watch
-REQUEST_DEADLINE_S = 5.0  # the longest a store request may keep the watchdog waiting (less with a short timeout)
 
 
 
@@ -74,7 +73,7 @@ class Watchdog(Watcher):
                  trace: Callable[[], bytes] | None = None) -> None:
         super().__init__(timeout_s, rank, world_size, label, store, abort)
         if store is not None:  # never blocked on rank 0's store: a stopped rank 0 holds its sockets open
-            self.store = AnsweredWithin(store, max(self.interval, min(REQUEST_DEADLINE_S, timeout_s / 2)))
+            self.store = answered_within(store, self.interval, timeout_s)
         self.rank_0_pid: int | None = None  # from rank 0's first progress record: to end it when its store is mute
         self.run_dir = run_dir  # where the hang file goes (None: stderr only)
         self.trace = trace  # this rank's flight-recorder dump (NCCL), written to the run dir when the job hangs
