@@ -1,6 +1,7 @@
 """The one watcher base (mpiddp/job/watch.py) and its two uses: the finish watch here, in memory; the hang
 watchdog in test_launch_record, test_evidence, test_flightrec and test_scale."""
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -104,3 +105,17 @@ def test_a_mute_store_ends_the_job_after_the_finish_timeout_finished_or_not(caps
         doing = "finished its script" if finished else "runs"
         assert f"mpiddp: rank 1/2 {doing}, and rank 0's store has not answered for" in err, err
         assert "rank 0 is stopped or its host unreachable (--finish-timeout 0.4); ending the job" in err, err
+
+
+def test_rank_0s_pid_is_known_from_the_first_step_not_only_after_the_watchs_first_round():
+    """A rank 0 stopped within the watch's first interval answers no store request: its pid, needed to end it for
+    in-job recovery, is read at the first beat (rank 0 published it as its watchdog started)."""
+    store = DictStore()
+    Watchdog(600, 0, 2, "rank 0/2", store, print).starting()
+    watch = Watchdog(600, 1, 2, "rank 1/2", store, print)  # its thread never started: no round read it
+    assert watch.rank_0_pid is None
+    watch.beat("step", 1)
+    assert watch.rank_0_pid == os.getpid()
+    watch.rank_0_pid = None
+    watch.beat("step", 2)  # asked once, not a store request every step
+    assert watch.rank_0_pid is None

@@ -75,6 +75,7 @@ class Watchdog(Watcher):
         if store is not None:  # never blocked on rank 0's store: a stopped rank 0 holds its sockets open
             self.store = answered_within(store, self.interval, timeout_s)
         self.rank_0_pid: int | None = None  # from rank 0's first progress record: to end it when its store is mute
+        self.rank_0_pid_asked = False  # asked at the first beat (the main thread), not only by the thread's rounds
         self.run_dir = run_dir  # where the hang file goes (None: stderr only)
         self.trace = trace  # this rank's flight-recorder dump (NCCL), written to the run dir when the job hangs
         self.answered = False  # this rank gave its stacks (and dump) for the hang file
@@ -140,6 +141,21 @@ class Watchdog(Watcher):
     def beat(self, phase: str, step: int) -> None:
         self.phase, self.step, self.last_beat = phase, step, time.monotonic()
         self.beats += 1
+        if not self.rank_0_pid_asked:
+            self.rank_0_pid_asked = True
+            self._learn_rank_0_pid()
+
+    def _learn_rank_0_pid(self) -> None:
+        """Once, at the first progress after the start or a recovery: rank 0's pid from its first record (published
+        as its watchdog started, before the collective this progress needed). The thread reads it too, but only one
+        interval after the start: rank 0 stopped in that interval could not be ended for in-job recovery (its store
+        answers no more). A request with a deadline; where it fails, the thread's rounds try again."""
+        if self.rank == 0 or self.rank_0_pid is not None or self.store is None or self.recovering:
+            return
+        try:
+            self.rank_0_pid = self.pid_of(0)
+        except Exception:  # a mute or closed store: the watch's own rounds say what it means
+            pass
 
     def enter(self, phase: str) -> None:
         """Where in the step this rank is now (one of STEP_PHASES): not progress, the clock keeps running."""
@@ -165,7 +181,7 @@ class Watchdog(Watcher):
         self.excluded = set()  # rank numbers of the old world
         self.quiet, self.judged, self.cut_hosts, self.silenced = fresh.quiet, set(), set(), set()
         self.own_ticks.clear()
-        self.rank_0_pid = None  # the new rank 0's, read again
+        self.rank_0_pid, self.rank_0_pid_asked = None, False  # the new rank 0's, read again (also at the next beat)
         self.stopped = threading.Event()
         self.recovering = False
         self.thread = threading.Thread(target=self._watch, name=self.THREAD_NAME, daemon=True)
