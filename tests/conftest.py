@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,29 @@ def rank_pids(run_dir: Path) -> dict[int, int]:
             if entry.startswith(b"OMPI_COMM_WORLD_RANK="):
                 ranks[int(entry.split(b"=", 1)[1])] = int(pid)
     return ranks
+
+
+def hold_survivors_while_the_spare_warms(output: Callable[[], str], survivors: Iterable[int], grow: int = 1,
+                                         ended: Callable[[], bool] = lambda: False, deadline_s: float = 180) -> None:
+    """Once the job's `grow`-th grow has started ("growing back: ranks ..." in `output()`), SIGSTOP the survivors
+    until the new rank says it is warm, then SIGCONT them: the grow then happens at their next step boundary
+    however fast they train and however slowly the new rank warms up on a loaded machine. Without the hold a short
+    job can end first, and the grow is given up (as it should be: growing is pointless at the end). Where the job
+    ended meanwhile (`ended()`), no more waiting: the caller's checks say what happened."""
+    def wait(what: str, predicate: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + deadline_s
+        while not predicate() and not ended():
+            if time.monotonic() > deadline:
+                pytest.fail(f"never saw {what}:\n{output()[-5000:]}")
+            time.sleep(0.05)  # polling a condition with a deadline, not synchronising
+
+    survivors = [str(pid) for pid in survivors]
+    wait("the grow's start", lambda: output().count("growing back: ranks") >= grow)
+    try:
+        subprocess.run(["kill", "-STOP", *survivors], check=False)
+        wait("the new rank warm", lambda: output().count("grow: warm in") >= grow)
+    finally:
+        subprocess.run(["kill", "-CONT", *survivors], check=False)
 
 
 def rank_pid(run_dir: Path, rank: int) -> int:

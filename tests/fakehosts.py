@@ -29,6 +29,7 @@ AGENT = textwrap.dedent(
     # rsh agent for fake hosts: AGENT [ssh-style options] HOST COMMAND...
     while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
     host="$1"; shift
+    export OMP_NUM_THREADS=1  # one core a host: every fake host shares this machine's cores (FakeHosts.command_on)
     exec ip netns exec "{prefix}$host" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$host" "$*"
     """
 )
@@ -110,9 +111,12 @@ class FakeHosts:
         return len(pids)
 
     def command_on(self, name: str, command: list[str]) -> list[str]:
-        """`command` run on host `name`, as a user logged in there would run it."""
-        return ["ip", "netns", "exec", self.prefix + name, "unshare", "--uts", "/bin/sh", "-c",
-                'hostname "$0" && exec "$@"', name, *command]
+        """`command` run on host `name`, as a user logged in there would run it. Each fake host is a one-core
+        host (OMP_NUM_THREADS=1, which mpiddp takes as the user's choice): every fake host shares this machine's
+        cores, and a rank alone on its host would otherwise take them all (2 ranks x 2 threads on 2 cores, spinning
+        in MPI: 5-7x slower steps, measured)."""
+        return ["env", "OMP_NUM_THREADS=1", "ip", "netns", "exec", self.prefix + name, "unshare", "--uts", "/bin/sh",
+                "-c", 'hostname "$0" && exec "$@"', name, *command]
 
     def transport_args(self) -> list[str]:
         """Reach hosts through the agent instead of ssh; Open MPI's own TCP traffic must also avoid the decoy

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, JobResult, rank_pid, run_command
+from conftest import REPO, JobResult, hold_survivors_while_the_spare_warms, rank_pid, run_command
 from fakehosts import FakeHosts, running_fake_hosts
 from test_launch_e2e import FAST, attempts, launch_command, refusing_transport
 from test_leftovers import _trained, assert_nothing_left, data_dir, kill_supervisor_and_wait, marked_env  # noqa: F401
@@ -86,16 +86,25 @@ def assert_nodeb_replaced_by_the_spare(run_dir, job, cause):
 
 def test_1_a_rank_killed_with_loader_workers_is_left_behind_and_the_survivor_finishes_in_the_job(
         cluster, tmp_path, data_dir):  # noqa: F811
-    run_dir = tmp_path / "run"
-    # 160 images, 16 per rank: 5 steps per epoch; rank 1 (nodeb) dies by SIGKILL at step 3 with 2 workers alive;
-    # 8 epochs: the spare's new rank warms up (2-3 s here) while the survivor trains, and joins before the end.
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    # 160 images, 16 per rank: 5 steps per epoch; rank 1 (nodeb) dies by SIGKILL at step 3 with 2 workers alive.
     # launch runs the job with MPI fault tolerance (this Open MPI has ULFM): the survivor goes on in the job, at
     # the same global batch, its loader workers re-made for one rank, and nothing of nodeb's rank is left; then
     # the job grows back onto the spare nodec, whose new rank (with loader workers of its own) ends with the job.
-    job = launch_on(cluster, run_dir, ("--run-dir", str(run_dir), "--dataset", "cifar10", "--data-dir", str(data_dir),
-                                       "--arch", "digits_cnn", "--num-classes", "10", "--batch-size", "16",
-                                       "--num-workers", "2", "--epochs", "8", *FAST, "--inject-fault", "kill:1:3"))
-    assert job.returncode == 0, job.output[-5000:]
+    # The survivor is held while the new rank warms up, so that it joins before the end however fast this trains.
+    job = ("--run-dir", str(run_dir), "--dataset", "cifar10", "--data-dir", str(data_dir), "--arch", "digits_cnn",
+           "--num-classes", "10", "--batch-size", "16", "--num-workers", "2", "--epochs", "8", *FAST,
+           "--inject-fault", "kill:1:3")
+    process, mark = start_on(cluster, job, log)
+    try:
+        hold_survivors_while_the_spare_warms(log.read_text, [rank_pid(run_dir, 0)],
+                                             ended=lambda: process.poll() is not None)
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        assert_nothing_left(mark)
+    assert process.returncode == 0, log.read_text()[-5000:]
     tried = attempts(run_dir)["attempts"]
     (attempt,) = tried  # nodec's hot spare joined: no spawn for the launcher to crash in, no relaunch
     assert attempt["in_job_recovery"] and attempt["status"] == 0, attempt
@@ -146,8 +155,9 @@ def test_2b_under_in_job_recovery_launch_ends_the_stopped_rank_and_the_survivor_
         while not any(r.get("step", 0) >= 10 for r in read_metrics(run_dir) if r.get("kind") == "step") \
                 and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)  # polling with a deadline: the watchdogs have reported their pids by step 10
-        pid = rank_pid(run_dir, 1)
+        pid, survivor = rank_pid(run_dir, 1), rank_pid(run_dir, 0)
         os.kill(pid, signal.SIGSTOP)  # rank 1, on nodeb: alive but silent
+        hold_survivors_while_the_spare_warms(log.read_text, [survivor], ended=lambda: process.poll() is not None)
         process.wait(timeout=300)
     finally:
         if process.poll() is None:

@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO, rank_pids
+from conftest import REPO, hold_survivors_while_the_spare_warms, rank_pids
 from fakehosts import FakeHosts, running_fake_hosts
 from test_drill import drill_env
 from test_launch_e2e import FAST, attempts, describe_attempts, launch_command
@@ -73,6 +73,9 @@ def test_a_crashed_host_costs_an_in_job_recovery_not_a_restart(cluster, tmp_path
         survivors = {rank: pid for rank, pid in rank_pids(run_dir).items()
                      if rank not in lost_ranks and rank < num_ranks}
         assert cluster.kill_host("nodeb") > 0
+        if grown:  # held while the spare warms up, so that it joins before the end however fast this trains
+            hold_survivors_while_the_spare_warms(log.read_text, survivors.values(),
+                                                 ended=lambda: process.poll() is not None)
         assert wait_for(lambda: recovery_records(run_dir), 120, process), log.read_text()[-5000:]
         for pid in survivors.values():  # the survivors went on in the job: the same processes
             os.kill(pid, 0)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, find_mpirun
+from conftest import REPO, find_mpirun, hold_survivors_while_the_spare_warms
 from mpiddp.job.spares import spare_count
 from test_leftovers import assert_nothing_left, marked_env
 from test_recovery_e2e import _ulfm_missing
@@ -144,7 +144,7 @@ def test_the_trainer_grows_back_onto_a_hot_spare_without_a_spawn(hosts, tmp_path
     pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
     job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
     subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
-    hold_survivors_while_the_spare_warms(job, [pids[0], pids[2]])
+    hold_survivors_while_the_spare_warms(job.output, [pids[0], pids[2]])
     status = job.finish()
     output = job.output()
     assert status == 0, output[-6000:]
@@ -175,13 +175,13 @@ def test_a_grown_rank_lost_is_recovered_from_and_the_job_grows_again_onto_the_se
     pids = job.wait_for("five processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 5 and found)
     job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
     subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
-    hold_survivors_while_the_spare_warms(job, [pids[0], pids[2]])
+    hold_survivors_while_the_spare_warms(job.output, [pids[0], pids[2]])
     job.wait_for("the first grow", lambda: "running at full size again: 3 ranks" in job.output())
     assert f"this process (pid {pids[3]}) joins as rank 2 of 3" in job.output(), job.output()[-3000:]
     grown_at = len(steps_logged(job))
     job.wait_for("two steps at full size", lambda: len(steps_logged(job)) >= grown_at + 2)  # its stand-still ended
     subprocess.run(["kill", "-KILL", str(pids[3])], check=False)  # the grown rank
-    hold_survivors_while_the_spare_warms(job, [pids[0], pids[2]], grow=2)
+    hold_survivors_while_the_spare_warms(job.output, [pids[0], pids[2]], grow=2)
     status = job.finish()
     output = job.output()
     assert status == 0, output[-6000:]
@@ -198,18 +198,6 @@ def test_a_grown_rank_lost_is_recovered_from_and_the_job_grows_again_onto_the_se
     # the grown rank dies at a random point of a step (the first loss is held before one); where that is the
     # step's exchanges after its update, the survivors catch up on it and write its line as the epoch runs again
     assert steps_logged(job) == list(range(1, 91))
-
-
-def hold_survivors_while_the_spare_warms(job, survivors: list[int], grow: int = 1) -> None:
-    """Once the job's `grow`-th grow has started, SIGSTOP the survivors until the spare says it is warm, then SIGCONT
-    them: the grow then happens at their next step boundary however slowly the spare warms up on a loaded machine
-    (a short job could otherwise end first, and the grow is given up, as it should be)."""
-    job.wait_for("the grow's start", lambda: job.output().count("growing back: ranks") >= grow)
-    try:
-        subprocess.run(["kill", "-STOP", *map(str, survivors)], check=False)
-        job.wait_for("the spare warm", lambda: job.output().count("grow: warm in") >= grow)
-    finally:
-        subprocess.run(["kill", "-CONT", *map(str, survivors)], check=False)
 
 
 def steps_logged(job) -> list[int]:
@@ -274,7 +262,7 @@ def test_rank_0_killed_the_new_rank_0_takes_the_hot_spare_in(hosts, tmp_path):
     pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
     job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
     subprocess.run(["kill", "-KILL", str(pids[0])], check=False)
-    hold_survivors_while_the_spare_warms(job, [pids[1], pids[2]])
+    hold_survivors_while_the_spare_warms(job.output, [pids[1], pids[2]])
     status = job.finish()
     output = job.output()
     assert status == 0, output[-6000:]
@@ -300,7 +288,7 @@ def test_two_ranks_a_host_one_lost_the_job_goes_on_in_the_job_at_the_same_global
     job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
     subprocess.run(["kill", "-KILL", str(pids[3])], check=False)
     if spares:
-        hold_survivors_while_the_spare_warms(job, [pids[rank] for rank in range(3)])
+        hold_survivors_while_the_spare_warms(job.output, [pids[rank] for rank in range(3)])
     status = job.finish()
     output = job.output()
     assert status == 0, output[-6000:]

@@ -83,7 +83,7 @@ def test_a_stopped_rank_0_is_ended_and_the_survivor_recovers_in_the_job_on_a_new
     run_dir = tmp_path / "run"
     env, mark = marked_env(PRTE_MCA_plm_ssh_agent=str(hosts.agent))
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
-    launch = Launch(hosts, run_dir, ("--epochs", "3", "--hang-timeout", str(HANG_TIMEOUT_S), "--grad-transport",
+    launch = Launch(hosts, run_dir, ("--epochs", "30", "--hang-timeout", str(HANG_TIMEOUT_S), "--grad-transport",
                                      "mpi"), env)
     try:
         assert launch.wait_for("snapshot-epoch0001.pt", 240) is not None, launch.output[-6000:]
@@ -119,7 +119,7 @@ def test_sigterm_to_launch_while_rank_0_is_stopped_ends_everything_within_the_gr
     run_dir = tmp_path / "run"
     env, mark = marked_env(PRTE_MCA_plm_ssh_agent=str(hosts.agent), MPIDDP_STOP_GRACE_S=str(STOP_GRACE_S))
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")
-    launch = Launch(hosts, run_dir, ("--epochs", "3", "--hang-timeout", "60"), env)
+    launch = Launch(hosts, run_dir, ("--epochs", "30", "--hang-timeout", "60"), env)
     try:
         assert launch.wait_for("snapshot-epoch0001.pt", 240) is not None, launch.output[-6000:]
         os.kill(rank_pid(run_dir, 0), signal.SIGSTOP)
