@@ -25,14 +25,15 @@ if TYPE_CHECKING:
     from mpiddp.job.api import init
     from mpiddp.elastic.api import (MembershipChange, State, on_membership_change, run_recoverable, wait,
                                     watch_gradients)
-    from mpiddp.elastic.steps import DistributedDataParallel, Optimizer, split_global_batch
+    from mpiddp.elastic.steps import (BatchShare, DistributedDataParallel, Optimizer, share_global_batch,
+                                      split_global_batch)
     from mpiddp.job.collective import Dist, Rendezvous
     from mpiddp.job.topology import Topology
     from mpiddp.job.transport import comm_hook
 
-__all__ = ["AgreedError", "Dist", "DistributedDataParallel", "MembershipChange", "Optimizer", "Rendezvous", "State",
-           "Topology", "UserError", "__version__", "comm_hook", "init", "on_membership_change", "run_recoverable",
-           "setup_logging", "split_global_batch", "wait", "watch_gradients"]
+__all__ = ["AgreedError", "BatchShare", "Dist", "DistributedDataParallel", "MembershipChange", "Optimizer",
+           "Rendezvous", "State", "Topology", "UserError", "__version__", "comm_hook", "init", "on_membership_change",
+           "run_recoverable", "setup_logging", "share_global_batch", "split_global_batch", "wait", "watch_gradients"]
 
 # Lazy: `python -m mpiddp` imports this package before its first line runs, and that line installs the stop
 # handlers; a numpy or torch import here would be a window in which a scheduler's SIGTERM kills a rank.
@@ -40,7 +41,8 @@ _LAZY = {"init": "mpiddp.job.api", "Dist": "mpiddp.job.collective", "Rendezvous"
          "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport",
          **dict.fromkeys(["MembershipChange", "State", "on_membership_change", "run_recoverable", "wait",
                           "watch_gradients"], "mpiddp.elastic.api"),
-         **dict.fromkeys(["DistributedDataParallel", "Optimizer", "split_global_batch"], "mpiddp.elastic.steps")}
+         **dict.fromkeys(["BatchShare", "DistributedDataParallel", "Optimizer", "share_global_batch",
+                          "split_global_batch"], "mpiddp.elastic.steps")}
 
 
 def __getattr__(name: str) -> Any:

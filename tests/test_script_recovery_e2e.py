@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, find_mpirun, launcher_never_started
 from fakehosts import FakeHosts, running_fake_hosts
@@ -42,7 +43,7 @@ class Script:
                  command: Callable[[Path], list[str]] | None = None, **env_extra: str) -> None:
         """`command(out)`: another command line (tests/test_script_grow_e2e.py)."""
         self.out, self.log = tmp_path / "out", tmp_path / "job.log"
-        self.out.mkdir()
+        self.out.mkdir(parents=True)
         env, self.mark = marked_env(PYTHONPATH=str(REPO), **env_extra)
         env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
         command_line = command(self.out) if command is not None else [
@@ -89,6 +90,25 @@ class Script:
 
     def finals(self) -> dict[int, dict]:
         return {int(path.suffixes[0][1:]): json.loads(path.read_text()) for path in self.out.glob("final.*.json")}
+
+
+def test_a_script_whose_global_batch_splits_over_no_rank_count_ends_with_the_uninterrupted_runs_model(hosts, tmp_path):
+    """A global batch of 25: 9, 8, 8 a rank on 3, then 13 and 12 on the 2 survivors of rank 1, each rank's loss
+    weighted by its share (mpiddp.share_global_batch). The survivors end with the model the run without a failure
+    ends with (to float32 summation order): an unweighted or uneven split would take another trajectory."""
+    runs = {}
+    for victim in (-1, 1):
+        script = Script(hosts, tmp_path / f"victim{victim}", victim, MPIDDP_TEST_GLOBAL_BATCH="25")
+        if victim >= 0:
+            script.kill_victim()
+        assert script.finish() == 0, script.output()[-5000:]
+        runs[victim] = script.finals()
+    (straight,) = {tuple(final["parameters"]) for final in runs[-1].values()}  # the same on its 3 ranks
+    survivors = runs[1]
+    assert sorted(survivors) == [0, 2] and {final["world_size"] for final in survivors.values()} == {2}, survivors
+    assert len({final["digest"] for final in survivors.values()}) == 1, survivors
+    got = torch.tensor(survivors[0]["parameters"], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.tensor(straight, dtype=torch.float64), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("victim, host, where", [(1, "nodeb", "step"), (0, "nodea", "step"), (2, "nodec", "reduce")])

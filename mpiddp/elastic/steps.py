@@ -32,6 +32,8 @@ import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from mpiddp.elastic.api import ScriptRecovery, State, enabled, track_wrapper
-from mpiddp.globalbatch import split
+from mpiddp.globalbatch import GlobalBatchError, balanced, share, split, uneven_split
 from mpiddp.elastic.membership import MembersLost
 from mpiddp.job.collective import current
 
@@ -381,17 +383,93 @@ def _live_wrappers() -> list[DistributedDataParallel]:
     return [model for ref in _models if (model := ref()) is not None]
 
 
+def _world_now() -> tuple[int, int]:
+    """(this rank, the number of ranks) there are now: after a recovery, the survivors'."""
+    if tdist.is_initialized():
+        return tdist.get_rank(), tdist.get_world_size()
+    dist = current()
+    return (dist.rank, dist.world_size) if dist is not None else (0, 1)
+
+
 def split_global_batch(global_batch: int, max_per_rank: int) -> tuple[int, int]:
     """(per-rank batch, accumulation steps) that keep `global_batch` samples per optimizer step over the ranks
     there are now (after a recovery, fewer): per-rank x ranks x accumulation == global_batch, the per-rank batch
     at most `max_per_rank` (it stays that when it divides: only the accumulation grows). Call it again after a
     recovery (`optimizer.skipped` grew, or in an on_membership_change callback). ValueError, one line, where no
-    exact split exists."""
+    exact split exists: share_global_batch then shares it unevenly."""
     if global_batch < 1 or max_per_rank < 1:
         raise ValueError(f"split_global_batch({global_batch}, {max_per_rank}): both must be at least 1")
-    dist = current()
-    world_size = tdist.get_world_size() if tdist.is_initialized() else dist.world_size if dist is not None else 1
-    return split(global_batch, world_size, max_per_rank)
+    try:
+        return split(global_batch, _world_now()[1], max_per_rank)
+    except GlobalBatchError as exc:
+        raise GlobalBatchError(f"{exc}: mpiddp.share_global_batch shares it unevenly, each rank's loss weighted by "
+                               "its share") from None
 
 
-__all__ = ["DistributedDataParallel", "Optimizer", "split_global_batch"]
+@dataclass(frozen=True)
+class BatchShare:
+    """This rank's part of every optimizer step of `global_batch` samples over `world_size` ranks, on any number of
+    ranks (share_global_batch): the step's positions it takes, in `micro_batches` (its samples in each; every rank
+    runs as many, as DDP needs), and the weight of each micro-batch's mean loss. Where the global batch does not
+    split evenly some ranks take one sample more; weighted by loss_scale, DDP's average of the ranks' gradients is
+    the gradient of the mean loss over the step's `global_batch` samples: the update the full-size job makes on
+    them (up to the order of floating-point sums)."""
+
+    global_batch: int
+    world_size: int
+    rank: int
+    micro_batches: tuple[int, ...]
+
+    @classmethod
+    def over(cls, global_batch: int, world_size: int, rank: int, max_per_rank: int) -> BatchShare:
+        """Rank `rank`'s share of `world_size` ranks, at most `max_per_rank` samples a micro-batch. ValueError
+        (GlobalBatchError), one line, where a rank would get an empty micro-batch."""
+        if global_batch < 1 or max_per_rank < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"BatchShare.over({global_batch}, {world_size}, {rank}, {max_per_rank}): the batches "
+                             "must be at least 1, the rank one of the ranks")
+        if global_batch % world_size == 0:
+            per_rank, accumulation = split(global_batch, world_size, max_per_rank)
+            return cls(global_batch, world_size, rank, (per_rank,) * accumulation)
+        _, accumulation = uneven_split(global_batch, world_size, max_per_rank)
+        return cls(global_batch, world_size, rank, tuple(balanced(share(global_batch, world_size, rank),
+                                                                  accumulation)))
+
+    @property
+    def positions(self) -> range:
+        """The positions of a step (0 .. global_batch - 1) this rank takes: rank, rank + W, rank + 2W, ..."""
+        return range(self.rank, self.global_batch, self.world_size)
+
+    def steps_in(self, num_samples: int) -> int:
+        """The optimizer steps an epoch of `num_samples` holds: whole steps only (the rest is left out, as
+        DistributedSampler(drop_last=True) leaves it), the same on any number of ranks."""
+        return num_samples // self.global_batch
+
+    def indices(self, order: Sequence[int], step: int) -> list[list[int]]:
+        """This rank's micro-batches of step `step` (from 0) of an epoch whose samples come in `order` (the same
+        on every rank, e.g. a permutation drawn from the epoch's seed): the step takes
+        order[step x G : (step + 1) x G], whatever the number of ranks, so the position in the epoch carries over
+        a change of size exactly."""
+        start = step * self.global_batch
+        if step < 0 or start + self.global_batch > len(order):
+            raise ValueError(f"step {step} is not one of the {self.steps_in(len(order))} whole steps of "
+                             f"{len(order)} samples at a global batch of {self.global_batch}")
+        mine = [order[start + position] for position in self.positions]
+        bounds = [sum(self.micro_batches[:index]) for index in range(len(self.micro_batches) + 1)]
+        return [mine[bounds[index]:bounds[index + 1]] for index in range(len(self.micro_batches))]
+
+    def loss_scale(self, samples: int) -> float:
+        """The factor for the mean loss of a micro-batch of `samples`: samples x ranks / global batch (1.0 for
+        each of an even split's micro-batches with no accumulation), so that DDP's average is the step's mean."""
+        return samples * self.world_size / self.global_batch
+
+
+def share_global_batch(global_batch: int, max_per_rank: int) -> BatchShare:
+    """This rank's BatchShare of `global_batch` samples per optimizer step over the ranks there are now (after a
+    recovery, the survivors; after a grow, the grown job): any number of ranks keeps the global batch exactly.
+    Call it again after a change of size (in an on_membership_change callback), and multiply each micro-batch's
+    mean loss by `share.loss_scale(len(batch))` before backward."""
+    rank, world_size = _world_now()
+    return BatchShare.over(global_batch, world_size, rank, max_per_rank)
+
+
+__all__ = ["BatchShare", "DistributedDataParallel", "Optimizer", "share_global_batch", "split_global_batch"]

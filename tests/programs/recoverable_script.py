@@ -3,13 +3,15 @@
 usage: recoverable_script.py OUT_DIR STEPS VICTIM AT_STEP [WHERE]
 STEPS: a number, or N+full: N steps, and after a failure on until the job is back at its first size (a grow, whose
 new rank warms up while the survivors train on; at most 120 s), then 5 steps more.
-A linear model learns y = X w on a fixed synthetic set, at a global batch of 24 samples per step whatever the number
-of ranks (24 / world per rank, a contiguous slice each), so every survivor's model follows the same trajectory. The
+A linear model learns y = X w on a fixed synthetic set, at a global batch of 24 samples per step (or
+MPIDDP_TEST_GLOBAL_BATCH) whatever the number of ranks: each rank takes its mpiddp.share_global_batch of the step's
+samples (unevenly where the global batch does not split), its loss weighted by its share, so every number of ranks
+follows the same trajectory. The
 VICTIM rank (its rank at the start; -1: nobody), when it reaches step AT_STEP, writes OUT_DIR/victim (its pid) and
 waits, outside any collective, for the test's SIGKILL; its peers go on into that step's gradient all-reduce (WHERE
 "step", the default) or, with WHERE "reduce", into the loss's MPI all-reduce (dist.reduce) after it, and wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes,
-OUT_DIR/final.<start rank>.json: its pid, start and final rank, world size, the step reached, a digest of its
-parameters and the membership changes it saw.
+OUT_DIR/final.<start rank>.json: its pid, start and final rank, world size, the step reached, its parameters and
+their digest, and the membership changes it saw.
 """
 
 import hashlib
@@ -24,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mpiddp
 
-GLOBAL_BATCH = 24
+GLOBAL_BATCH = int(os.environ.get("MPIDDP_TEST_GLOBAL_BATCH", "24"))
 NUM_SAMPLES = 240
 
 
@@ -52,7 +54,8 @@ def main() -> None:
 
     def train(state: mpiddp.State) -> None:
         ddp = mpiddp.watch_gradients(DDP(state.model))  # wrapped anew on every (re-)entry: the group may be new
-        per_rank = GLOBAL_BATCH // dist.world_size  # re-split on every entry: after a recovery and after a grow
+        share = mpiddp.share_global_batch(GLOBAL_BATCH, GLOBAL_BATCH)  # re-split on every entry: after a recovery
+        # and after a grow (one micro-batch a rank)
         # below full size each rank looks at its own clock (the survivors alike: one process each); back at full
         # size only the shared step counts, so that a rank that joined late cannot leave at another step
         while state.step < steps or (until_full and (
@@ -61,11 +64,11 @@ def main() -> None:
             stalls = key == str(victim) and state.step == at_step
             if stalls and where == "step":
                 stall(out)
-            first = (state.step * GLOBAL_BATCH) % NUM_SAMPLES + dist.rank * per_rank
-            batch = slice(first, first + per_rank)
+            batch = [(state.step * GLOBAL_BATCH + position) % NUM_SAMPLES for position in share.positions]
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(ddp(inputs[batch]), targets[batch])
-            loss.backward()  # the all-reduce: a peer's death raises here, under MPI's failure watch
+            (loss * share.loss_scale(len(batch))).backward()  # the all-reduce: a peer's death raises here, under
+            # MPI's failure watch
             if stalls and where == "reduce":
                 stall(out)
             (mean,) = dist.reduce([loss.item()], "mean")  # MPI: a failure here is recovered too
@@ -78,6 +81,7 @@ def main() -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     record = {"pid": os.getpid(), "start_rank": start_rank, "key": key, "rank": dist.rank, "world_size": dist.world_size,
               "step": state.step, "digest": digest, "losses": len(state.losses),
+              "parameters": [value for p in model.parameters() for value in p.detach().flatten().tolist()],
               "changes": [{"world_before": c.world_before, "world_size": c.world_size, "ranks_lost": list(c.ranks_lost),
                            "ranks_added": list(c.ranks_added), "hosts_added": list(c.hosts_added),
                            "hosts_lost": list(c.hosts_lost), "synced_from": c.synced_from, "phases": c.phases}
