@@ -62,6 +62,8 @@ def test_a_script_grows_back_onto_the_spare_and_every_rank_ends_with_the_same_mo
     crash = prterun_crash(status, output)
     if crash is not None and "grew back" not in output:  # plain mpirun: no records dir for the mark
         pytest.xfail(excuse(crash, "during the spawn"))
+    if crash is not None and sorted(finals) != ["0", "2", "joined.2"] and "running at full size again" in output:
+        pytest.xfail(excuse(crash, "after the grow, while the grown job trained"))  # the ranks went with prterun
     assert sorted(finals) == ["0", "2", "joined.2"], output[-6000:]
     # prterun 5.0.11 can crash at the end (xfail below, on its own signs)
     assert status == 0 or prterun_crash(status, output) is not None, output[-6000:]
