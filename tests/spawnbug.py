@@ -7,7 +7,7 @@ import re
 # glibc's words as it aborts prterun on a corrupted heap (exit 134 / SIGABRT), each seen in these tests' runs
 HEAP_CORRUPTION = ("corrupted size vs. prev_size", "corrupted double-linked list", "free(): invalid pointer",
                    "double free or corruption", "munmap_chunk(): invalid pointer", "malloc(): ",
-                   "malloc assertion failure")
+                   "malloc assertion failure", "free(): invalid next size")
 # the launcher itself ended by a signal (the fake hosts' `sh -c 'exec mpirun'`: negative; a shell's 128 + n)
 CRASH_STATUSES = {-11: "SIGSEGV", 139: "SIGSEGV", -6: "SIGABRT", 134: "SIGABRT"}
 PMIX_SPAWN_ERROR = "PMIX ERROR"  # prterun's, as it takes the buggy connect path of a spawn
