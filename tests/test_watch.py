@@ -86,25 +86,23 @@ class MuteStore:
         return request
 
 
-def test_a_mute_store_ends_the_job_after_the_finish_timeout_finished_or_not(capsys):
-    """A stopped rank 0 holds its store's sockets open: the finish watch's requests must not wait on it forever.
-    After --finish-timeout of silence the job ends, said in one line."""
-    for finished in (True, False):
-        store, aborted = MuteStore(), []
-        watch = FinishWatch(0.4, rank(1, aborted), store)
-        watch.interval = 0.02
-        watch.start()
-        if finished:
-            watch.finished()
-        try:
-            assert wait_for(lambda: aborted == [EXIT_HANG], seconds=30), finished
-            watch.thread.join(30)
-        finally:
-            store.release.set()
-        err = capsys.readouterr().err
-        doing = "finished its script" if finished else "runs"
-        assert f"mpiddp: rank 1/2 {doing}, and rank 0's store has not answered for" in err, err
-        assert "rank 0 is stopped or its host unreachable (--finish-timeout 0.4); ending the job" in err, err
+def test_a_mute_store_never_blocks_the_finish_watch_nor_ends_the_job_on_its_own():
+    """A stopped rank 0 holds its store's sockets open: the finish watch's requests have a deadline, so its thread
+    keeps its pace (and stops when asked) instead of waiting in recv; the mute store alone ends nothing (this rank's
+    main thread may hold the shared connection in a long wait)."""
+    store, aborted = MuteStore(), []
+    watch = FinishWatch(0.4, rank(1, aborted), store)
+    watch.interval = 0.02
+    watch.start().finished()
+    try:
+        assert wait_for(lambda: watch.store.unanswered_since is not None, seconds=30)
+        time.sleep(1.0)  # well past the timeout: nothing ended (asserting an absence needs a wait)
+        assert aborted == []
+        watch.stopped.set()
+        watch.thread.join(10)
+        assert not watch.thread.is_alive()  # never blocked on the mute store
+    finally:
+        store.release.set()
 
 
 def test_rank_0s_pid_is_known_from_the_first_step_not_only_after_the_watchs_first_round():
