@@ -71,14 +71,10 @@ class FinishWatch(Watcher):
     def poll(self) -> Ending | None:
         try:
             return self._poll_store()
-        except StoreUnanswered:
-            return self._store_mute()
-
-    def _store_mute(self) -> Ending | None:
-        """Rank 0's store did not answer in time: the watch goes on without blocking. It does not end the job on
-        that alone: this rank's own main thread may hold the one shared connection in a long store wait (a new
-        group waiting for a late peer), and a stopped rank 0 is the hang watchdog's to find."""
-        return None
+        except StoreUnanswered:  # rank 0's store did not answer in time: the watch goes on without blocking. A
+            # mute store alone ends nothing: this rank's main thread may hold the one shared connection in a long
+            # store wait (a new group waiting for a late peer); a stopped rank 0 is the hang watchdog's to find
+            return None
 
     def _poll_store(self) -> Ending | None:
         now = time.monotonic()
