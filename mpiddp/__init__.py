@@ -22,7 +22,7 @@ from mpiddp.errors import AgreedError, UserError
 from mpiddp.version import __version__
 
 if TYPE_CHECKING:
-    from mpiddp.job.api import init
+    from mpiddp.script.api import init
     from mpiddp.elastic.api import (MembershipChange, State, on_membership_change, run_recoverable, wait,
                                     watch_gradients)
     from mpiddp.elastic.steps import (BatchShare, DistributedDataParallel, Optimizer, share_global_batch,
@@ -37,7 +37,7 @@ __all__ = ["AgreedError", "BatchShare", "Dist", "DistributedDataParallel", "Memb
 
 # Lazy: `python -m mpiddp` imports this package before its first line runs, and that line installs the stop
 # handlers; a numpy or torch import here would be a window in which a scheduler's SIGTERM kills a rank.
-_LAZY = {"init": "mpiddp.job.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
+_LAZY = {"init": "mpiddp.script.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
          "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport",
          **dict.fromkeys(["MembershipChange", "State", "on_membership_change", "run_recoverable", "wait",
                           "watch_gradients"], "mpiddp.elastic.api"),

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None, stop: Any = None) -> int:
 
         return launch(args)
     if command == "run":  # the user's own script: its signals are its own, as under torchrun
-        from mpiddp.job.script import main as run_script
+        from mpiddp.script.run import main as run_script
 
         return run_script(args)
     from mpiddp.trainer.entry import main as train_or_join

@@ -131,9 +131,10 @@ def test_the_config_is_in_sections_and_each_flag_is_declared_once():
 def test_the_network_settings_are_declared_once_for_training_run_and_init():
     import inspect
 
-    from mpiddp.job import api, bootstrap
+    from mpiddp.job import bootstrap
+    from mpiddp.script import api
     from mpiddp.job.flags import DistSettings, flag_fields
-    from mpiddp.job.script import RunConfig
+    from mpiddp.script.run import RunConfig
 
     declared = {spec.name: spec for spec, _ in flag_fields(DistSettings)}
     training = {spec.name: spec for spec, _ in flag_fields(Config)}

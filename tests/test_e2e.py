@@ -29,7 +29,7 @@ def assert_trained(job, world_size, min_accuracy):
     assert 0 < summary["time_to_first_step_s"] < summary["wall_time_s"]
     # every start-up phase, each the slowest rank's; together they are the time to the first step (give or
     # take the start of the earliest process vs each rank's own)
-    from mpiddp.job.startup import PHASES
+    from mpiddp.trainer.startup import PHASES
 
     assert set(summary["startup_s"]) == set(PHASES)
     assert all(0 <= summary["startup_s"][p]["rank"] < world_size for p in PHASES)

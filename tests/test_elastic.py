@@ -260,7 +260,7 @@ def test_the_finish_watch_follows_the_survivors_onto_their_new_store_under_the_n
 def test_a_rank_that_follows_another_s_report_while_mpi_reports_failed_peers_leaves_the_abort_to_it():
     from types import SimpleNamespace
 
-    from mpiddp.job.api import _follows_first_report
+    from mpiddp.script.api import _follows_first_report
     from mpiddp.job.failfast import FailFast
 
     guard = FailFast()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from mpiddp.job.collective import Dist, SoloTransport
-from mpiddp.job.startup import StartupClock
+from mpiddp.trainer.startup import StartupClock
 from mpiddp.job.topology import RankRecord, build_topology
 from mpiddp.trainer.config import Config
 from mpiddp.trainer.train import Meter, RankTiming, TrainOutcome, training_record

@@ -15,7 +15,7 @@ import pytest
 from conftest import find_mpirun, hold_survivors_while_the_spare_warms
 from fakehosts import FakeHosts, running_fake_hosts
 from mpiddp import failure
-from mpiddp.job.startup import PHASES
+from mpiddp.trainer.startup import PHASES
 from spawnbug import CRASH_STATUSES, excuse, prterun_crash
 from test_leftovers import marked_env
 from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, survivors_pids

@@ -86,7 +86,7 @@ def test_a_failing_rank_ends_the_job_quickly_with_one_report(mpirun, tmp_path, m
     assert job.output.count(message) == 1, job.output[-3000:]
     if mode == "raise":
         assert job.output.count("Traceback") == 1 and 'misbehave.py", line' in job.output
-        assert "mpiddp/job/script.py" not in job.output  # the report starts in the user's code
+        assert "mpiddp/script/run.py" not in job.output  # the report starts in the user's code
 
 
 @pytest.mark.parametrize("args, message", [

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from mpiddp.errors import ScriptError, ScriptExit, UserError
-from mpiddp.job.script import RunConfig, Target, execute, parse_run_args, split_argv
+from mpiddp.script.run import RunConfig, Target, execute, parse_run_args, split_argv
 from mpiddp.trainer.config import ConfigError, HelpRequested
 
 
@@ -87,7 +87,7 @@ def test_an_exception_report_starts_in_the_users_code(tmp_path):
 
 
 def test_only_contiguous_rank_layouts_run_torchrun_scripts():
-    from mpiddp.job.script import check_contiguous
+    from mpiddp.script.run import check_contiguous
     from mpiddp.job.topology import RankRecord, build_topology
 
     def topology(hosts):  # world rank -> host name; a host's leader is its lowest rank
@@ -105,7 +105,7 @@ def test_only_contiguous_rank_layouts_run_torchrun_scripts():
 def test_one_gpu_per_rank_gives_every_rank_local_rank_0(monkeypatch):
     import torch
 
-    from mpiddp.job.script import virtual_local_rank, visible_gpus
+    from mpiddp.script.run import virtual_local_rank, visible_gpus
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert visible_gpus() == 0
@@ -119,7 +119,7 @@ def test_one_gpu_per_rank_gives_every_rank_local_rank_0(monkeypatch):
 def test_forkserver_becomes_the_default_without_fixing_it():
     import subprocess
 
-    start = "import multiprocessing as mp\nfrom mpiddp.job.script import default_start_method\n"
+    start = "import multiprocessing as mp\nfrom mpiddp.script.run import default_start_method\n"
     probes = [
         "with default_start_method('forkserver') as chosen:\n"
         "    assert chosen == 'forkserver' and mp.get_start_method(allow_none=True) is None\n"
@@ -172,7 +172,7 @@ def test_torchrun_variables_carry_the_restart_count_and_nccl_error_handling(monk
 def test_the_exit_handler_learns_the_status_the_script_gave_sys_exit(monkeypatch):
     import threading
 
-    from mpiddp.job.api import _as_exit_code, _ExitStatus
+    from mpiddp.script.api import _as_exit_code, _ExitStatus
 
     assert [_as_exit_code(s) for s in (None, 0, 3, True, "bye")] == [0, 0, 3, 1, 1]
     monkeypatch.setattr(sys, "exit", sys.exit)  # restored afterwards

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, job_env, run_command
-from mpiddp.job.startup import PHASES, StartupClock, slowest_per_phase
+from mpiddp.trainer.startup import PHASES, StartupClock, slowest_per_phase
 
 
 def test_each_phase_runs_from_the_end_of_the_previous_one_reached():

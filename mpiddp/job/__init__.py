@@ -1,1 +1,2 @@
-"""Inside MPI: bootstrap, the Dist collectives, fail fast, stop, watch; the public API and `run SCRIPT`."""
+"""Inside MPI: bootstrap, the Dist collectives, fail fast, stop, watch. It knows nothing of its users (the trainer, the
+script front door) nor of the elastic engine."""

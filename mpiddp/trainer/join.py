@@ -40,7 +40,7 @@ def join_main(args: list[str], stop: Any) -> int:
     """A spawned rank: join the job, take the state, train to the end with it, summarise and tear down as every
     rank does (collective with the survivors throughout). Returns the exit status."""
     from mpiddp.job.stopping import Stopped
-    from mpiddp.job.startup import StartupClock
+    from mpiddp.trainer.startup import StartupClock
     from mpiddp.trainer.metrics import process_start_time
 
     startup = StartupClock(process_start_time())

@@ -21,7 +21,7 @@ from mpiddp.job.bootstrap import connect, distributed
 from mpiddp.job.collective import Dist
 from mpiddp.job.failfast import EXIT_OK, EXIT_STOPPED, FailFast
 from mpiddp.job.log import setup_logging
-from mpiddp.job.startup import StartupClock, slowest_per_phase
+from mpiddp.trainer.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import (DEFAULT_RUNS_ROOT, CheckpointSettings, Config, OutputSettings, TrainingSettings,
                                     parse_args)

@@ -266,7 +266,7 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     from mpiddp.elastic import api as elastic
     from mpiddp.elastic import grow
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
-    from mpiddp.job import api
+    from mpiddp.script import api
     from mpiddp.job.bootstrap import enable_flight_recorder, teardown
 
     try:
@@ -328,7 +328,7 @@ def start_job(argv: list[str], guard: FailFast, arrival: Arrival | None,
     survivors checked at start-up: it checks nothing with them, warms up (its options, logging, torch) while they
     train, joins when they take it in (grow.enter: Abandoned when they gave it up), and takes their rendezvous."""
     from mpiddp.elastic import grow
-    from mpiddp.job import api
+    from mpiddp.script import api
     from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
     from mpiddp.job.log import setup_logging
 
