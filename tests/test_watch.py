@@ -117,3 +117,62 @@ def test_rank_0s_pid_is_known_from_the_first_step_not_only_after_the_watchs_firs
     watch.rank_0_pid = None
     watch.beat("step", 2)  # asked once, not a store request every step
     assert watch.rank_0_pid is None
+
+
+STOOD_STILL = r'''
+import os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from mpiddp.job.watchdog import Watchdog
+from test_launch_record import DictStore
+
+polls = threading.Semaphore(0)
+
+class Counted(Watchdog):
+    def poll(self):
+        try:
+            return super().poll()
+        finally:
+            polls.release()
+
+def fired(status):
+    print("fired", flush=True)
+    os._exit(status)
+
+watch = Counted(3.0, 0, 1, "rank 0/1", DictStore(), fired)
+watch.interval = 0.1
+watch.start()
+watch.beat("step", 1)
+print("ready", flush=True)
+sys.stdin.readline()  # the test stops this process, holds it, resumes it, then writes a line
+for _ in range(2):  # two rounds of the watchdog after the resume, with no beat of this thread meanwhile
+    if not polls.acquire(timeout=20):
+        print("no round", flush=True)
+        os._exit(5)
+print("alive", flush=True)
+'''
+
+
+def test_a_process_that_stood_still_does_not_take_the_stop_for_a_hang(tmp_path):
+    """SIGSTOP (a test holding ranks, a suspended job) stops the training thread and the watchdog together; at the
+    resume the watchdog wakes long past its interval and must leave the stop out of the idle time, not end a job
+    that was only held. The main thread does not beat after the resume: only the watchdog's own accounting can
+    keep it from firing on the 7 s (> the 3 s timeout) that passed."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    program = tmp_path / "stood_still.py"
+    program.write_text(STOOD_STILL)
+    child = subprocess.Popen([sys.executable, str(program), str(REPO / "tests")], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(7)  # the stimulus: the process stands still longer than the hang timeout (not a synchronisation)
+        os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+    assert out.strip() == "alive" and child.returncode == 0, out

@@ -13,6 +13,7 @@ import json
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,10 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11's; the floor runs 3.10
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job import storekeys
 from mpiddp.job.storeload import paced_interval
+
+# A watcher's wake-up later than this beyond its interval (and than one more interval) means this whole process
+# stood still: a thread waiting on an event is not that late on a machine that is only busy.
+SUSPENDED_S = 5.0
 
 Ending = Callable[[], None]  # what a watcher does when it stops watching to end the job
 
@@ -167,9 +172,19 @@ class Watcher(StoreMixin):
         """A store request raised while the watcher was not stopped. By default the store is gone (rank 0 closed
         it at the end of the job): the job is ending anyway, and the watcher ends quietly."""
 
+    def resumed(self, seconds: float) -> None:
+        """This process stood still `seconds` beyond the watcher's interval (stopped by SIGSTOP, or the whole job
+        suspended, e.g. by a scheduler): by default nothing."""
+
     def _watch(self) -> None:
         stopped = self.stopped  # this thread's own: a watcher that follows a new store starts a new thread
-        while not stopped.wait(self.interval):
+        while True:
+            waited_from = time.monotonic()
+            if stopped.wait(self.interval):
+                return
+            overslept = time.monotonic() - waited_from - self.interval  # the wait's own lateness, not a round's
+            if overslept > max(SUSPENDED_S, self.interval):  # far more than a busy machine's lateness
+                self.resumed(overslept)
             try:
                 ending = self.poll()
             except Exception as exc:

@@ -166,6 +166,14 @@ class Watchdog(Watcher):
         """Whether this job has done anything since it started (a step, a save, an evaluation)."""
         return self.beats > 0
 
+    def resumed(self, seconds: float) -> None:
+        """The whole process stood still (SIGSTOP, a suspended job): its main thread could not beat meanwhile, so
+        that time is not idleness. A rank whose own loop hangs is still found: the time before the stop counts,
+        and the others' watchdogs never stood still."""
+        self.last_beat = min(time.monotonic(), self.last_beat + seconds)
+        log.info("%s: this process stood still %.1f s (stopped or suspended); the hang clock leaves that out",
+                 self.label, seconds)
+
     def suspend(self) -> None:
         """In-job recovery begins: the store may be gone with its rank; the watch waits for `follow`."""
         self.recovering = True
