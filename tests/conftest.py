@@ -41,7 +41,7 @@ def job_env(**extra: str) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     env.pop("MPIDDP_MASTER_ADDR", None)
-    env.pop("OMP_NUM_THREADS", None)  # a user's value wins over mpiddp's fair share: tests expect the share
+    env.pop("OMP_NUM_THREADS", None)  # the caller's value would win over mpiddp's fair share (a fake host sets its own)
     env.update(extra)
     return env
 
