@@ -3,6 +3,7 @@ watchdog in test_launch_record, test_evidence, test_flightrec and test_scale."""
 
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from mpiddp.errors import EXIT_HANG
@@ -161,11 +162,12 @@ def test_a_process_that_stood_still_does_not_take_the_stop_for_a_hang(tmp_path):
     import subprocess
     import sys
 
+    import test_launch_record
     from conftest import REPO
 
     program = tmp_path / "stood_still.py"
     program.write_text(STOOD_STILL)
-    child = subprocess.Popen([sys.executable, str(program), str(REPO / "tests")], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, str(program), str(Path(test_launch_record.__file__).parent)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert child.stdout.readline().strip() == "ready"
