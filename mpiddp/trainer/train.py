@@ -1,5 +1,5 @@
 """The training loop from parts: a step, an epoch, evaluation, and the cadence of logging and saving.
-It never decides *who* logs or saves: the hooks main.py hands it do."""
+It never decides *who* logs or saves: the hooks trainer/run.py (trainer/join.py for a rank that joins) hands it do."""
 
 from __future__ import annotations
 
