@@ -9,7 +9,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NoReturn, Protocol, TypeVar, cast
 
 from mpiddp.contract import MIN_NP_ENV

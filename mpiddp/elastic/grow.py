@@ -206,7 +206,8 @@ class GrowBack:
         self.grew = False  # new ranks joined this job
         self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
         self.hot = False  # the spares are hot (mpiddp.job.spares): taken in without a spawn
-        self.leaving: MPI.Group | None = None  # hot: the group of a given-up grow's spares, until MPI reports them ended
+        # hot: the group of a given-up grow's spares, until MPI reports them ended
+        self.leaving: MPI.Group | None = None
         self.said_leaving = False  # rank 0 said once that growing back waits for them
 
     @classmethod

@@ -144,7 +144,8 @@ class Joined:
         recovery.records, recovery.cfg, recovery.stepped = self.records, self.current, True
         recovery.keep_full_epoch_end(self.payload["epoch_end"])  # the survivors' (the first split's), not its own
         recovery.changed_size()  # the grow's first step is this rank's too
-        recovery.parts = TrainingParts(cfg, state, self.loaders, self.datasets, self.watchdog, None, self.run_dir, saver)
+        recovery.parts = TrainingParts(cfg, state, self.loaders, self.datasets, self.watchdog, None, self.run_dir,
+                                       saver)
         try:
             return train(self.current, state, self.loaders, dist, recovery.hooks(hooks), joined=True)
         finally:

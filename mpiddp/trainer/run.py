@@ -212,8 +212,9 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         run_logger.close()
 
     def complete(summary: dict[str, Any]) -> None:
-        """Rank 0: what only this job knows, into the summary before it is written."""
+        """What only this job knows, into the summary before rank 0 writes it."""
         assert dist.rendezvous is not None
+        hook = state.gradient_hook
         summary.update(
             resumed_from=str(restored[0]) if restored is not None else None,
             checkpoint_dir=str(checkpoint_dir),
@@ -221,7 +222,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
                         "interfaces": dist.rendezvous.interface_per_host},
             wandb_run_id=wandb_run_id,
             snapshots=saver.cost.record(),
-            grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
+            grad_transport=hook.transport.record() if hook and hook.transport else None,
         )
         # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
         attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file and dist.is_main else None
