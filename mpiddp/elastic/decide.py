@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mpiddp.contract import SPARE_HOSTS_ENV, SPARE_RANKS_ENV
 from mpiddp.globalbatch import GlobalBatchError, split, uneven_split
@@ -150,7 +150,11 @@ def recovery_refusal(old_size: int, failed: tuple[int, ...] | list[int], min_siz
     return None
 
 
-def furthest(positions: Sequence[Any]) -> int | None:
+# where a survivor stands, compared by its first item: (step, epoch, batches done), or a script's (commits, digest)
+Position = tuple[int, ...] | tuple[int, Hashable]
+
+
+def furthest(positions: Sequence[Position]) -> int | None:
     """The rank whose state every survivor takes: the greatest position (its first item: commits, or steps),
     the lowest rank among equals; None when all hold the same (nothing to send)."""
     if len(set(positions)) <= 1:
@@ -236,7 +240,24 @@ def resplit(batch_size: int, grad_accum: int, world_before: int, world_after: in
     return Resplit(cap, accumulation, position // global_batch * accumulation, global_batch)
 
 
-def split_for_growth(cfg: Any, first: Any, world: int, grown: int, batches_done: int, *,
+class BatchSettings(Protocol):
+    """What a split reads of a training config's batch (the trainer's TrainingSettings)."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def grad_accum(self) -> int: ...
+
+
+class BatchConfig(Protocol):
+    """A training config, as a split reads it (the trainer's Config: its `training` section)."""
+
+    @property
+    def training(self) -> BatchSettings: ...
+
+
+def split_for_growth(cfg: BatchConfig, first: BatchConfig, world: int, grown: int, batches_done: int, *,
                      global_batch: int | None = None, position: int | None = None,
                      epoch_samples: int | None = None) -> tuple[Resplit | None, str | None]:
     """(the split on `grown` ranks at this position, None) when the job can grow now; (None, None) when not at

@@ -9,12 +9,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, NoReturn, Protocol, TypeVar, cast
 
 from mpiddp.contract import MIN_NP_ENV
-from mpiddp.elastic.decide import furthest
+from mpiddp.elastic.decide import Position, furthest
 from mpiddp.elastic.grow import GrowBack, Regrown
+from mpiddp.elastic.hooks import OutcomeT, Phases, RecoveryHooks
 from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, WatchedTransport, members_lost,
                                        mpi_error_of)
 from mpiddp.elastic.survivors import bind_topology, mark_recovered, shrunk_topology, unless_end_decided
@@ -22,11 +22,15 @@ from mpiddp.errors import PeersLost
 from mpiddp.job.collective import Dist, MpiTransport
 
 if TYPE_CHECKING:
+    import torch
+
     from mpiddp.job.failfast import FailFast
     from mpiddp.job.topology import Topology
 
 log = logging.getLogger("mpiddp")
 T = TypeVar("T")
+V = TypeVar("V")  # what a sync sends: any picklable value
+P = TypeVar("P")  # a sync's payload
 
 
 class NotRecovered(PeersLost):
@@ -46,8 +50,8 @@ class Comm(Protocol):
 
     rank: int
 
-    def allgather(self, value: Any) -> list[Any]: ...
-    def bcast(self, value: Any, root: int) -> Any: ...
+    def allgather(self, value: V) -> list[V]: ...
+    def bcast(self, value: V, root: int) -> V: ...
 
 
 class DistComm:
@@ -58,14 +62,14 @@ class DistComm:
         assert isinstance(transport, MpiTransport)
         self.rank, self._transport = dist.rank, transport
 
-    def allgather(self, value: Any) -> list[Any]:
+    def allgather(self, value: V) -> list[V]:
         return self._transport.allgather(value)
 
-    def bcast(self, value: Any, root: int) -> Any:
+    def bcast(self, value: V, root: int) -> V:
         return self._transport.large.bcast(value, root=root)
 
 
-def from_furthest(comm: Comm, position: Any, payload: Callable[[], Any], load: Callable[[Any], None]) -> int | None:
+def from_furthest(comm: Comm, position: Position, payload: Callable[[], P], load: Callable[[P], None]) -> int | None:
     """Collective over the survivors: a collective can complete on some ranks only, so the survivor whose
     `position` is furthest (decide.furthest) gives every other its `payload()`, which they `load`. Returns that
     rank, None when every survivor is at the same position."""
@@ -73,24 +77,23 @@ def from_furthest(comm: Comm, position: Any, payload: Callable[[], Any], load: C
     if leader is not None:
         taken = comm.bcast(payload() if comm.rank == leader else None, root=leader)
         if comm.rank != leader:
-            load(taken)
+            load(cast(P, taken))  # the leader's payload()
     return leader
 
 
-class Policy:
-    """What one user of the engine decides (the trainer's: mpiddp.trainer.elastic_policy; scripts': elastic.api),
-    asked in this order on every survivor. The engine sets `engine`, `members` and `dists`."""
+class Policy(RecoveryHooks[OutcomeT]):
+    """The base of a user's policy (the trainer's: mpiddp.trainer.elastic_policy; scripts': elastic.api): the
+    contract is mpiddp.elastic.hooks.RecoveryHooks (asked in its order on every survivor), and GrowHooks where the
+    policy grows back. This binds the engine's side and gives the optional hooks their defaults; a policy writes
+    alive_at, records_dir, resume and settle. The engine sets `engine`, `members` and `dists`."""
 
-    engine: Engine
+    engine: Engine[OutcomeT]
     members: Membership
     dists: list[Dist]
     guard: FailFast | None = None  # follows the survivors with every Dist (survivors.bind_topology), as log_level
     log_level: str | None = None
     hide_cause = False  # a fall-back's NotRecovered without the exception it was raised in (a script's report)
     grower: GrowBack | None = None  # growing back after a recovery (mpiddp.elastic.grow), where the policy grows
-
-    def alive_at(self) -> float: ...  # this rank's last sign of life of the job (time.time()): detect runs from it
-    def records_dir(self) -> Path | None: ...  # the failures directory: an end recorded there stops the recovery
 
     def refusal(self) -> str | None:  # a failure this policy does not recover from, in one line
         return None
@@ -104,11 +107,6 @@ class Policy:
     def regrown(self) -> None:  # new ranks joined (mpiddp.elastic.grow): before the body runs again
         pass
 
-    # collective: the state from the furthest survivor, wrapped again: (its phase's name, what settle gets)
-    def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, Any]: ...
-    # the recovery into the policy's records, and its lines
-    def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, Any], outcome: Any) -> None: ...
-
     def fall_back(self, reason: str, ranks: tuple[int, ...]) -> NoReturn:
         self.engine.fall_back(reason, ranks)
 
@@ -117,10 +115,11 @@ class Policy:
         bind_topology(self.dists, self.members, topology, self.guard, self.log_level, verb)
 
 
-class Engine:
-    """One per process; every method named collective is called by every survivor at the same point."""
+class Engine(Generic[OutcomeT]):
+    """One per process; every method named collective is called by every survivor at the same point. `policy`:
+    the user's (its hooks: mpiddp.elastic.hooks.RecoveryHooks), whose resume hands its settle an OutcomeT."""
 
-    def __init__(self, members: Membership, dists: list[Dist], min_size: int, policy: Policy) -> None:
+    def __init__(self, members: Membership, dists: list[Dist], min_size: int, policy: Policy[OutcomeT]) -> None:
         self.members = members
         self.dists = dists  # the placed Dist first, then every other holder of the job's world (the guard's)
         self.min_size = min_size
@@ -130,8 +129,9 @@ class Engine:
         policy.engine, policy.members, policy.dists = self, members, dists
 
     @classmethod
-    def enable(cls, dists: list[Dist], collective_timeout_s: float, min_world_size: int | None, policy: Policy,
-               backend: str = "gloo", device: Any = None) -> Engine:
+    def enable(cls, dists: list[Dist], collective_timeout_s: float, min_world_size: int | None,
+               policy: Policy[OutcomeT], backend: str = "gloo", device: torch.device | None = None,
+               ) -> Engine[OutcomeT]:
         """Collective, where in-job recovery can work (not `refused`): a Membership over the job's communicator
         (its process groups on `backend`, NCCL's on `device`), every Dist on a transport it watches.
         `min_world_size`: the fewest ranks the job goes on with (default MPIDDP_MIN_NP, which `launch --min-np`
@@ -200,7 +200,7 @@ class Engine:
             if isinstance(exc, NotRecovered):
                 raise
             self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], failed)
-        phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
+        phases: Phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
                   phase: time.monotonic() - started}
         policy.settle(before, failed, phases, outcome)
         self.lost_in = None

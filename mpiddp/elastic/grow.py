@@ -42,8 +42,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, cast
 
 from mpiddp import failure
 from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: spawn, merge, the parent
@@ -53,7 +53,16 @@ from mpiddp.elastic.survivors import end_without_finalize, mark_recovered, recov
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job.spares import spare_world
 
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+    from mpiddp.elastic.hooks import GrowHooks
+    from mpiddp.job.collective import Dist
+    from mpiddp.job.topology import Topology
+
 log = logging.getLogger("mpiddp")
+SplitT = TypeVar("SplitT")  # a policy's split of the grown job (hooks.GrowHooks)
 # A spawn that has not returned by then never will (a spare lost during it: seen under the relay layout, where its
 # daemon's loss no longer ends the job). A healthy one takes 0.2-3 s here; a cold start on a busy shared file
 # system can take tens of seconds.
@@ -70,6 +79,51 @@ SPAWN_MARK_HOLD_S = 30.0
 # the merged communicator's tags between rank 0 and a new rank warming up (its only point-to-point messages)
 # (LOST_TAG: never sent; under ULFM a receive on it completes, with an error, only when that rank fails)
 READY_TAG, JOIN_TAG, LOST_TAG = 7701, 7702, 7703
+
+
+class GrowerView(TypedDict):
+    """The survivors' view of growing, which a joining rank takes over (GrowBack.joined)."""
+
+    used: dict[str, int]  # spare slots taken by earlier grows, per host
+    lost_after_grow: bool
+
+
+class Hello(TypedDict):
+    """Rank 0's first word to the new ranks: what they need before the process group."""
+
+    topology: Topology  # rank 0's
+    backend: str
+    initial_world: int
+    interface_per_host: dict[str, str]
+    min_size: int
+    collective_timeout_s: float
+    grower: GrowerView  # this job's view of growing once they joined
+
+
+# a new rank's word to rank 0 while it warms up: ("ready", its warm-up seconds) or ("failed", why)
+Word = tuple[str, "float | str"]
+
+
+class Speaker(Protocol):
+    """Whoever says a line for the job: a Dist, or a survivor that knows whether it becomes rank 0."""
+
+    @property
+    def is_main(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class NextMain:
+    """A survivor before the shrink: `is_main` when it becomes the shrunk job's rank 0 (it says the lines)."""
+
+    is_main: bool
+
+
+@dataclass(frozen=True)
+class HeldStore:
+    """A joining rank's one connection to rank 0's store (Membership.store), held as the bootstrap holds its own
+    (Rendezvous.opened: what Rendezvous.client hands out)."""
+
+    store: object
 
 
 class Regrown(Exception):
@@ -89,16 +143,16 @@ class Warming:
     """A grow under way on the survivors: the new ranks were spawned and merged in, and warm up while the
     survivors train (mpiddp.elastic.grow's step 1 done, step 2 not yet)."""
 
-    merged: Any  # the merged intracommunicator: survivors first, then the new ranks
+    merged: MPI.Intracomm  # the merged intracommunicator: survivors first, then the new ranks
     plan: GrowPlan
-    template: Any  # rank 0's Topology, as the new ranks got it in the hello
+    template: Topology  # rank 0's, as the new ranks got it in the hello
     hostnames: list[str]  # every rank's host in the merged job
     phases: dict[str, float]  # spawn, merge (the survivors' stand-still at step 1)
     stall: float  # this survivor's seconds stood still at step 1 (spawn, merge, hello)
-    ready: list[Any]  # rank 0's receives of each new rank's word: ("ready", its warm-up s) or ("failed", why)
-    lost: list[Any]  # rank 0's receives that complete (in error) only when a new rank fails (LOST_TAG)
-    records: Any = None  # rank 0's failures directory, where the spawn's mark stands until the grow ends
-    said: dict[int, Any] = field(default_factory=dict)  # rank 0: each new rank's word, once it came
+    ready: list[MPI.Request]  # rank 0's receives of each new rank's Word
+    lost: list[MPI.Request]  # rank 0's receives that complete (in error) only when a new rank fails (LOST_TAG)
+    records: Path | None = None  # rank 0's failures directory, where the spawn's mark stands until the grow ends
+    said: dict[int, Word] = field(default_factory=dict)  # rank 0: each new rank's word, once it came
 
     def poll(self) -> str:
         """Rank 0, not collective: "ready" once every new rank said so (and none failed since), "warming"
@@ -109,7 +163,7 @@ class Warming:
                 if index not in self.said:
                     done, word = request.test()
                     if done:
-                        self.said[index] = word
+                        self.said[index] = cast(Word, word)
             for request in self.lost:
                 request.test()  # nothing is ever sent on LOST_TAG: it can only fail
         except mpigrow.mpi_exception() as exc:
@@ -123,7 +177,7 @@ class Warming:
 
     def warm_up(self) -> float | None:
         """The slowest new rank's own warm-up seconds, as it said when ready."""
-        seconds = [word[1] for word in self.said.values() if isinstance(word, tuple) and word[0] == "ready"]
+        seconds = [float(word[1]) for word in self.said.values() if isinstance(word, tuple) and word[0] == "ready"]
         return max(seconds) if seconds else None
 
     def stop_watching(self) -> None:
@@ -138,7 +192,7 @@ class Warming:
 
 class GrowBack:
     """The survivors' side: when to grow, and the grow itself (collective over the survivors). `recovery` is a
-    user's elastic policy bound to its engine (mpiddp.elastic.engine.Policy: the trainer's or a script's): its
+    user's elastic policy bound to its engine (mpiddp.elastic.hooks.GrowHooks: the trainer's or a script's): its
     engine, members and dists, and the steps a grow asks of it (grow_split, spawn_command, pause_watch,
     follow_watch, handover, bind, rewrap_grown, grown, fall_back). `grown` gets the monotonic time of the step
     boundary where the survivors stopped: their stand-still (`survivors_stall`) runs from there to their next step's
@@ -152,7 +206,8 @@ class GrowBack:
         self.grew = False  # new ranks joined this job
         self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
         self.hot = False  # the spares are hot (mpiddp.job.spares): taken in without a spawn
-        self.leaving: Any = None  # hot: the group of a given-up grow's spares, until MPI reports them ended
+        # hot: the group of a given-up grow's spares, until MPI reports them ended
+        self.leaving: MPI.Group | None = None
         self.said_leaving = False  # rank 0 said once that growing back waits for them
 
     @classmethod
@@ -166,7 +221,7 @@ class GrowBack:
         spares = spare_hosts_in(os.environ)
         return cls([], spares) if isinstance(spares, str) else cls(spares)
 
-    def at_boundary(self, recovery: Any) -> None:
+    def at_boundary(self, recovery: GrowHooks[SplitT]) -> None:
         """Collective, at each training step's boundary: grow when due; Regrown when new ranks joined."""
         dist = recovery.dists[0]
         if self.warming is not None:
@@ -190,7 +245,7 @@ class GrowBack:
         hosts = ", ".join(plan.hosts)
         return f"taking in the hot spare on {hosts}" if self.hot else f"MPI_Comm_spawn onto {hosts}"
 
-    def plan(self, dist: Any, full: int) -> GrowPlan | str | None:
+    def plan(self, dist: Dist, full: int) -> GrowPlan | str | None:
         """Rank 0's decision (broadcast: every rank follows it, a rank that joined by a grow too): the plan, why
         not, or None for not yet."""
         if self.hot:  # the live spares still waiting: one taken, or given up, is gone
@@ -208,14 +263,14 @@ class GrowBack:
         refusal = regrow_refusal(mpigrow.library_version(), self.lost_after_grow)
         return refusal if refusal is not None else plan_growth(dist.world_size, full, self.spares, self.used)
 
-    def hello(self, dist: Any, recovery: Any, plan: GrowPlan) -> dict[str, Any]:
+    def hello(self, dist: Dist, recovery: GrowHooks[SplitT], plan: GrowPlan) -> Hello:
         """Rank 0's first word to the new ranks, with this job's view of growing once they joined."""
         used = dict(self.used)
         for host in plan.hosts:
             used[host] = used.get(host, 0) + 1
-        return {**hello_of(dist, recovery), "grower": {"used": used, "lost_after_grow": self.lost_after_grow}}
+        return hello_of(dist, recovery, {"used": used, "lost_after_grow": self.lost_after_grow})
 
-    def joined(self, state: dict[str, Any]) -> None:
+    def joined(self, state: GrowerView) -> None:
         """A rank that joined by a grow: the survivors' view of growing (hello's "grower"), as if it had been one."""
         self.used, self.lost_after_grow, self.grew = dict(state["used"]), bool(state["lost_after_grow"]), True
 
@@ -228,12 +283,12 @@ class GrowBack:
         """Whether the job was given spare hosts (or named them wrongly) and has not said why it does not grow."""
         return bool(self.spares) or (self.off is not None and not self.said_off)
 
-    def stop_growing(self, dist: Any, reason: str) -> None:
+    def stop_growing(self, dist: Dist, reason: str) -> None:
         if dist.is_main:  # a local log line, no collective
             log.warning("not growing back: %s; the job goes on with %d ranks", reason, dist.world_size)
         self.off = "said"
 
-    def start(self, recovery: Any, plan: GrowPlan) -> None:
+    def start(self, recovery: GrowHooks[SplitT], plan: GrowPlan) -> None:
         """Collective over the survivors, step 1: spawn, merge and hello; the new ranks then warm up while the
         survivors train. When the spawn fails, one line on rank 0 and the job goes on at reduced size."""
         members, dist = recovery.members, recovery.dists[0]
@@ -287,12 +342,13 @@ class GrowBack:
                         "trains on %d ranks", list(new_ranks), started[0], ", ".join(plan.hosts), started[1],
                         phases["spawn"], phases["merge"], dist.world_size)
 
-    def _take_in_when_ready(self, recovery: Any) -> None:
+    def _take_in_when_ready(self, recovery: GrowHooks[SplitT]) -> None:
         """Collective over the survivors, step 2: rank 0 looks whether every new rank is ready (no wait) and says
         so in one small broadcast; Regrown once they joined. A new rank that ended meanwhile is given up."""
         warming, dist = self.warming, recovery.dists[0]
         assert warming is not None
-        word, warm_up = dist.transport.bcast((warming.poll(), warming.warm_up()) if dist.is_main else None)
+        word, warm_up = cast("tuple[str, float | None]",
+                             dist.transport.bcast((warming.poll(), warming.warm_up()) if dist.is_main else None))
         if word == "warming":
             return
         if word != "ready":
@@ -307,7 +363,7 @@ class GrowBack:
         self.take_in(recovery, split, warm_up)
         raise Regrown()
 
-    def take_in(self, recovery: Any, split: Any, warm_up: float | None = None) -> None:
+    def take_in(self, recovery: GrowHooks[SplitT], split: SplitT, warm_up: float | None = None) -> None:
         """Collective over the merged job, step 2: tell the new ranks to join, then the process group, the state
         and the wrapper. A new rank that fails while joining ends the job (fall_back: one line, then fail fast;
         `launch` relaunches)."""
@@ -337,7 +393,7 @@ class GrowBack:
         # the survivors' stand-still: step 1's, and step 2's from its boundary to the next step's end (the policy's)
         recovery.grown(record, split, stalled_from - warming.stall)
 
-    def members_lost(self, dist: Any, lost: tuple[int, ...], records: Any) -> None:
+    def members_lost(self, dist: Dist, lost: tuple[int, ...], records: Path | None) -> None:
         """Every survivor, at a recovery, before the shrink (not collective): a grow under way is given up (its
         merged communicator numbers the old world), said by the survivor that becomes rank 0; once the job has
         grown (or spawned), what it may do later changes (regrow_refusal). That survivor also has the spawn's mark
@@ -347,12 +403,12 @@ class GrowBack:
         if self.warming is None:
             return
         next_main = min(rank for rank in range(dist.world_size) if rank not in lost) == dist.rank
-        self.abandon(SimpleNamespace(is_main=next_main),
+        self.abandon(NextMain(next_main),
                      f"ranks {', '.join(map(str, lost))} of the job failed while they warmed up", keep_mark=True)
         if next_main:  # a local write, no collective
             failure.hold_spawning(records, SPAWN_MARK_HOLD_S)
 
-    def abandon(self, dist: Any = None, why: str = "", keep_mark: bool = False) -> None:
+    def abandon(self, dist: Speaker | None = None, why: str = "", keep_mark: bool = False) -> None:
         """Every survivor, not collective: give up the grow under way (a survivor failed, the job ends, a new rank
         ended); rank 0 of `dist` says `why` where given. Revoking the merged communicator wakes every new rank
         waiting on it, which then leaves; its spare slot is free again. The spawn's mark goes unless `keep_mark`."""
@@ -371,7 +427,7 @@ class GrowBack:
         mpigrow.revoke(warming.merged)
 
     @staticmethod
-    def _join(recovery: Any, warming: Warming, split: Any, phases: dict[str, float]) -> None:
+    def _join(recovery: GrowHooks[SplitT], warming: Warming, split: SplitT, phases: dict[str, float]) -> None:
         """Collective over the merged job (the survivors' half of `join`'s step 2): the process group, the state,
         the topology, the wrapper again."""
         members, dist = recovery.members, recovery.dists[0]
@@ -399,7 +455,7 @@ def bounded(seconds: float, on_timeout: Callable[[], None]) -> Iterator[None]:
         done.set()
 
 
-def spawn_stuck(dist: Any, how: str, records: Any, step: int | None) -> None:
+def spawn_stuck(dist: Dist, how: str, records: Path | None, step: int | None) -> None:
     """The grow (`how`: GrowBack.how) never returned: a spare whose host or MPI daemon died during MPI_Comm_spawn
     (PRRTE then waits for it forever), or a process lost between a hot spare's shrink and its group. The survivors
     cannot leave the call: each ends its process; rank 0 says why and records it (a hang that blames no host: the
@@ -415,7 +471,7 @@ def spawn_stuck(dist: Any, how: str, records: Any, step: int | None) -> None:
     dist.abort_from_thread(EXIT_HANG)
 
 
-def say_grown(dist: Any, initial_world: int, record: dict[str, Any], how: str) -> None:
+def say_grown(dist: Dist, initial_world: int, record: dict[str, Any], how: str) -> None:
     """Rank 0's line for a grow (`how`: how the job goes on, its split), and, back at full size, one more."""
     if not dist.is_main:
         return
@@ -429,12 +485,13 @@ def say_grown(dist: Any, initial_world: int, record: dict[str, Any], how: str) -
         log.warning("running at full size again: %d ranks", dist.world_size)
 
 
-def hello_of(dist: Any, recovery: Any) -> dict[str, Any]:
-    """Rank 0's first word to the new ranks: what they need before the process group."""
+def hello_of(dist: Dist, recovery: GrowHooks[SplitT], grower: GrowerView) -> Hello:
+    """Rank 0's first word to the new ranks: what they need before the process group, and `grower`."""
     rendezvous = dist.rendezvous
     return {"topology": dist.topology, "backend": recovery.members.backend, "initial_world": recovery.engine.initial_world,
             "interface_per_host": dict(rendezvous.interface_per_host) if rendezvous else {},
-            "min_size": recovery.engine.min_size, "collective_timeout_s": recovery.members.collective_timeout_s}
+            "min_size": recovery.engine.min_size, "collective_timeout_s": recovery.members.collective_timeout_s,
+            "grower": grower}
 
 
 # ---- the joining rank's side ---------------------------------------------------------------------------------------
@@ -444,9 +501,9 @@ class Joining:
     """A new rank's view of the job it joined (the joining half of GrowBack._join, up to the state)."""
 
     members: Membership
-    hello: dict[str, Any]  # rank 0's: topology, backend, initial_world, interface_per_host, min_size, timeout
-    topology: Any  # this rank's in the grown job
-    device: Any  # this rank's torch.device: its GPU where the job runs on NCCL, as the survivors' bootstrap chose
+    hello: Hello  # rank 0's
+    topology: Topology  # this rank's in the grown job
+    device: torch.device  # this rank's: its GPU where the job runs on NCCL, as the survivors' bootstrap chose
     added: tuple[list[int], list[str], int, int]  # (new ranks, their hosts, world before, world after)
     phases: dict[str, float | None]
 
@@ -460,11 +517,11 @@ def joining() -> bool:
 class Arrival:
     """A new rank after step 1 of a grow (merged in, hello heard): what it needs to warm up on its own."""
 
-    merged: Any
-    hello: dict[str, Any]  # rank 0's: topology, backend, initial_world, interface_per_host, min_size, timeout
-    topology: Any  # this rank's in the grown job
+    merged: MPI.Intracomm
+    hello: Hello  # rank 0's
+    topology: Topology  # this rank's in the grown job
     hostnames: list[str]
-    device: Any  # this rank's torch.device (joining_device)
+    device: torch.device  # this rank's (joining_device)
     since: float  # monotonic time step 1 ended: this rank's warm-up runs from here
 
 
@@ -572,7 +629,7 @@ def end_if_taken_in(status: int, why: str = "") -> None:
         end_without_finalize(status)
 
 
-def joining_device(backend: str, topology: Any) -> Any:
+def joining_device(backend: str, topology: Topology) -> torch.device:
     """The new rank's device, bound as the bootstrap binds a rank's (cuda:<local rank>, or cuda:0 where it sees
     one GPU) when the job runs on NCCL; the CPU otherwise."""
     import torch
@@ -586,17 +643,15 @@ def joining_device(backend: str, topology: Any) -> Any:
     return torch.device(device_type, index)
 
 
-def joined_dist(joining: Joining, num_threads: int) -> Any:
+def joined_dist(joining: Joining, num_threads: int) -> Dist:
     """The new rank's Dist in the grown job (its process group is up), torchrun's variables exported."""
-    from types import SimpleNamespace
-
     from mpiddp.elastic.membership import WatchedTransport
     from mpiddp.job.bootstrap import export_environment
     from mpiddp.job.collective import Dist, Rendezvous
 
     members, hello, topology, device = joining.members, joining.hello, joining.topology, joining.device
     address, port = members.endpoint or ("", 0)
-    rendezvous = Rendezvous(address, port, hello["interface_per_host"], SimpleNamespace(store=members.store))
+    rendezvous = Rendezvous(address, port, hello["interface_per_host"], HeldStore(members.store))
     dist = Dist(topology, WatchedTransport(members), device.type, device.index, hello["backend"], rendezvous,
                 num_threads)
     export_environment(topology, address, port)
@@ -606,7 +661,8 @@ def joined_dist(joining: Joining, num_threads: int) -> Any:
 
 
 def receive(joining: Joining) -> dict[str, Any]:
-    """Collective over the merged job: the state rank 0 handed over (GrowBack._join), timed as state_transfer."""
+    """Collective over the merged job: the state rank 0 handed over (GrowBack._join, the policy's `handover`: its
+    own keys, which its joining side reads), timed as state_transfer."""
     started = time.monotonic()
     payload = joining.members.bcast_large(None)
     joining.phases["state_transfer"] = time.monotonic() - started

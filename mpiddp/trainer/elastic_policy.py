@@ -16,8 +16,9 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mpiddp import recoveries
 from mpiddp.elastic.decide import Resplit, StepTimes, failure_refusal, job_refusal, nccl_errors_env, resplit
@@ -29,9 +30,47 @@ from mpiddp.elastic.survivors import hosts_of, unless_end_decided
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist
 
+if TYPE_CHECKING:
+    from mpiddp.job.failfast import FailFast
+    from mpiddp.job.topology import Topology
+    from mpiddp.job.watchdog import Watchdog
+    from mpiddp.trainer.config import Config
+    from mpiddp.trainer.data import Datasets, Loaders
+    from mpiddp.trainer.state import TrainState
+    from mpiddp.trainer.train import Hooks
+
 log = logging.getLogger("mpiddp")
 
 T = TypeVar("T")
+
+# what a recovery's resume hands its settle: (a survivor had finished the interrupted step, the re-split)
+Resumed = tuple[bool, Resplit]
+
+
+class SnapshotSaver(Protocol):
+    """What the policy reads and changes of the run's saver (mpiddp.trainer.run.Saver): the split a snapshot
+    records, and where the snapshots' lineage stands (a joining rank continues it)."""
+
+    cfg: Config
+    parent: Path | None
+    wandb_run_id: str | None
+
+
+@dataclass
+class TrainingParts:
+    """What the trainer's policy recovers and re-wraps, as the run built it (mpiddp.trainer.run.run, or a rank
+    that joined a grown job: mpiddp.trainer.join). A recovery changes them in place (the state's wrapper, the
+    loaders' split, the saver's config); `cfg` stays the job's first config (its per-rank batch is the most a rank
+    takes)."""
+
+    cfg: Config
+    state: TrainState
+    loaders: Loaders
+    datasets: Datasets
+    watchdog: Watchdog
+    guard: FailFast | None  # follows the survivors with every Dist (the joining rank has none)
+    run_dir: Path
+    saver: SnapshotSaver  # its config follows the survivors' split (a snapshot records the split it was trained with)
 
 
 def settings_refusal(device_type: str, backend: str, compression: str) -> str | None:
@@ -50,12 +89,12 @@ def prepare_nccl(compression: str) -> None:
         os.environ.update(nccl_errors_env(os.environ))
 
 
-class TrainerPolicy(Policy):
+class TrainerPolicy(Policy[Resumed]):
     """The trainer's side of the elastic engine (mpiddp.elastic.engine): what survives (the TrainState, the
     loaders at the same sample), how it is wrapped again, what is recorded (summary.json's recoveries)."""
 
     def __init__(self) -> None:
-        self.cfg: Any = None  # the config on the survivors (per-rank batch, accumulation), once recovered
+        self.cfg: Config | None = None  # the config on the survivors (per-rank batch, accumulation), once recovered
         self.stepped = False  # a training step completed in this job
         self.in_step = False  # inside a training step (its forward, backward or gradient all-reduce)
         self.records: list[dict[str, Any]] = []  # this rank's view of each recovery (phases in its own seconds)
@@ -63,11 +102,11 @@ class TrainerPolicy(Policy):
         self._stalled_from: float | None = None  # monotonic step boundary where a grow stopped this survivor
         self._stepped_at = 0.0  # time.time() when this rank's last training step ended
         self.step_times = StepTimes()  # what a grow's stand-still is weighed against
-        self._hooks: Any = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
-        self.parts: Any = None  # SimpleNamespace(cfg, state, loaders, datasets, watchdog, guard, run_dir): set by run
+        self._hooks: Hooks | None = None  # the loop's hooks: a new rank 0 takes over the run's metrics file
+        self.parts: TrainingParts  # set by run (or join) before training starts
         self.where = ""  # what `attempt` runs now: train, eval or save
         self._full_epoch_end: int | None = None  # full_epoch_end()
-        self.grower = GrowBack.from_env()  # back to full size after a recovery
+        self.grower: GrowBack = GrowBack.from_env()  # back to full size after a recovery
         # in a step, hung ranks, ranks cut off with a silent host, step: at the shrink
         self._failure: tuple[bool, set[int], set[int], int] = (False, set(), set(), 0)
 
@@ -88,7 +127,7 @@ class TrainerPolicy(Policy):
                       dist.device if dist.backend == "nccl" else None)
         return policy
 
-    def hooks(self, hooks: Any) -> Any:
+    def hooks(self, hooks: Hooks) -> Hooks:
         """The loop's hooks with recovery in them: epochs run through `attempt`, saves are marked, steps noted."""
         beat, enter = hooks.heartbeat, hooks.phase
 
@@ -140,7 +179,7 @@ class TrainerPolicy(Policy):
 
         return guarded
 
-    def attempt(self, body: Callable[[Any], T], cfg: Any, where: str) -> T:
+    def attempt(self, body: Callable[[Config], T], cfg: Config, where: str) -> T:
         """Collective: `body(config)`, run again on the survivors (with their config) after each recovery. A save
         runs through it inside a train or eval body: that body's `where` holds again once the save is done."""
         outer = self.where
@@ -157,7 +196,7 @@ class TrainerPolicy(Policy):
     # -- the recovery itself: the engine's policy -----------------------------------------------------------------
 
     @property
-    def guard(self) -> Any:  # type: ignore[override]
+    def guard(self) -> FailFast | None:  # type: ignore[override]
         return self.parts.guard
 
     @property
@@ -178,12 +217,11 @@ class TrainerPolicy(Policy):
     def before_shrink(self) -> None:
         parts = self.parts
         # ranks the hang watchdog ended, or cut off with their silent host (before it follows the survivors)
-        hung = set(getattr(parts.watchdog, "excluded", ()))
-        silent = set(getattr(parts.watchdog, "silenced", ()))
+        hung, silent = set(parts.watchdog.excluded), set(parts.watchdog.silenced)
         self._failure = (self.in_step, hung, silent, parts.state.step)
         parts.watchdog.suspend()
 
-    def resume(self, dist: Dist, before: Any, failed: tuple[int, ...]) -> tuple[str, Any]:
+    def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, Resumed]:
         """Collective: every survivor at the furthest one's step, DDP again, the global batch re-split."""
         parts = self.parts
         cfg = self.cfg or parts.cfg
@@ -199,7 +237,8 @@ class TrainerPolicy(Policy):
         self._take_over_logging(dist)
         return "ddp", (caught_up, split)
 
-    def settle(self, before: Any, failed: tuple[int, ...], phases: dict[str, Any], outcome: Any) -> None:
+    def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, float | None], outcome: Resumed,
+               ) -> None:
         """The recovery into this rank's records (summary.json's, the failures directory's) and rank 0's lines."""
         (caught_up, split), (in_step, hung, silent, step), dist = outcome, self._failure, self.dists[0]
         phases["first_step"] = None
@@ -234,10 +273,10 @@ class TrainerPolicy(Policy):
             self._hooks.log = JsonlLogger(self.parts.run_dir / "metrics.jsonl")
 
     @staticmethod
-    def _same_position(state: Any, dist: Dist) -> bool:
+    def _same_position(state: TrainState, dist: Dist) -> bool:
         """Collective: every survivor continues from the furthest one's step (engine.from_furthest: model,
         optimizer, scheduler, scaler and position). True when some survivor had finished the interrupted step."""
-        owners = {"model": state.unwrapped, "optimizer": state.optimizer, "scheduler": state.scheduler,
+        owners: dict[str, Any] = {"model": state.unwrapped, "optimizer": state.optimizer, "scheduler": state.scheduler,
                   "scaler": state.scaler}
         position = (state.step, state.epoch, state.batches_done)
 
@@ -263,7 +302,7 @@ class TrainerPolicy(Policy):
         even split, whose epoch ends elsewhere: after the next loss it would train a step nobody else does)."""
         self._full_epoch_end = positions
 
-    def rewrap(self, cfg: Any, split: Resplit, dist: Dist) -> None:
+    def rewrap(self, cfg: Config, split: Resplit, dist: Dist) -> None:
         """Collective: the same module in DDP on the new group, and the loaders re-split at the same sample."""
         from mpiddp.trainer.data import build_loaders, stop_workers
         from mpiddp.trainer.state import wrap
@@ -284,9 +323,9 @@ class TrainerPolicy(Policy):
             setattr(loaders, name, getattr(rebuilt, name))
         state.batches_done = split.batches_done
         self.cfg = new_cfg
-        if getattr(parts, "saver", None) is not None:  # a snapshot records the split it was trained with
-            parts.saver.cfg = new_cfg
+        parts.saver.cfg = new_cfg  # a snapshot records the split it was trained with
         # A test drill names a rank number, which now belongs to another process: it has fired (stragglers stay).
+        assert self._hooks is not None, "the loop runs with the policy's hooks (TrainerPolicy.hooks)"
         self._hooks.callbacks.on_recovered(dist.rank)
 
     # -- what a grow shares with a recovery (mpiddp.elastic.grow) ------------------------------------------------
@@ -340,7 +379,7 @@ class TrainerPolicy(Policy):
         import torch
 
         parts = self.parts
-        state, saver = parts.state, getattr(parts, "saver", None)
+        state, saver = parts.state, parts.saver
         hook = state.gradient_hook
         return {
             "model": state.unwrapped.state_dict(), "optimizer": state.optimizer.state_dict(),
@@ -349,7 +388,7 @@ class TrainerPolicy(Policy):
             "position": (state.step, state.epoch, state.batches_per_epoch, state.pending_epoch),
             "records": [dict(record) for record in self.records], "run_dir": str(parts.run_dir),
             "transport": hook.transport if hook is not None else None,
-            "saver": (str(saver.parent) if saver and saver.parent else None, saver.wandb_run_id if saver else None),
+            "saver": (str(saver.parent) if saver.parent else None, saver.wandb_run_id),
         }
 
     def gathered(self, dist: Dist) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from mpiddp.elastic import grow
@@ -126,7 +125,7 @@ class Joined:
         """Collective: the rest of the run, entered at the survivors' epoch and batch."""
         from mpiddp.trainer.metrics import NullLogger
         from mpiddp.elastic.engine import Engine
-        from mpiddp.trainer.elastic_policy import TrainerPolicy
+        from mpiddp.trainer.elastic_policy import TrainerPolicy, TrainingParts
         from mpiddp.trainer.run import Saver, checkpoint_dir_of, start_watchdog
         from mpiddp.trainer.saveclock import SaveClock
         from mpiddp.trainer.train import Hooks, train
@@ -145,27 +144,22 @@ class Joined:
         recovery.records, recovery.cfg, recovery.stepped = self.records, self.current, True
         recovery.keep_full_epoch_end(self.payload["epoch_end"])  # the survivors' (the first split's), not its own
         recovery.changed_size()  # the grow's first step is this rank's too
-        recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=self.loaders, datasets=self.datasets,
-                                         watchdog=self.watchdog, guard=None, run_dir=self.run_dir, saver=saver)
+        recovery.parts = TrainingParts(cfg, state, self.loaders, self.datasets, self.watchdog, None, self.run_dir,
+                                       saver)
         try:
             return train(self.current, state, self.loaders, dist, recovery.hooks(hooks), joined=True)
         finally:
             self.watchdog.stop()
 
     def conclude(self, outcome: Any, startup: Any) -> None:
-        """Collective: the survivors' end of `run` (final weights, summary, records, the finished mark)."""
-        from mpiddp.trainer.checkpoint import save_weights
-        from mpiddp.trainer.run import checkpoint_dir_of, summarise
+        """Collective: the survivors' end of `run` (mpiddp.trainer.run.finish: final weights, summary, records, the
+        finished mark), with the job's own rank 0 writing."""
+        from mpiddp.trainer.run import Ending, checkpoint_dir_of, finish
 
         cfg, dist = self.cfg, self.dist  # rebound by every recovery and grow
-        if cfg.checkpoint.model_filename:
-            save_weights(checkpoint_dir_of(cfg.checkpoint, self.run_dir) / cfg.checkpoint.model_filename,
-                         self.state.unwrapped.state_dict(), dist)
-        summarise(self.recovery.cfg or cfg, dist, outcome, self.loaders, startup.started_at, startup, joined=True)
-        self.recovery.gathered(dist)
-        dist.from_main(lambda: None)  # rank 0 writes the summary
-        if dist.topology.job_record:
-            dist.from_main(lambda: None)  # rank 0 marks the job finished for `launch`
+        finish(Ending(cfg, dist, self.state, self.loaders, checkpoint_dir_of(cfg.checkpoint, self.run_dir),
+                      self.run_dir, startup.started_at, startup, self.recovery, summary_cfg=self.recovery.cfg),
+               outcome)
 
     def teardown(self) -> None:
         """Collective: as the bootstrap's teardown (every rank arrives, then the process group goes)."""

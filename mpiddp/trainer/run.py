@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mpiddp import failure, supervision
 from mpiddp.contract import HOST_RELAYS_ENV, JobRecord, default_checkpoint_dir, mark_finished, write_job_record
@@ -25,10 +25,14 @@ from mpiddp.trainer.startup import StartupClock, slowest_per_phase
 from mpiddp.job.stopping import Stopped, StopRequest, note_supervisor_death
 from mpiddp.trainer.config import (DEFAULT_RUNS_ROOT, CheckpointSettings, Config, OutputSettings, TrainingSettings,
                                     parse_args)
-from mpiddp.trainer.elastic_policy import TrainerPolicy, prepare_nccl
+from mpiddp.trainer.elastic_policy import TrainerPolicy, TrainingParts, prepare_nccl
 from mpiddp.trainer.metrics import build_summary, make_run_logger, process_start_time
 from mpiddp.trainer.rundir import prepare_run_dir, write_json_atomic
 
+if TYPE_CHECKING:
+    from mpiddp.trainer.data import Loaders
+    from mpiddp.trainer.state import TrainState
+    from mpiddp.trainer.train import TrainOutcome
 
 log = logging.getLogger("mpiddp")
 
@@ -173,7 +177,6 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     """Collective: build, restore, train and summarise on every rank; rank 0's loggers write the files.
     None when a resumed run had nothing left to train; the summary on global rank 0, an empty dict elsewhere.
     `guard` learns the step a failure happens after."""
-    from mpiddp.trainer import checkpoint
     from mpiddp.trainer.saveclock import SaveClock
     from mpiddp.trainer.train import Hooks, train
 
@@ -185,6 +188,8 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
     checkpoint_dir = checkpoint_dir_of(cfg.checkpoint, run_dir)
     built = build(cfg, dist, run_dir, checkpoint_dir, startup, recovery.members if recovery is not None else None)
     if built is None:
+        if dist.topology.job_record:  # finished too: nothing was left to train
+            dist.from_main(lambda: mark_finished(run_dir))
         return None
     state, loaders, restored, datasets = built
     resumed_at_step = state.step
@@ -199,34 +204,75 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
         hooks = Hooks(run_logger, saver.save, stop, watchdog.beat, SaveClock(cfg.checkpoint.save_interval_s),
                       watchdog.enter)
         if recovery is not None:
-            recovery.parts = SimpleNamespace(cfg=cfg, state=state, loaders=loaders, datasets=datasets,
-                                             watchdog=watchdog, guard=guard, run_dir=run_dir, saver=saver)
+            recovery.parts = TrainingParts(cfg, state, loaders, datasets, watchdog, guard, run_dir, saver)
             hooks = recovery.hooks(hooks)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:
         watchdog.stop()
         run_logger.close()
+
+    def complete(summary: dict[str, Any]) -> None:
+        """What only this job knows, into the summary before rank 0 writes it."""
+        assert dist.rendezvous is not None
+        hook = state.gradient_hook
+        summary.update(
+            resumed_from=str(restored[0]) if restored is not None else None,
+            checkpoint_dir=str(checkpoint_dir),
+            rendezvous={"master_addr": dist.rendezvous.master_addr, "master_port": dist.rendezvous.master_port,
+                        "interfaces": dist.rendezvous.interface_per_host},
+            wandb_run_id=wandb_run_id,
+            snapshots=saver.cost.record(),
+            grad_transport=hook.transport.record() if hook and hook.transport else None,
+        )
+        # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
+        attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file and dist.is_main else None
+        if attempts is not None:
+            summary["attempts"] = attempts
+
+    return finish(Ending(cfg, dist, state, loaders, checkpoint_dir, run_dir, job_started_at, startup, recovery),
+                  outcome, complete)
+
+
+@dataclass
+class Ending:
+    """What the end of a training run needs (`finish`), on a rank that started the job or joined it by a grow."""
+
+    cfg: Config  # the job's own: its --model-filename
+    dist: Dist
+    state: TrainState
+    loaders: Loaders
+    checkpoint_dir: Path
+    run_dir: Path
+    started_at: float  # the job's start (the earliest rank's), for the summary's wall time
+    startup: StartupClock
+    recovery: TrainerPolicy | None  # in-job recovery's policy, when on: its records go into the summary
+    summary_cfg: Config | None = None  # the config the summary names, where not `cfg` (a joined rank: its split)
+
+
+def finish(ending: Ending, outcome: TrainOutcome,
+           complete: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Collective, every rank's end of a training run, in this order: the final weights, the summary's timing,
+    the recoveries, rank 0 writes summary.json, and under `launch` rank 0 marks the job finished. A rank that
+    joined a grown job (mpiddp.trainer.join) runs it too (`complete` None): the same collectives, with rank 0's
+    writes left to the job's own rank 0. Returns the summary on global rank 0 (`complete` adds what only the run
+    knows), an empty dict elsewhere."""
+    from mpiddp.trainer import checkpoint
+
+    cfg, dist, recovery, run_dir = ending.cfg, ending.dist, ending.recovery, ending.run_dir
+    joined = complete is None
     if cfg.checkpoint.model_filename:
-        checkpoint.save_weights(checkpoint_dir / cfg.checkpoint.model_filename, state.unwrapped.state_dict(), dist)
-    summary = summarise(cfg, dist, outcome, loaders, job_started_at, startup)
+        checkpoint.save_weights(ending.checkpoint_dir / cfg.checkpoint.model_filename,
+                                ending.state.unwrapped.state_dict(), dist)
+    summary = summarise(ending.summary_cfg or cfg, dist, outcome, ending.loaders, ending.started_at, ending.startup,
+                        joined=joined)
     recoveries = recovery.gathered(dist) if recovery is not None else []
-    if recoveries:
-        summary["recoveries"] = recoveries
-    assert dist.rendezvous is not None
-    summary.update(
-        resumed_from=str(restored[0]) if restored is not None else None,
-        checkpoint_dir=str(checkpoint_dir),
-        rendezvous={"master_addr": dist.rendezvous.master_addr, "master_port": dist.rendezvous.master_port,
-                    "interfaces": dist.rendezvous.interface_per_host},
-        wandb_run_id=wandb_run_id,
-        snapshots=saver.cost.record(),
-        grad_transport=state.gradient_hook.transport.record() if state.gradient_hook and state.gradient_hook.transport else None,
-    )
-    # under `launch`: the earlier attempts and why they failed (a stale file of an earlier launch does not count)
-    attempts = read_attempts(run_dir, resumed_at_step) if dist.topology.failure_file and dist.is_main else None
-    if attempts is not None:
-        summary["attempts"] = attempts
-    dist.from_main(lambda: write_summary(run_dir / "summary.json", summary))
+    if complete is not None:
+        if recoveries:
+            summary["recoveries"] = recoveries
+        complete(summary)
+    dist.from_main(lambda: None if joined else write_summary(run_dir / "summary.json", summary))
+    if dist.topology.job_record:  # under launch: the one sign of success it trusts under MPI fault tolerance
+        dist.from_main(lambda: None if joined else mark_finished(run_dir))
     return summary
 
 
@@ -356,9 +402,7 @@ def _main(args: list[str], startup: StartupClock, stop: StopRequest, check: Chec
 
         try:
             with distributed(cfg.dist, dist, guard, trace_dir=run_dir, fits=device_check(cfg.training, topo.label)) as placed:
-                summary = run(cfg, placed, run_dir, stop, startup, guard)
-                if topo.job_record:  # under launch: the one sign of success it trusts under MPI fault tolerance
-                    placed.from_main(lambda: mark_finished(run_dir))
+                summary = run(cfg, placed, run_dir, stop, startup, guard)  # marks the job finished for launch
         except Stopped as stopped:
             # Every rank saved and left the loop at the same step, and the teardown ran: a clean, agreed exit.
             if dist.is_main:  # one line for the job, not one per rank
