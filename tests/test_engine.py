@@ -311,3 +311,12 @@ def test_survivors_at_the_same_position_send_nothing():
     leaders, sent = sync_all([(6, "abc")] * 3, states)
     assert leaders == [None, None, None] and sent == []
     assert states == [{"weights": rank} for rank in range(3)]
+
+
+def test_a_second_failure_with_a_long_message_is_said_by_its_first_line_in_whole_brackets(job):
+    policy = RecordingPolicy(resume_fails=RuntimeError("gloo: connection reset by peer\nat a.cpp:12\nat b.cpp:3"))
+    engine, _, _ = job(policy)
+    with pytest.raises(NotRecovered) as raised:
+        engine.recover(MembersLost((1,), time.time()))
+    assert "a second failure during recovery (gloo: connection reset by peer)" in str(raised.value)
+    assert "a.cpp" not in str(raised.value)

@@ -199,7 +199,8 @@ class Engine(Generic[OutcomeT]):
         except (RuntimeError, mpi_error_of(self.members)) as exc:
             if isinstance(exc, NotRecovered):
                 raise
-            self.fall_back(f"a second failure during recovery ({exc})".splitlines()[0], failed)
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.fall_back(f"a second failure during recovery ({first_line})", failed)
         phases: Phases = {"detect": max(0.0, lost.detected_at - waited_from), **recovered.phases,
                   phase: time.monotonic() - started}
         policy.settle(before, failed, phases, outcome)
