@@ -141,3 +141,19 @@ def test_the_buffer_sync_is_turned_off_by_the_name_the_torch_takes():
     assert _forward_sync_off({"forward_sync_buffers": False}, new) == ({"forward_sync_buffers": False}, False)
     assert _forward_sync_off({"broadcast_buffers": False, "forward_sync_buffers": True}, new) == \
         ({"forward_sync_buffers": False}, True)  # torch's rule: the new name wins
+
+
+def test_the_public_wrapper_is_handed_the_processs_one_manager(solo_group, monkeypatch):
+    """mpiddp.DistributedDataParallel passes the process's Manager (mpiddp.script.recovery) to elastic's wrapper,
+    which keeps it there for a recovery to rebuild; mpiddp.Optimizer finds it on the wrapper it trains."""
+    from mpiddp.elastic import steps
+    from mpiddp.script import recovery
+
+    manager = Manager()
+    monkeypatch.setattr(recovery, "_manager", manager)
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    optimizer = Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+    assert isinstance(ddp, steps.DistributedDataParallel) and ddp.manager is manager
+    assert manager.live_models() == [ddp] and optimizer._generation == manager.generation == 0
+    other = steps.DistributedDataParallel(nn.Linear(4, 2), manager=Manager())  # another process's, as it were
+    assert manager.live_models() == [ddp] and other.manager is not manager
