@@ -71,8 +71,8 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.manager = manager
         self._recovery = manager.enabled() if current() is not None else None  # torchrun: torch's DDP, nothing more
-        self.watch = (WatchedAllReduce(self._recovery.members.wait, absorb=MembersLost)
-                      if self._recovery is not None else None)
+        self.watch: WatchedAllReduce[MembersLost] | None = (
+            WatchedAllReduce(self._recovery.members.wait, absorb=MembersLost) if self._recovery is not None else None)
         # DDP's buffer broadcast before each forward is a collective a failed peer would end the job in: under
         # in-job recovery this wrapper does it, watched (see WatchedAllReduce.broadcast_buffers)
         self._watched_buffers = False

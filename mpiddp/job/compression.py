@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -184,7 +184,10 @@ class FailureWatch(Protocol):
     def wait(self, work: Work) -> None: ...
 
 
-class WatchedAllReduce:
+Lost = TypeVar("Lost", bound=Exception)  # the failure a WatchedAllReduce keeps instead of raising (MembersLost)
+
+
+class WatchedAllReduce(Generic[Lost]):
     """The mean of each gradient bucket over the process group, as DDP's own all-reduce (default_hooks' allreduce,
     fp16 and bf16 hooks: divided by the world size, then summed; compressed, in the half type and copied back),
     each collective waited for with `wait` (in-job recovery's Membership.wait, which polls MPI's failure notice:
@@ -204,12 +207,12 @@ class WatchedAllReduce:
     the CPU does not) and `settle` waits on the main thread."""
 
     def __init__(self, wait: Callable[[Work], None], compression: str = "none",
-                 absorb: type[Exception] | None = None) -> None:
+                 absorb: type[Lost] | None = None) -> None:
         assert compression == "none" or compression in HALF
         self.wait = wait
         self.compression = compression
         self.absorb = absorb
-        self.lost: Exception | None = None  # the failure `absorb` kept, this step
+        self.lost: Lost | None = None  # the failure `absorb` kept, this step
         self._in_flight: list[tuple[Work, torch.Tensor, torch.Tensor, torch.futures.Future]] = []  # CPU buckets
         self.pending: list[Work] = []  # GPU: the collectives issued this step, waited for by `settle`
 
@@ -302,7 +305,7 @@ class WatchedAllReduce:
             for buffer, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 buffer.copy_(synced)
 
-    def settle(self) -> Exception | None:
+    def settle(self) -> Lost | None:
         """On the main thread once backward returned: the step's collectives done (GPUs: NCCL's work is waited
         for here; CPU: the hook waited), or the failure `absorb` kept (else it raises, before the optimizer uses
         the gradients)."""
