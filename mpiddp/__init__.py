@@ -23,10 +23,10 @@ from mpiddp.version import __version__
 
 if TYPE_CHECKING:
     from mpiddp.script.api import init
-    from mpiddp.elastic.api import (MembershipChange, State, on_membership_change, run_recoverable, wait,
-                                    watch_gradients)
-    from mpiddp.elastic.steps import (BatchShare, DistributedDataParallel, Optimizer, share_global_batch,
-                                      split_global_batch)
+    from mpiddp.script.recovery import (MembershipChange, State, on_membership_change, run_recoverable, wait,
+                                        watch_gradients)
+    from mpiddp.script.wrappers import (BatchShare, DistributedDataParallel, Optimizer, share_global_batch,
+                                        split_global_batch)
     from mpiddp.job.collective import Dist, Rendezvous
     from mpiddp.job.topology import Topology
     from mpiddp.job.transport import comm_hook
@@ -40,9 +40,9 @@ __all__ = ["AgreedError", "BatchShare", "Dist", "DistributedDataParallel", "Memb
 _LAZY = {"init": "mpiddp.script.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
          "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport",
          **dict.fromkeys(["MembershipChange", "State", "on_membership_change", "run_recoverable", "wait",
-                          "watch_gradients"], "mpiddp.elastic.api"),
+                          "watch_gradients"], "mpiddp.script.recovery"),
          **dict.fromkeys(["BatchShare", "DistributedDataParallel", "Optimizer", "share_global_batch",
-                          "split_global_batch"], "mpiddp.elastic.steps")}
+                          "split_global_batch"], "mpiddp.script.wrappers")}
 
 
 def __getattr__(name: str) -> Any:

@@ -153,7 +153,7 @@ def test_watched_buckets_overlap_the_next_backward_and_all_end_before_ddp_finali
         assert torch.equal(future.wait(), torch.full((4,), float(index + 1)))
     stale = hook.run(Bucket(0, 3))  # a backward that raised left it in flight; the next step starts afresh
     hook.run(Bucket(0, 3))
-    assert not stale.done() and len(hook._in_flight) == 1
+    assert not stale.done() and len(hook.watched._in_flight) == 1
 
 
 class LosingMembers(WatchingMembers):
@@ -172,10 +172,10 @@ def test_gpu_buckets_are_handed_to_ddp_unwaited_and_settled_on_the_main_thread(k
     it on autograd's device thread; `settle`, after backward, waits for every bucket under the failure watch."""
     members = WatchingMembers()
     hook = compression.GradientHook(kind, [], on_ready=lambda: None, members=members)
-    futures = [hook._deferred(Bucket(index, 3)) for index in range(3)]
-    assert members.waited == 0 and len(hook.pending) == 3
+    futures = [hook.watched._deferred(Bucket(index, 3)) for index in range(3)]
+    assert members.waited == 0 and len(hook.watched.pending) == 3
     hook.settle()
-    assert members.waited == 3 and hook.pending == []
+    assert members.waited == 3 and hook.watched.pending == []
     for index, future in enumerate(futures):  # world of one: the sum is the bucket itself
         assert torch.equal(future.wait(), torch.full((4,), float(index + 1)))
     hook.settle()  # nothing in flight (CPU buckets are waited for in the hook): nothing to do
@@ -186,9 +186,42 @@ def test_a_peer_lost_during_a_gpu_step_is_raised_by_settle_and_the_next_step_sta
     from mpiddp.elastic.membership import MembersLost
 
     hook = compression.GradientHook("none", [], on_ready=lambda: None, members=LosingMembers())
-    hook._deferred(Bucket(0, 2))
+    hook.watched._deferred(Bucket(0, 2))
     with pytest.raises(MembersLost):
         hook.settle()
-    hook._deferred(Bucket(0, 2))
-    hook._deferred(Bucket(0, 2))  # a backward that raised before settling: its work is not waited for again
-    assert len(hook.pending) == 1
+    hook.watched._deferred(Bucket(0, 2))
+    hook.watched._deferred(Bucket(0, 2))  # a backward that raised before settling: its work is not waited for again
+    assert len(hook.watched.pending) == 1
+
+
+def test_a_peer_lost_in_an_absorbing_watch_marks_the_step_and_sends_no_later_bucket():
+    """mpiddp.DistributedDataParallel's use of the one watched all-reduce: the failure is kept, not raised (the
+    step is skipped on every survivor), every bucket's future completes with this rank's own gradients, later
+    buckets are not sent, and `settle` hands the failure back; a new step starts clean."""
+    from mpiddp.elastic.membership import MembersLost
+
+    members = LosingMembers()
+    watch = compression.WatchedAllReduce(members.wait, absorb=MembersLost)
+    futures = [watch.run(Bucket(index, 3)) for index in range(3)]
+    assert isinstance(watch.lost, MembersLost) and members.waited == 1  # the first wait said so: no more waits
+    assert all(future.done() for future in futures)  # DDP's finalize finds every future complete
+    assert isinstance(watch.settle(), MembersLost)
+    watch.new_step()
+    assert watch.lost is None and watch.settle() is None
+
+
+def test_an_absorbing_watch_keeps_a_lost_broadcast_and_leaves_this_ranks_buffers():
+    from mpiddp.elastic.membership import MembersLost
+
+    watch = compression.WatchedAllReduce(LosingMembers().wait, absorb=MembersLost)
+    running_mean = torch.full((3,), 2.0)
+    watch.broadcast_buffers([running_mean])
+    assert isinstance(watch.lost, MembersLost) and torch.equal(running_mean, torch.full((3,), 2.0))
+
+
+def test_the_trainers_hook_and_the_scripts_wrapper_run_the_same_watched_all_reduce():
+    from mpiddp.elastic.steps import WatchedAllReduce
+
+    hook = compression.GradientHook("fp16", [], on_ready=lambda: None, members=WatchingMembers())
+    assert isinstance(hook.watched, compression.WatchedAllReduce) and WatchedAllReduce is compression.WatchedAllReduce
+    assert compression.GradientHook("none", [], on_ready=lambda: None).watched is None  # no recovery: DDP's own

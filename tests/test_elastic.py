@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+import mpiddp
 from mpiddp.elastic import api as elastic
 from mpiddp.elastic.api import State, sync
 from mpiddp.elastic.decide import furthest
@@ -191,25 +192,29 @@ def test_a_script_on_nccl_can_recover_where_torch_aborts_nccl_and_errors_do_not_
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(elastic, "_recovery", None)
-    monkeypatch.setattr(elastic, "_decided", False)
-    monkeypatch.setattr(elastic, "_own", None)
-    yield
+    """A process of its own, as far as in-job recovery goes: a new Manager behind mpiddp's public names."""
+    from mpiddp.script import recovery
+
+    manager = elastic.Manager()
+    monkeypatch.setattr(recovery, "_manager", manager)
+    yield manager
     collective.set_current(None)
 
 
 def test_run_recoverable_needs_init_first(fresh):
     with pytest.raises(RuntimeError, match=r"call mpiddp.init\(\) first"):
-        elastic.run_recoverable(lambda state: None, State(step=0))
+        mpiddp.run_recoverable(lambda state: None, State(step=0))
     with pytest.raises(TypeError, match="mpiddp.State"):
-        elastic.run_recoverable(lambda state: None, {"step": 0})
+        mpiddp.run_recoverable(lambda state: None, {"step": 0})  # type: ignore[arg-type]
+    assert not fresh.decided  # nothing was decided: a later call, after init(), decides
 
 
 def test_where_it_cannot_recover_the_function_runs_once_as_without_it(fresh, caplog):
     collective.set_current(collective.solo_dist())  # not init()'s own bootstrap: as under `mpiddp run`
     calls = []
-    result = elastic.run_recoverable(lambda state: calls.append(state.step) or "done", State(step=7))
+    result = mpiddp.run_recoverable(lambda state: calls.append(state.step) or "done", State(step=7))
     assert (result, calls) == ("done", [7])
+    assert fresh.decided and fresh.active() is None  # decided once, on the process's Manager: no recovery
     assert "in-job recovery for scripts needs mpiddp's job" in caplog.text
 
     class Work:
@@ -219,13 +224,24 @@ def test_where_it_cannot_recover_the_function_runs_once_as_without_it(fresh, cap
             self.waited = True
 
     work = Work()
-    elastic.wait(work)  # no recovery: the work's own wait
+    mpiddp.wait(work)  # no recovery: the work's own wait
     assert work.waited
 
 
-def test_watch_gradients_refuses_an_unknown_compression():
+def test_watch_gradients_refuses_an_unknown_compression(fresh):
     with pytest.raises(ValueError, match="compression must be one of"):
-        elastic.watch_gradients(object(), "powersgd")  # type: ignore[arg-type]
+        mpiddp.watch_gradients(object(), "powersgd")  # type: ignore[arg-type]
+    assert fresh.wrappers == []
+
+
+def test_each_process_s_callbacks_live_on_its_own_manager(fresh):
+    """mpiddp.on_membership_change registers on the process's Manager; another Manager (another process, or a
+    test's) has none of them."""
+    @mpiddp.on_membership_change
+    def rescale(change: elastic.MembershipChange) -> None:
+        pass
+
+    assert fresh.callbacks == [rescale] and elastic.Manager().callbacks == []
 
 
 # ---- what follows the survivors: the finish watch, the failure report -------------------------------------------
@@ -322,3 +338,23 @@ def test_per_rank_names_plain_values_of_the_state(entries, says):
     objects = {"model": model, "optimizer": optimizer}
     with pytest.raises(ValueError, match=says):
         State(**{**objects, **{k: v for k, v in entries.items() if k not in objects and k != "optimizer"}})
+
+
+def test_a_recovery_is_on_record_for_this_process_and_not_for_the_processes_it_starts(monkeypatch):
+    """survivors.mark_recovered (the engine's, a joining rank's) is read where the process ends (the trainer's, the
+    script's exit): the record is this process's own; a process it starts inherits the environment, not the
+    record (it would end without MPI_Finalize)."""
+    import os
+    import subprocess
+    import sys
+
+    from mpiddp.elastic import survivors
+
+    monkeypatch.setenv(survivors.RECOVERED_ENV, "0")  # no process's: restored (removed) after the test
+    assert not survivors.recovered_in_this_process()
+    survivors.mark_recovered()
+    assert survivors.recovered_in_this_process()
+    code = "from mpiddp.elastic.survivors import recovered_in_this_process; print(recovered_in_this_process())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.stdout.strip() == "False"

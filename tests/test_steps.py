@@ -1,11 +1,14 @@
 """mpiddp.DistributedDataParallel and mpiddp.Optimizer in-process, without a job: torch's DDP and the optimizer
 unchanged (torchrun runs the same script), the attributes a torchrun-style loop uses forwarded."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
-from mpiddp.elastic.steps import DistributedDataParallel, Optimizer
+from mpiddp import DistributedDataParallel, Optimizer
+from mpiddp.elastic.api import Manager
 
 
 @pytest.fixture
@@ -93,15 +96,26 @@ def test_schedulers_and_a_fused_optimizers_grad_scaler_see_the_optimizer_itself(
     assert torch.allclose(results[0][0], results[1][0]) and results[0][1] == results[1][1] == 0.05
 
 
+class RecoveringManager(Manager):
+    """A process's Manager whose job recovers in the job, with no MPI: every collective completes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recovery = SimpleNamespace(members=SimpleNamespace(wait=lambda work: work.wait()))  # type: ignore
+
+    def enabled(self, min_world_size=None):  # type: ignore[no-untyped-def]
+        return self.recovery
+
+
 @pytest.fixture
 def under_recovery(solo_group, monkeypatch):
-    """mpiddp's wrapper as under in-job recovery (its watched hook and buffer broadcast), with no MPI."""
-    from types import SimpleNamespace
-
+    """mpiddp's wrapper as under in-job recovery (its watched hook and buffer broadcast), with no MPI: the wrapper
+    class of elastic.steps, handed a Manager of its own."""
     from mpiddp.elastic import steps
 
     monkeypatch.setattr(steps, "current", lambda: object())
-    monkeypatch.setattr(steps, "enabled", lambda: SimpleNamespace(members=None))
+    manager = RecoveringManager()
+    return lambda module: steps.DistributedDataParallel(module, manager=manager)
 
 
 def test_under_recovery_the_wrapper_turns_ddps_buffer_sync_off_without_torchs_deprecation_warning(under_recovery):
@@ -111,7 +125,7 @@ def test_under_recovery_the_wrapper_turns_ddps_buffer_sync_off_without_torchs_de
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # torch 2.13+: "`broadcast_buffers` is deprecated"
-        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+        ddp = under_recovery(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     assert ddp._watched_buffers and ddp.ddp.broadcast_buffers is False
 
 
@@ -127,3 +141,19 @@ def test_the_buffer_sync_is_turned_off_by_the_name_the_torch_takes():
     assert _forward_sync_off({"forward_sync_buffers": False}, new) == ({"forward_sync_buffers": False}, False)
     assert _forward_sync_off({"broadcast_buffers": False, "forward_sync_buffers": True}, new) == \
         ({"forward_sync_buffers": False}, True)  # torch's rule: the new name wins
+
+
+def test_the_public_wrapper_is_handed_the_processs_one_manager(solo_group, monkeypatch):
+    """mpiddp.DistributedDataParallel passes the process's Manager (mpiddp.script.recovery) to elastic's wrapper,
+    which keeps it there for a recovery to rebuild; mpiddp.Optimizer finds it on the wrapper it trains."""
+    from mpiddp.elastic import steps
+    from mpiddp.script import recovery
+
+    manager = Manager()
+    monkeypatch.setattr(recovery, "_manager", manager)
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    optimizer = Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+    assert isinstance(ddp, steps.DistributedDataParallel) and ddp.manager is manager
+    assert manager.live_models() == [ddp] and optimizer._generation == manager.generation == 0
+    other = steps.DistributedDataParallel(nn.Linear(4, 2), manager=Manager())  # another process's, as it were
+    assert manager.live_models() == [ddp] and other.manager is not manager

@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from mpiddp.elastic.decide import furthest, grow_record, script_refusal
 from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, refused
@@ -52,7 +52,9 @@ from mpiddp.job.collective import Dist, current
 from mpiddp.job.log import chosen_level
 
 if TYPE_CHECKING:
-    import torch
+    from torch import nn
+    from torch.distributed import Work
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mpiddp.job.failfast import FailFast
     from mpiddp.elastic.grow import Joining
@@ -82,13 +84,22 @@ class MembershipChange:
         return bool(self.ranks_added)
 
 
+class Payload(TypedDict):
+    """What the furthest survivor hands the others (State.payload): state dicts by name, the shared values, the
+    commits."""
+
+    objects: dict[str, object]
+    values: dict[str, object]
+    commits: int
+
+
 class State:
     """What must survive a failed rank, by name: objects with `state_dict`/`load_state_dict` (the model itself,
     not its DDP wrapper; optimizer, scheduler, scaler) and picklable values (epoch, data position, counters),
     read and written as attributes (`state.epoch += 1`). Call `commit()` after each step's optimizer step and
     counter updates; nothing may communicate between the optimizer step and the commit."""
 
-    def __init__(self, *, per_rank: tuple[str, ...] | list[str] = (), **entries: Any) -> None:
+    def __init__(self, *, per_rank: tuple[str, ...] | list[str] = (), **entries: object) -> None:
         """`per_rank`: names of values meant to differ across ranks (a rank's own data position, say): a recovery
         keeps each survivor's own, and the check at the first commit leaves them out."""
         unknown = [name for name in per_rank if name not in entries]
@@ -118,7 +129,7 @@ class State:
                 return table[name]
         raise AttributeError(f"mpiddp.State has no entry {name!r}")
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name in self._objects:
             raise AttributeError(f"mpiddp.State: {name!r} is an object entry; change it in place (load_state_dict)")
         if name not in self._values:
@@ -164,14 +175,14 @@ class State:
         """(commits, a digest of the shared committed values): survivors with equal positions hold the same state."""
         return self.commits, hashlib.sha256(pickle.dumps(sorted(self.digests().items()), protocol=4)).hexdigest()
 
-    def payload(self, values_only: bool = False) -> dict[str, Any]:
+    def payload(self, values_only: bool = False) -> Payload:
         """What the furthest survivor sends: the shared values, and the objects unless `values_only` (survivors
         that completed as many steps hold the same objects: DDP keeps the replicas equal)."""
         shared = {name: value for name, value in self._committed.items() if name not in self._per_rank}
         objects = {} if values_only else {name: entry.state_dict() for name, entry in self._objects.items()}
         return {"objects": objects, "values": shared, "commits": self.commits}
 
-    def load(self, payload: dict[str, Any]) -> None:
+    def load(self, payload: Payload) -> None:
         for name, entry in self._objects.items():
             if name in payload["objects"]:
                 entry.load_state_dict(payload["objects"][name])
@@ -198,11 +209,11 @@ def diverging(digests_per_rank: list[dict[str, str]]) -> list[str]:
     return [name for name in names if len({digests.get(name) for digests in digests_per_rank}) > 1]
 
 
-def _has_state(entry: Any) -> bool:
+def _has_state(entry: object) -> bool:
     return callable(getattr(entry, "state_dict", None)) and callable(getattr(entry, "load_state_dict", None))
 
 
-def _is_ddp(entry: Any) -> bool:
+def _is_ddp(entry: object) -> bool:
     return any(cls.__name__ == "DistributedDataParallel" for cls in type(entry).__mro__)
 
 
@@ -223,16 +234,6 @@ def sync(state: State, comm: Comm) -> int | None:
 
 # ---- the recovery of a script's job ----------------------------------------------------------------------------
 
-_callbacks: list[Callable[[MembershipChange], None]] = []
-
-
-def on_membership_change(callback: Callable[[MembershipChange], None]) -> Callable[[MembershipChange], None]:
-    """Run `callback(change)` on every survivor after each recovery, once the state is synced and before the
-    training function runs again (rescale a learning rate, reopen a per-rank file). Usable as a decorator."""
-    _callbacks.append(callback)
-    return callback
-
-
 @dataclass(frozen=True)
 class OwnJob:
     """What `mpiddp.init()` bootstrapped itself under a plain mpirun, for a recovery to follow onto the survivors:
@@ -246,23 +247,6 @@ class OwnJob:
     joining: Joining | None = None  # this process was spawned by a grow and joined the job (mpiddp.elastic.grow)
 
 
-_own: OwnJob | None = None  # None under `mpiddp run` (its runner owns the job) or before init
-
-
-def adopt(job: OwnJob | None) -> None:
-    """`mpiddp.init()` hands over the job it bootstrapped itself (internal)."""
-    global _own
-    _own = job
-
-
-def hold(dist: Dist) -> None:
-    """`mpiddp.init()` under `mpiddp run` (internal): the Dist it returns to the script, placed on the runner's
-    job, is the one a recovery rebinds first (the script's `dist.rank` follows the survivors)."""
-    global _own
-    assert _own is not None, "mpiddp run adopts its job before the script runs"
-    _own = dataclasses.replace(_own, dists=[dist, *_own.dists])
-
-
 class ScriptRecovery(Policy):
     """A script's side of the elastic engine (mpiddp.elastic.engine), one per process, made by the first
     `run_recoverable` (collective): what survives (the State), what follows the survivors (init()'s failure
@@ -270,7 +254,8 @@ class ScriptRecovery(Policy):
 
     hide_cause = True
 
-    def __init__(self, job: OwnJob) -> None:
+    def __init__(self, manager: Manager, job: OwnJob) -> None:
+        self.manager = manager  # the process's: its callbacks and wrappers
         self.job = job
         self.guard = job.guard
         self.changes: list[MembershipChange] = []
@@ -281,30 +266,30 @@ class ScriptRecovery(Policy):
         self._changed_at: float | None = None  # monotonic end of the last change of size, until the next commit
 
     @classmethod
-    def enable(cls, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
+    def enable(cls, manager: Manager, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
         """Collective: in-job recovery when this job can do it, else None and one line on rank 0 saying why."""
-        job = _own
+        job = manager.own
         import torch
 
         backend = dist.backend if dist.backend != "none" else _process_group_backend()  # `mpiddp run`: the script's
         device_type = "cuda" if backend == "nccl" else dist.device_type
         if job is not None and job.joining is not None:  # spawned by a grow: the survivors decided, and are on
-            return cls.joined(job)
+            return cls.joined(manager, job)
         ulfm = check_ulfm() if job is not None else None
         if refused(dist, script_refusal(job is not None, ulfm, device_type, backend, nccl_abort_available(),
                                         torch.__version__, os.environ), logging.WARNING):
             return None
         assert job is not None and job.dists[0] is dist
-        policy = cls(job)  # init()'s placed Dist first, then the bootstrap's (the guard's and the exit handler's)
+        policy = cls(manager, job)  # init()'s placed Dist first, then the bootstrap's (the guard's and the exit handler's)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         Engine.enable(job.dists, job.collective_timeout_s, min_world_size, policy, backend, device)
         return policy
 
     @classmethod
-    def joined(cls, job: OwnJob) -> ScriptRecovery:
+    def joined(cls, manager: Manager, job: OwnJob) -> ScriptRecovery:
         """The policy of a rank that joined a grown job: the engine over the merged job; the state comes in `run`."""
         assert job.joining is not None
-        policy = cls(job)
+        policy = cls(manager, job)
         engine = Engine(job.joining.members, job.dists, job.joining.hello["min_size"], policy)
         engine.initial_world = job.joining.hello["initial_world"]
         policy.grower.joined(job.joining.hello["grower"])
@@ -366,7 +351,7 @@ class ScriptRecovery(Policy):
     def _changed(self, change: MembershipChange) -> None:
         self.changes.append(change)
         self._changed_at = time.monotonic()
-        for callback in _callbacks:
+        for callback in self.manager.callbacks:
             callback(change)
 
     def recover(self, lost: MembersLost, state: State, waited_from: float) -> None:
@@ -393,10 +378,10 @@ class ScriptRecovery(Policy):
 
     def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, int | None]:
         assert self.state is not None
-        _drop_old_wrappers()
+        self.manager.drop_old_wrappers()
         return "state", sync(self.state, DistComm(dist))
 
-    def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, Any], leader: int | None) -> None:
+    def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, float], leader: int | None) -> None:
         dist = self.dists[0]
         change = MembershipChange(dist.rank, dist.world_size, before.world_size, failed,
                                   tuple(hosts_of(before, failed)), leader, phases)
@@ -442,7 +427,7 @@ class ScriptRecovery(Policy):
     def follow_watch(self, dist: Dist) -> None:
         self.after_rebind(dist)
 
-    def handover(self, split: int) -> dict[str, Any]:
+    def handover(self, split: int) -> dict[str, Payload]:
         assert self.state is not None
         return {"state": self.state.payload()}
 
@@ -461,7 +446,7 @@ class ScriptRecovery(Policy):
                                        record["phases"], tuple(record["ranks_added"]), tuple(record["hosts_added"])))
 
     def regrown(self) -> None:
-        _drop_old_wrappers()  # the wrapper of the call that grew is gone with its frames
+        self.manager.drop_old_wrappers()  # the wrapper of the call that grew is gone with its frames
 
 
 def _process_group_backend() -> str:
@@ -471,113 +456,138 @@ def _process_group_backend() -> str:
     return str(tdist.get_backend()) if tdist.is_available() and tdist.is_initialized() else "none"
 
 
-_recovery: ScriptRecovery | None = None
-_decided = False  # whether this process decided (once, collectively) if it can recover
+class Manager:
+    """A script's in-job recovery, one per process (the shape of torchft's Manager, which its DDP and optimizer
+    wrappers are handed): the job `mpiddp.init()` or `mpiddp run` bootstrapped, the callbacks, whether this
+    process decided (once, collectively) if it can recover and the ScriptRecovery it turned on, and the wrappers a
+    recovery rebuilds or checks gone. mpiddp's public names (mpiddp.script.recovery) hand the process's one
+    Manager to everything here; nothing here holds it."""
 
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[MembershipChange], None]] = []
+        self.own: OwnJob | None = None  # None under `mpiddp run` before it adopts its job, or before init
+        self.recovery: ScriptRecovery | None = None
+        self.decided = False  # whether this process decided (once, collectively) if it can recover
+        self.wrappers: list[weakref.ref[DDP]] = []  # torch's DDP wrappers: a recovery checks they are gone
+        self.models: list[weakref.ref[nn.Module]] = []  # mpiddp's wrappers (elastic.steps), rebuilt after a recovery
+        self.generation = 0  # recoveries this process went through: gradients from before the last one are stale
 
-def active() -> ScriptRecovery | None:
-    """The job's in-job recovery once `run_recoverable` turned it on, else None."""
-    return _recovery
+    def on_membership_change(self, callback: Callable[[MembershipChange], None]) -> Callable[[MembershipChange], None]:
+        """Run `callback(change)` on every survivor after each recovery, once the state is synced and before the
+        training function runs again (rescale a learning rate, reopen a per-rank file). Usable as a decorator."""
+        self.callbacks.append(callback)
+        return callback
 
+    def adopt(self, job: OwnJob | None) -> None:
+        """`mpiddp.init()` (or `mpiddp run`) hands over the job it bootstrapped itself."""
+        self.own = job
 
-def enabled(min_world_size: int | None = None) -> ScriptRecovery | None:
-    """Collective the first time (every rank calls it at the same point): the job's in-job recovery, turned on
-    when this job can recover, else None with one line on rank 0 saying why; later calls return the same."""
-    global _recovery, _decided
-    dist = current()
-    if dist is None:
-        raise RuntimeError("mpiddp's in-job recovery needs mpiddp's job: run the script under `python -m mpiddp run` "
-                           "or call mpiddp.init() first")
-    if not _decided:
-        _recovery = ScriptRecovery.enable(dist, min_world_size)
-        _decided = True
-    return _recovery
+    def hold(self, dist: Dist) -> None:
+        """`mpiddp.init()` under `mpiddp run`: the Dist it returns to the script, placed on the runner's job, is
+        the one a recovery rebinds first (the script's `dist.rank` follows the survivors)."""
+        assert self.own is not None, "mpiddp run adopts its job before the script runs"
+        self.own = dataclasses.replace(self.own, dists=[dist, *self.own.dists])
 
+    def active(self) -> ScriptRecovery | None:
+        """The job's in-job recovery once `run_recoverable` turned it on, else None."""
+        return self.recovery
 
-def run_recoverable(train: Callable[[State], T], state: State, min_world_size: int | None = None) -> T:
-    """Collective: run `train(state)` and return what it returns; when a rank dies, the survivors recover in the
-    job (see the module) and run `train(state)` again, with `state` synced. `min_world_size`: the fewest ranks
-    the job may go on with (default MPIDDP_MIN_NP, which `launch --min-np` sets, else 1). Needs `mpiddp.init()`
-    first. Where recovery cannot work, one line on rank 0 says why and `train(state)` runs as without it."""
-    global _recovery, _decided
-    if not isinstance(state, State):
-        raise TypeError(f"mpiddp.run_recoverable(train, state): state must be an mpiddp.State, not "
-                        f"{type(state).__name__}")
-    dist = current()
-    if dist is None:
-        raise RuntimeError("mpiddp.run_recoverable() needs mpiddp's job: call mpiddp.init() first")
-    if not _decided:
-        _recovery = ScriptRecovery.enable(dist, min_world_size)
-        _decided = True
-    if _recovery is None:
-        return train(state)
-    return _recovery.run(train, state)
+    def enabled(self, min_world_size: int | None = None) -> ScriptRecovery | None:
+        """Collective the first time (every rank calls it at the same point): the job's in-job recovery, turned
+        on when this job can recover, else None with one line on rank 0 saying why; later calls return the same."""
+        dist = current()
+        if dist is None:
+            raise RuntimeError("mpiddp's in-job recovery needs mpiddp's job: run the script under `python -m mpiddp "
+                               "run` or call mpiddp.init() first")
+        return self._decide(dist, min_world_size)
 
+    def _decide(self, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
+        if not self.decided:
+            self.recovery = ScriptRecovery.enable(self, dist, min_world_size)
+            self.decided = True
+        return self.recovery
 
-def wait_for_every_rank(dist: Dist) -> None:
-    """Collective, once this rank's script has finished: wait, asleep, until every rank's has. Under in-job
-    recovery a rank that fails meanwhile ends the job with one line (LostAfterFinish), not a traceback from the
-    barrier: what it had left to do (rank 0's save, say) is not recovered."""
-    from mpiddp.errors import LostAfterFinish
-    from mpiddp.elastic.membership import members_lost
+    def run_recoverable(self, train: Callable[[State], T], state: State, min_world_size: int | None = None) -> T:
+        """Collective: run `train(state)` and return what it returns; when a rank dies, the survivors recover in
+        the job (see the module) and run `train(state)` again, with `state` synced. `min_world_size`: the fewest
+        ranks the job may go on with (default MPIDDP_MIN_NP, which `launch --min-np` sets, else 1). Needs
+        `mpiddp.init()` first. Where recovery cannot work, one line on rank 0 says why and `train(state)` runs as
+        without it."""
+        if not isinstance(state, State):
+            raise TypeError(f"mpiddp.run_recoverable(train, state): state must be an mpiddp.State, not "
+                            f"{type(state).__name__}")
+        dist = current()
+        if dist is None:
+            raise RuntimeError("mpiddp.run_recoverable() needs mpiddp's job: call mpiddp.init() first")
+        recovery = self._decide(dist, min_world_size)
+        if recovery is None:
+            return train(state)
+        return recovery.run(train, state)
 
-    try:
-        dist.wait_for_all()
-    except Exception as exc:
-        lost = members_lost(_recovery.members, exc) if _recovery is not None else None
-        if lost is None:
-            raise
-        names = ", ".join(map(str, lost.ranks)) or "?"
-        raise LostAfterFinish(f"rank(s) {names} failed after the script had finished here; in-job recovery covers "
-                              f"the training, not what a lost rank had left to do (rank 0's save, say): ending the "
-                              f"job (MPI_ERR_PROC_FAILED: ranks {names} failed)") from None
+    def wait_for_every_rank(self, dist: Dist) -> None:
+        """Collective, once this rank's script has finished: wait, asleep, until every rank's has. Under in-job
+        recovery a rank that fails meanwhile ends the job with one line (LostAfterFinish), not a traceback from
+        the barrier: what it had left to do (rank 0's save, say) is not recovered."""
+        from mpiddp.errors import LostAfterFinish
+        from mpiddp.elastic.membership import members_lost
 
+        try:
+            dist.wait_for_all()
+        except Exception as exc:
+            lost = members_lost(self.recovery.members, exc) if self.recovery is not None else None
+            if lost is None:
+                raise
+            names = ", ".join(map(str, lost.ranks)) or "?"
+            raise LostAfterFinish(f"rank(s) {names} failed after the script had finished here; in-job recovery "
+                                  f"covers the training, not what a lost rank had left to do (rank 0's save, say): "
+                                  f"ending the job (MPI_ERR_PROC_FAILED: ranks {names} failed)") from None
 
-_wrappers: list[weakref.ref[Any]] = []  # the DDP wrappers watch_gradients saw: a recovery checks they are gone
+    def drop_old_wrappers(self) -> None:
+        """The interrupted call's DDP wrapper hooks the parameters (its reducer, left mid-step, would fail the next
+        backward with "marked as ready twice") until it is destroyed: usually at once, with the failed call's
+        frames; a reference cycle keeps it until a collection (a tenth of a second, so only when one is left)."""
+        if not self.wrappers or any(ref() is not None for ref in self.wrappers):
+            gc.collect()
+        left = [ref for ref in self.wrappers if ref() is not None]
+        self.wrappers = []
+        if left:
+            log.warning("in-job recovery: %d DDP wrapper(s) from before the recovery are still referenced; their "
+                        "hooks would fail the next backward: wrap the model inside the function run_recoverable "
+                        "runs, and keep no other reference to the wrapper", len(left))
 
+    def track_wrapper(self, ddp: DDP) -> None:
+        """A torch DDP wrapper that must be gone when a recovery rebuilds the process group (drop_old_wrappers):
+        tracked, a recovery collects garbage only when one is left (a collection costs a tenth of a second or
+        more)."""
+        self.wrappers.append(weakref.ref(ddp))
 
-def _drop_old_wrappers() -> None:
-    """The interrupted call's DDP wrapper hooks the parameters (its reducer, left mid-step, would fail the next
-    backward with "marked as ready twice") until it is destroyed: usually at once, with the failed call's frames;
-    a reference cycle keeps it until a collection (a tenth of a second, so only when one is left)."""
-    if not _wrappers or any(ref() is not None for ref in _wrappers):
-        gc.collect()
-    left = [ref for ref in _wrappers if ref() is not None]
-    _wrappers[:] = []
-    if left:
-        log.warning("in-job recovery: %d DDP wrapper(s) from before the recovery are still referenced; their hooks "
-                    "would fail the next backward: wrap the model inside the function run_recoverable runs, and "
-                    "keep no other reference to the wrapper", len(left))
+    def track_model(self, model: nn.Module) -> None:
+        """One of mpiddp's DDP wrappers: a recovery under mpiddp.Optimizer rebuilds it over the survivors."""
+        self.models.append(weakref.ref(model))
 
+    def live_models(self) -> list[nn.Module]:
+        return [model for ref in self.models if (model := ref()) is not None]
 
-def track_wrapper(ddp: Any) -> None:
-    """A torch DDP wrapper that must be gone when a recovery rebuilds the process group (see _drop_old_wrappers):
-    tracked, a recovery collects garbage only when one is left (a collection costs a tenth of a second or more)."""
-    _wrappers.append(weakref.ref(ddp))
+    def watch_gradients(self, ddp: DDP, compression: str = "none") -> DDP:
+        """Collective-free: under in-job recovery, DDP's gradient all-reduce runs on the process group as DDP's
+        own does (`compression`: "none", "fp16" or "bf16" sends half the bytes) but is waited for under MPI's
+        failure watch, so a rank whose peer dies while it waits in gloo's all-reduce learns it at once. Without
+        recovery, DDP's own all-reduce (or `compression`'s hook). Returns `ddp`. Call it on each new DDP wrapper."""
+        from mpiddp.job.compression import register
+        from mpiddp.job.transport import HOOK_COMPRESSIONS
 
+        if compression not in HOOK_COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(HOOK_COMPRESSIONS)}, got {compression!r}")
+        members = self.recovery.members if self.recovery is not None else None
+        if members is not None or compression != "none":
+            register(ddp, compression, backend="gloo", members=members)
+        self.track_wrapper(ddp)
+        return ddp
 
-def watch_gradients(ddp: torch.nn.parallel.DistributedDataParallel,
-                    compression: str = "none") -> torch.nn.parallel.DistributedDataParallel:
-    """Collective-free: under in-job recovery, DDP's gradient all-reduce runs on the process group as DDP's own
-    does (`compression`: "none", "fp16" or "bf16" sends half the bytes) but is waited for under MPI's failure
-    watch, so a rank whose peer dies while it waits in gloo's all-reduce learns it at once. Without recovery,
-    DDP's own all-reduce (or `compression`'s hook). Returns `ddp`. Call it on each new DDP wrapper."""
-    from mpiddp.job.compression import register
-    from mpiddp.job.transport import HOOK_COMPRESSIONS
-
-    if compression not in HOOK_COMPRESSIONS:
-        raise ValueError(f"compression must be one of {', '.join(HOOK_COMPRESSIONS)}, got {compression!r}")
-    members = _recovery.members if _recovery is not None else None
-    if members is not None or compression != "none":
-        register(ddp, compression, backend="gloo", members=members)
-    track_wrapper(ddp)
-    return ddp
-
-
-def wait(work: Any) -> None:
-    """Wait for a torch collective of your own, issued with `async_op=True`: under in-job recovery, under MPI's
-    failure watch (a blocking gloo collective would wait out its whole timeout for a dead peer)."""
-    if _recovery is None:
-        work.wait()
-    else:
-        _recovery.members.wait(work)
+    def wait(self, work: Work) -> None:
+        """Wait for a torch collective of your own, issued with `async_op=True`: under in-job recovery, under
+        MPI's failure watch (a blocking gloo collective would wait out its whole timeout for a dead peer)."""
+        if self.recovery is None:
+            work.wait()
+        else:
+            self.recovery.members.wait(work)

@@ -29,10 +29,11 @@ with one line) are not recovered: the job ends as without the wrappers.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +41,11 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from mpiddp.elastic.api import ScriptRecovery, State, enabled, track_wrapper
+from mpiddp.elastic.api import Manager, ScriptRecovery, State
 from mpiddp.globalbatch import GlobalBatchError, balanced, share, split, uneven_split
 from mpiddp.elastic.membership import MembersLost
 from mpiddp.job.collective import current
+from mpiddp.job.compression import WatchedAllReduce
 
 log = logging.getLogger("mpiddp")
 
@@ -51,114 +53,35 @@ log = logging.getLogger("mpiddp")
 # the same weights already
 _DDP_INIT_SYNC = "init_sync"
 _DDP_FORWARD_SYNC = "forward_sync_buffers"  # torch 2.13+: `broadcast_buffers`, renamed (the old name warns)
-
-
-class _WatchedAllReduce:
-    """DDP's communication hook: the mean of each gradient bucket over the process group (as DDP's own), waited
-    for under MPI's failure watch. A failed peer does not raise through backward: the step is marked failed, the
-    buckets left complete with this rank's own gradients (dropped at the step's end), and later buckets are not
-    sent. On CPU the hook waits (on the thread that runs backward, which alone may call MPI); on GPUs it hands
-    NCCL's future to DDP and `settle` waits on the main thread."""
-
-    def __init__(self, members: Any) -> None:
-        self.members = members
-        self.lost: MembersLost | None = None
-        self._in_flight: list[tuple[Any, torch.Tensor, torch.futures.Future]] = []
-        self._pending: list[Any] = []
-
-    def new_step(self) -> None:
-        self.lost, self._in_flight, self._pending = None, [], []
-
-    def run(self, bucket: Any) -> torch.futures.Future:
-        buffer = bucket.buffer()
-        done: torch.futures.Future = torch.futures.Future()
-        if self.lost is not None:
-            done.set_result(buffer)
-            return done
-        work = tdist.all_reduce(buffer.div_(tdist.get_world_size()), async_op=True)
-        if buffer.is_cuda:
-            self._pending.append(work)
-            return work.get_future().then(lambda _: buffer)
-        self._in_flight.append((work, buffer, done))
-        self._complete(everything=bucket.is_last())  # each bucket waited for by the next: DDP's own overlap
-        return done
-
-    def _complete(self, everything: bool) -> None:
-        keep = 0 if everything else 1
-        while len(self._in_flight) > keep:
-            work, buffer, done = self._in_flight.pop(0)
-            if self.lost is None:
-                try:
-                    self.members.wait(work)
-                except MembersLost as lost:
-                    self.lost = lost
-            done.set_result(buffer)
-
-    def broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
-        """Before a forward, as DDP's own `broadcast_buffers` does (BatchNorm's running statistics from rank 0),
-        one broadcast per dtype, watched: a failed peer marks the step failed (the forward goes on with this
-        rank's own buffers, and the step is skipped on every survivor) instead of raising out of the forward. On
-        GPUs the forward waits for it on the GPU and `settle` checks it with the step's all-reduces."""
-        if self.lost is not None:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buffer in buffers:
-            by_dtype.setdefault(buffer.dtype, []).append(buffer)
-        for group in by_dtype.values():
-            flat = torch._utils._flatten_dense_tensors(group)
-            work = tdist.broadcast(flat, src=0, async_op=True)
-            if flat.is_cuda:
-                work.wait()  # the forward's stream waits for it; the CPU does not
-                self._pending.append(work)
-            else:
-                try:
-                    self.members.wait(work)
-                except MembersLost as lost:
-                    self.lost = lost
-                    return
-            for buffer, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
-                buffer.copy_(synced)
-
-    def settle(self) -> MembersLost | None:
-        """On the main thread once backward returned: the step's all-reduces done, or the failure that stopped
-        them (GPUs: NCCL's work is waited for here; CPU: the hook waited)."""
-        pending, self._pending = self._pending, []
-        for work in pending:
-            if self.lost is not None:
-                break
-            try:
-                self.members.wait(work)
-            except MembersLost as lost:
-                self.lost = lost
-        return self.lost
+TorchDict = dict[str, Any]  # torch's own type of a state dict, a param group, an optimizer's defaults
 
 
 def _hook(watch, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none here
     return watch.run(bucket)
 
 
-_models: list[weakref.ref[DistributedDataParallel]] = []  # every wrapper of this process, rebuilt after a recovery
-
-
 class DistributedDataParallel(nn.Module):
     """torch's DistributedDataParallel, the same arguments, that survives in-job recovery: after a recovery it
     builds torch's wrapper again over the survivors' process group, so every name that holds this one keeps
     working. Forward, `module`, `no_sync()`, `require_backward_grad_sync` and `state_dict()` behave as torch's
-    (the state dict's keys start with `module.`). Without in-job recovery it is torch's wrapper inside this one."""
+    (the state dict's keys start with `module.`). Without in-job recovery it is torch's wrapper inside this one.
+    `manager`: the process's in-job recovery (mpiddp.DistributedDataParallel passes it)."""
 
-    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, *args: object, manager: Manager, **kwargs: object) -> None:
         super().__init__()
-        self._recovery = enabled() if current() is not None else None  # torchrun: torch's DDP, nothing more
-        self.watch = _WatchedAllReduce(self._recovery.members) if self._recovery is not None else None
+        self.manager = manager
+        self._recovery = manager.enabled() if current() is not None else None  # torchrun: torch's DDP, nothing more
+        self.watch: WatchedAllReduce[MembersLost] | None = (
+            WatchedAllReduce(self._recovery.members.wait, absorb=MembersLost) if self._recovery is not None else None)
         # DDP's buffer broadcast before each forward is a collective a failed peer would end the job in: under
-        # in-job recovery this wrapper does it, watched (see _WatchedAllReduce.broadcast_buffers)
+        # in-job recovery this wrapper does it, watched (see WatchedAllReduce.broadcast_buffers)
         self._watched_buffers = False
         if self.watch is not None:
             kwargs, self._watched_buffers = _forward_sync_off(kwargs, _ddp_parameters())
         self._sync_next = True  # DDP's rule: after a forward with gradients to reduce (not under no_sync or no_grad)
         self._args, self._kwargs = args, kwargs
         self.ddp = self._wrap(module)
-        _models.append(weakref.ref(self))
+        manager.track_model(self)
 
     def _wrap(self, module: nn.Module, replicas_agree: bool = False) -> nn.parallel.DistributedDataParallel:
         kwargs = dict(self._kwargs)
@@ -167,10 +90,10 @@ class DistributedDataParallel(nn.Module):
         ddp = nn.parallel.DistributedDataParallel(module, *self._args, **kwargs)
         if self.watch is not None:
             ddp.register_comm_hook(self.watch, _hook)
-            track_wrapper(ddp)  # released before a recovery: checked gone, collected only if it is not
+            self.manager.track_wrapper(ddp)  # released before a recovery: checked gone, collected only if it is not
         return ddp
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         if self._watched_buffers and self._sync_next and self.watch is not None and tdist.get_world_size() > 1:
             ignored = set(getattr(self.ddp, "parameters_to_ignore", ()))
             buffers = [buffer for name, buffer in self.ddp.module.named_buffers() if name not in ignored]
@@ -195,10 +118,10 @@ class DistributedDataParallel(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:  # nanoGPT sets it for gradient accumulation
         self.ddp.require_backward_grad_sync = value
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+    def state_dict(self, *args: object, **kwargs: object) -> TorchDict:  # type: ignore[override]
         return self.ddp.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+    def load_state_dict(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
         return self.ddp.load_state_dict(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -226,7 +149,8 @@ class DistributedDataParallel(nn.Module):
             self.watch.new_step()
 
 
-def _forward_sync_off(kwargs: dict[str, Any], parameters: Any) -> tuple[dict[str, Any], bool]:
+def _forward_sync_off(kwargs: dict[str, object], parameters: Mapping[str, inspect.Parameter]
+                      ) -> tuple[dict[str, object], bool]:
     """DDP's arguments with its own buffer sync before each forward off, and whether they asked for that sync (the
     wrapper then does it, watched). torch 2.13 named it `forward_sync_buffers` and deprecated `broadcast_buffers`
     (a FutureWarning on every rank): where DDP takes the new name it is used, the old one dropped; before 2.13,
@@ -242,13 +166,8 @@ def _forward_sync_off(kwargs: dict[str, Any], parameters: Any) -> tuple[dict[str
     return {**kwargs, "broadcast_buffers": False}, True
 
 
-def _ddp_parameters() -> Any:
-    import inspect
-
+def _ddp_parameters() -> Mapping[str, inspect.Parameter]:
     return inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
-
-
-_generation = 0  # recoveries this process went through: gradients from before the last one are stale
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -268,13 +187,13 @@ class Optimizer(torch.optim.Optimizer):
         self.optimizer, self.model = optimizer, model
         self.steps = self.skipped = 0
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        trained = [w for w in _live_wrappers() if any(id(p) in held for p in w.module.parameters())]
+        trained = [w for w in _live_wrappers(model.manager) if any(id(p) in held for p in w.module.parameters())]
         self._wrappers = [weakref.ref(w) for w in trained or [model]]
         self._state = State(model=model.module, optimizer=optimizer)
         self._started = time.time()
-        self._generation = _generation
+        self._generation = model.manager.generation
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name in self._OWN or hasattr(type(self), name):
             object.__setattr__(self, name, value)
         else:  # GradScaler's grad_scale and found_inf for fused optimizers, a user's own attributes
@@ -292,29 +211,30 @@ class Optimizer(torch.optim.Optimizer):
         return getattr(self.optimizer, name)
 
     @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[TorchDict]:
         return self.optimizer.param_groups
 
     @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+    def param_groups(self, groups: list[TorchDict]) -> None:
         self.optimizer.param_groups = groups
 
     @property  # type: ignore[override]
-    def state(self) -> Any:
+    def state(self) -> dict[torch.Tensor, TorchDict]:
         return self.optimizer.state
 
     @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    def defaults(self) -> TorchDict:
         return self.optimizer.defaults
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def step(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
         """The optimizer's step, when every rank completed this step's backward; None when it was skipped."""
         recovery = self.model._recovery
         wrappers = [w for ref in self._wrappers if (w := ref()) is not None and w.watch is not None]
         if recovery is None or not wrappers:
             return self._take(*args, **kwargs)
-        if self._generation != _generation:  # its gradients were made before a recovery: on every survivor
-            self._generation = _generation
+        generation = self.model.manager.generation
+        if self._generation != generation:  # its gradients were made before a recovery: on every survivor
+            self._generation = generation
             self._skip()
             return None
         lost = None
@@ -328,7 +248,7 @@ class Optimizer(torch.optim.Optimizer):
         self._skip_and_recover(recovery, lost)
         return None
 
-    def _take(self, *args: Any, **kwargs: Any) -> Any:
+    def _take(self, *args: object, **kwargs: object) -> object:
         result = self.optimizer.step(*args, **kwargs)
         self.steps += 1
         self._state.commit()
@@ -341,17 +261,17 @@ class Optimizer(torch.optim.Optimizer):
 
     def _skip_and_recover(self, recovery: ScriptRecovery, lost: MembersLost | None) -> None:
         """Collective over the survivors: drop this step, shrink, rebuild every wrapper over the survivors."""
-        global _generation
+        manager = self.model.manager
         if lost is None:  # this rank completed the step; another did not (or failed since): the agreement said so
             lost = MembersLost(recovery.members.failed() or (), recovery.members.lost_at or time.time())
         self.skipped += 1
-        wrappers = list(_live_wrappers())
+        wrappers = _live_wrappers(manager)
         modules = [wrapper.release() for wrapper in wrappers]
         recovery.recover(lost, self._state, self._started)  # syncs the state, drops the step's gradients
         for wrapper, module in zip(wrappers, modules):
             wrapper.rewrap(module)
-        _generation += 1
-        self._generation = _generation
+        manager.generation += 1
+        self._generation = manager.generation
         self._started = time.time()
         if tdist.get_rank() == 0:  # a local log line, no collective
             log.warning("in-job recovery: the step a failed rank did not complete was skipped on every survivor "
@@ -360,27 +280,28 @@ class Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> TorchDict:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: TorchDict) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: TorchDict) -> None:
         self.optimizer.add_param_group(param_group)
 
-    def __getstate__(self) -> dict[str, Any]:  # the wrappers it watches are this process's: not pickled
+    def __getstate__(self) -> dict[str, object]:  # the wrappers it watches are this process's: not pickled
         return {name: value for name, value in self.__dict__.items() if name != "_wrappers"}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state, _wrappers=[weakref.ref(self.model)])
 
     def __repr__(self) -> str:
         return f"mpiddp.Optimizer({self.optimizer!r}, steps={self.steps}, skipped={self.skipped})"
 
 
-def _live_wrappers() -> list[DistributedDataParallel]:
-    return [model for ref in _models if (model := ref()) is not None]
+def _live_wrappers(manager: Manager) -> list[DistributedDataParallel]:
+    """Every one of mpiddp's DDP wrappers of this process still in use (the Manager keeps them as modules)."""
+    return [model for model in manager.live_models() if isinstance(model, DistributedDataParallel)]
 
 
 def _world_now() -> tuple[int, int]:

@@ -10,9 +10,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from mpiddp.errors import EXIT_CRASH, EndDecided
 from mpiddp.failure import end_decided, replace_placement
@@ -29,8 +29,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("mpiddp")
 
 REPORT_CLAIM_S = 2.0
-
-_recovered = False  # this process went through an in-job recovery (its MPI world has failed members)
+# Set to this process's id once it went through an in-job recovery (its MPI world has failed members). The engine
+# (for the trainer and for scripts alike) and a joining rank mark it, and whichever front door ends the process
+# reads it, with no object in common: the record is the process's own, in its environment, keyed by its pid so
+# that a process it starts (a data loader's worker, a script's subprocess) does not take it for its own.
+RECOVERED_ENV = "MPIDDP_RECOVERED_PID"
 
 
 def unless_end_decided(directory: Path | None, lost: Sequence[int]) -> None:
@@ -48,12 +51,19 @@ def unless_end_decided(directory: Path | None, lost: Sequence[int]) -> None:
 
 
 def mark_recovered() -> None:
-    global _recovered
-    _recovered = True
+    """This process went through an in-job recovery: it ends without MPI_Finalize (end_without_finalize)."""
+    os.environ[RECOVERED_ENV] = str(os.getpid())
 
 
 def recovered_in_this_process() -> bool:
-    return _recovered
+    return os.environ.get(RECOVERED_ENV) == str(os.getpid())
+
+
+@dataclass(frozen=True)
+class OpenedStore:
+    """The survivors' store where a Rendezvous keeps the bootstrap's holder of it (Rendezvous.client reads it)."""
+
+    store: object
 
 
 def end_without_finalize(status: int) -> NoReturn:
@@ -78,7 +88,7 @@ def bind_topology(dists: Sequence[Dist], members: Membership, topology: Topology
     old = dists[0].rendezvous
     address, port = members.endpoint or ("", 0)
     rendezvous = Rendezvous(address, port, old.interface_per_host if old else {},
-                            SimpleNamespace(store=members.store))
+                            OpenedStore(members.store))
     for each in dists:
         each.rebind(topology, transport, rendezvous if each.rendezvous is not None else None)
     if log_level is not None:
@@ -103,13 +113,13 @@ def hosts_of(topology: Topology, ranks: Sequence[int]) -> list[str]:
                               for rank in ranks))
 
 
-def shrunk_topology(old: Any, alive: tuple[int, ...], new_rank: int) -> Any:
+def shrunk_topology(old: Topology, alive: tuple[int, ...], new_rank: int) -> Topology:
     """The Topology of survivor `new_rank` in a job shrunk to the old ranks `alive` (in new-rank order): hosts and
     local ranks renumbered among the survivors, the launcher's settings kept."""
     return topology_over(old, [old.host_of(rank) for rank in alive], new_rank)
 
 
-def topology_over(template: Any, hostnames: Sequence[str], rank: int) -> Any:
+def topology_over(template: Topology, hostnames: Sequence[str], rank: int) -> Topology:
     """The Topology of rank `rank` in a job whose ranks run on `hostnames` (in rank order): hosts and local ranks
     numbered as at start-up, the launcher's settings taken from `template` (a topology of the same job)."""
     import dataclasses

@@ -29,14 +29,17 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
+import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel
 
 from mpiddp.errors import UserError
 
 if TYPE_CHECKING:
+    from torch.distributed import GradBucket, Work
+
     from mpiddp.job.collective import Dist
 
 log = logging.getLogger(__name__)
@@ -174,12 +177,152 @@ def gradient_bytes(model: torch.nn.Module, bucket_cap_mb: float) -> int:
     return max(4, min(total, int(bucket_cap_mb * 1024 * 1024)))
 
 
+class FailureWatch(Protocol):
+    """What waits for a collective under MPI's failure watch (in-job recovery's Membership): `wait(work)` returns
+    once the work completed, or raises (MembersLost) when MPI reports a failed peer first."""
+
+    def wait(self, work: Work) -> None: ...
+
+
+Lost = TypeVar("Lost", bound=Exception)  # the failure a WatchedAllReduce keeps instead of raising (MembersLost)
+
+
+class WatchedAllReduce(Generic[Lost]):
+    """The mean of each gradient bucket over the process group, as DDP's own all-reduce (default_hooks' allreduce,
+    fp16 and bf16 hooks: divided by the world size, then summed; compressed, in the half type and copied back),
+    each collective waited for with `wait` (in-job recovery's Membership.wait, which polls MPI's failure notice:
+    a peer's death ends the wait, where gloo's own would wait out its timeout). The trainer's hook (GradientHook)
+    and mpiddp.DistributedDataParallel's both run it.
+
+    A failed peer, with `absorb` None (the trainer, `watch_gradients`), raises: on CPU out of the bucket's hook
+    (through DDP, a RuntimeError from backward), on GPUs out of `settle`. With `absorb` (mpiddp's DDP wrapper:
+    MembersLost) it is kept in `lost` instead: the buckets are left complete with this rank's own gradients
+    (dropped at the step's end), later buckets are not sent, and `settle` returns it.
+
+    On CPU each bucket is waited for by the next bucket's hook, and every one by the last bucket's, so a bucket's
+    all-reduce overlaps the backward of the next as DDP's own waiting does (waiting for each bucket in its own hook
+    cost 4% of a gloo step here); DDP finds every future complete when it finalizes. That runs on the thread that
+    runs backward, the main thread on CPU, which alone may call MPI. On GPUs DDP runs the hook on autograd's device
+    thread, which may not call MPI (MPI_THREAD_FUNNELED): NCCL's future goes to DDP (the GPU stream waits for it,
+    the CPU does not) and `settle` waits on the main thread."""
+
+    def __init__(self, wait: Callable[[Work], None], compression: str = "none",
+                 absorb: type[Lost] | None = None) -> None:
+        assert compression == "none" or compression in HALF
+        self.wait = wait
+        self.compression = compression
+        self.absorb = absorb
+        self.lost: Lost | None = None  # the failure `absorb` kept, this step
+        self._in_flight: list[tuple[Work, torch.Tensor, torch.Tensor, torch.futures.Future]] = []  # CPU buckets
+        self.pending: list[Work] = []  # GPU: the collectives issued this step, waited for by `settle`
+
+    def new_step(self) -> None:
+        self.lost, self._in_flight, self.pending = None, [], []
+
+    def run(self, bucket: GradBucket) -> torch.futures.Future:
+        if self.lost is not None:  # a peer failed earlier in this step: nothing more is sent
+            self._complete(everything=True)  # a bucket still in flight ends with this rank's own gradients
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+        return self._deferred(bucket) if bucket.buffer().is_cuda else self._watched(bucket)
+
+    def _watched(self, bucket: GradBucket) -> torch.futures.Future:
+        """CPU: issued async, waited for under the failure watch by the next bucket's hook (or this one's, the
+        last)."""
+        if self.absorb is None and bucket.index() == 0:
+            self._in_flight.clear()  # left by a backward that raised: its futures were never waited for
+        buffer = bucket.buffer()
+        payload = self._issue(buffer)
+        future: torch.futures.Future = torch.futures.Future()
+        self._in_flight.append((tdist.all_reduce(payload, async_op=True), payload, buffer, future))
+        self._complete(everything=bucket.is_last())
+        return future
+
+    def _deferred(self, bucket: GradBucket) -> torch.futures.Future:
+        """GPUs: issued async and handed to DDP as NCCL's future, its work kept for `settle`."""
+        if self.absorb is None and bucket.index() == 0:
+            self.pending.clear()  # left by a backward that raised before `settle`
+        buffer = bucket.buffer()
+        payload = self._issue(buffer)
+        work = tdist.all_reduce(payload, async_op=True)
+        self.pending.append(work)
+
+        def finish(_: torch.futures.Future) -> torch.Tensor:
+            if payload is not buffer:
+                buffer.copy_(payload)
+            return buffer
+
+        return work.get_future().then(finish)
+
+    def _issue(self, buffer: torch.Tensor) -> torch.Tensor:
+        """What is summed: the bucket divided by the world size, in place or (compressed) as a half-type copy."""
+        world_size = tdist.get_world_size()
+        return buffer.div_(world_size) if self.compression == "none" else buffer.to(HALF[self.compression]).div_(world_size)
+
+    def _complete(self, everything: bool) -> None:
+        """Wait (under the failure watch) for the buckets in flight: all but the newest, or all."""
+        keep = 0 if everything else 1
+        while len(self._in_flight) > keep:
+            work, payload, buffer, future = self._in_flight[0]
+            if self.lost is None:
+                self._wait(work)
+            self._in_flight.pop(0)
+            if payload is not buffer:
+                buffer.copy_(payload)
+            future.set_result(buffer)
+
+    def _wait(self, work: Work) -> None:
+        """`wait(work)`; a failure `absorb` names is kept in `lost`, any other raises."""
+        if self.absorb is None:
+            self.wait(work)
+            return
+        try:
+            self.wait(work)
+        except self.absorb as lost:
+            self.lost = lost
+
+    def broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Before a forward, as DDP's own `broadcast_buffers` does (BatchNorm's running statistics from rank 0),
+        one broadcast per dtype, watched: with `absorb`, a failed peer marks the step failed (the forward goes on
+        with this rank's own buffers) instead of raising out of the forward. On GPUs the forward waits for it on
+        the GPU and `settle` checks it with the step's all-reduces."""
+        if self.lost is not None:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        for group in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(group)
+            work = tdist.broadcast(flat, src=0, async_op=True)
+            if flat.is_cuda:
+                work.wait()  # the forward's stream waits for it; the CPU does not
+                self.pending.append(work)
+            else:
+                self._wait(work)
+                if self.lost is not None:
+                    return
+            for buffer, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                buffer.copy_(synced)
+
+    def settle(self) -> Lost | None:
+        """On the main thread once backward returned: the step's collectives done (GPUs: NCCL's work is waited
+        for here; CPU: the hook waited), or the failure `absorb` kept (else it raises, before the optimizer uses
+        the gradients)."""
+        pending, self.pending = self.pending, []
+        for work in pending:
+            if self.lost is not None:
+                break
+            self._wait(work)
+        return self.lost
+
+
 class GradientHook:
     """DDP's hook state: `run(bucket)` is called once per ready bucket, in bucket order."""
 
     def __init__(self, compression: str, parameters: list[tuple[str, torch.nn.Parameter]], on_ready: Callable[[], None],
                  powersgd: Any = None, one_bucket_at_a_time: bool = False, mpi: Dist | None = None,
-                 members: Any = None) -> None:
+                 members: FailureWatch | None = None) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         assert compression in COMPRESSIONS
@@ -203,11 +346,10 @@ class GradientHook:
         self._pending_q: ParamState = {}
         assert mpi is None or powersgd is None, "PowerSGD stays on the process group"
         self.mpi = mpi  # set: MPI carries the all-reduce
-        # set (in-job recovery's Membership): the process group's all-reduce is waited for
-        # here, polling MPI's failure notice, so a peer's death ends the wait (DDP's own wait would not end)
-        self.members = members
-        self._in_flight: list[tuple[Any, torch.Tensor, torch.Tensor, torch.futures.Future]] = []  # watched buckets
-        self.pending: list[Any] = []  # GPU: the all-reduces issued this step, waited for by `settle`
+        # set (in-job recovery's Membership): the process group's all-reduce is waited for under MPI's failure
+        # watch, so a peer's death ends the wait (DDP's own wait would not end); PowerSGD stays DDP's own
+        self.watched = (WatchedAllReduce(members.wait, compression)
+                        if members is not None and powersgd is None else None)
         self.transport: TransportChoice | None = None  # what the trainer chose, for the log and summary.json
         self._mpi_thread: int | None = None  # the thread MPI was last checked from
 
@@ -215,8 +357,8 @@ class GradientHook:
         self.on_ready()
         if self.mpi is not None:
             return self._through_mpi(bucket.buffer())
-        if self.members is not None and self.powersgd is None:
-            return self._deferred(bucket) if bucket.buffer().is_cuda else self._watched(bucket)
+        if self.watched is not None:
+            return self.watched.run(bucket)
         if self.powersgd is not None:
             self._follow_layout(bucket)
         future = self._inner(self._inner_state, bucket)
@@ -248,64 +390,11 @@ class GradientHook:
         done.set_result(buffer)
         return done
 
-    def _watched(self, bucket: Any) -> torch.futures.Future:
-        """The all-reduce of default_hooks' hooks on the process group, issued async and waited for under
-        Membership.wait: MembersLost (through DDP, a RuntimeError from backward) when MPI reports a failed peer.
-        Each bucket is waited for by the next bucket's hook, and every one by the last bucket's, so a bucket's
-        all-reduce overlaps the backward of the next as DDP's own waiting does (waiting for each bucket in its own
-        hook cost 4% of a gloo step here); DDP finds every future complete when it finalizes. It runs on the
-        thread that runs backward, the main thread on CPU, which alone may call MPI."""
-        import torch.distributed as tdist
-
-        if bucket.index() == 0:
-            self._in_flight.clear()  # left by a backward that raised: its futures were never waited for
-        buffer = bucket.buffer()
-        world_size = tdist.get_world_size()
-        payload = buffer.div_(world_size) if self.compression == "none" else buffer.to(HALF[self.compression]).div_(world_size)
-        future: torch.futures.Future = torch.futures.Future()
-        self._in_flight.append((tdist.all_reduce(payload, async_op=True), payload, buffer, future))
-        self._complete(everything=bucket.is_last())
-        return future
-
-    def _complete(self, everything: bool) -> None:
-        """Wait (under the failure watch) for the buckets in flight: all but the newest, or all."""
-        keep = 0 if everything else 1
-        while len(self._in_flight) > keep:
-            work, payload, buffer, future = self._in_flight[0]
-            self.members.wait(work)
-            self._in_flight.pop(0)
-            if payload is not buffer:
-                buffer.copy_(payload)
-            future.set_result(buffer)
-
-    def _deferred(self, bucket: Any) -> torch.futures.Future:
-        """On GPUs: the same all-reduce, issued async and handed to DDP as NCCL's future (the GPU stream waits
-        for it, the CPU does not), its work kept for `settle`. DDP runs this hook on autograd's device thread,
-        which may not call MPI (MPI_THREAD_FUNNELED): the failure watch is polled on the main thread."""
-        import torch.distributed as tdist
-
-        if bucket.index() == 0:
-            self.pending.clear()  # left by a backward that raised before `settle`
-        buffer = bucket.buffer()
-        world_size = tdist.get_world_size()
-        payload = buffer.div_(world_size) if self.compression == "none" else buffer.to(HALF[self.compression]).div_(world_size)
-        work = tdist.all_reduce(payload, async_op=True)
-        self.pending.append(work)
-
-        def finish(_: torch.futures.Future) -> torch.Tensor:
-            if payload is not buffer:
-                buffer.copy_(payload)
-            return buffer
-
-        return work.get_future().then(finish)
-
     def settle(self) -> None:
-        """On the main thread after backward: wait for the all-reduces `_deferred` left in flight, polling MPI's
-        failure notice (Membership.wait): MembersLost when a peer failed, before the optimizer uses the
-        gradients. A no-op where nothing is in flight (CPU: `_watched` waited in the hook)."""
-        pending, self.pending = self.pending, []
-        for work in pending:
-            self.members.wait(work)
+        """On the main thread after backward (GPUs under in-job recovery): MembersLost when a peer failed, before
+        the optimizer uses the gradients (WatchedAllReduce.settle). A no-op where nothing is in flight."""
+        if self.watched is not None:
+            self.watched.settle()
 
     # PowerSGD state, per parameter -------------------------------------------------------------------
 
@@ -412,7 +501,7 @@ def _run(hook: GradientHook, bucket):  # type: ignore[no-untyped-def]  # DDP che
 
 def register(ddp: DistributedDataParallel, compression: str, rank: int = 1, warmup_steps: int = 10,
              backend: str = "nccl", on_ready: Callable[[], None] = lambda: None, mpi: Dist | None = None,
-             members: Any = None) -> GradientHook:
+             members: FailureWatch | None = None) -> GradientHook:
     """Install mpiddp's communication hook for `compression` on `ddp` and return it; with `mpi`, MPI carries
     the all-reduce (the caller checked that it can: `transport_refusal`)."""
     powersgd = None

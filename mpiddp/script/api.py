@@ -92,8 +92,9 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     global _initialised
     if _initialised is not None:
         return _initialised
-    from mpiddp.elastic import api as elastic
+    from mpiddp.elastic.api import OwnJob
     from mpiddp.job.bootstrap import start_process_group
+    from mpiddp.script import recovery
 
     settings = InitSettings(DistSettings(device, backend, master_addr=os.environ.get(MASTER_ADDR_ENV),
                                          collective_timeout_s=collective_timeout_s), finish_timeout_s=finish_timeout_s)
@@ -106,10 +107,10 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     set_current(_initialised)
     if _session is None:  # in-job recovery (mpiddp.run_recoverable) follows this bootstrap onto the survivors
         dists = [_initialised] if session.joining is not None else [_initialised, session.dist]
-        elastic.adopt(elastic.OwnJob(dists, session.guard, session.watch, collective_timeout_s,
+        recovery.adopt(OwnJob(dists, session.guard, session.watch, collective_timeout_s,
                                      [sys.executable, *sys.argv], session.joining))
     elif _initialised is not session.dist:  # under `mpiddp run`: its job, with the Dist the script holds first
-        elastic.hold(_initialised)
+        recovery.hold(_initialised)
     return _initialised
 
 
@@ -186,9 +187,9 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
     """The script ended on this rank. A non-zero sys.exit ends every rank now (the others may wait for this one
     in a collective); otherwise this rank waits, asleep and never in a blocking collective, until every rank
     ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
-    from mpiddp.elastic import api as elastic
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.job.bootstrap import teardown
+    from mpiddp.script import recovery
 
     if exit_status.status != 0 and dist.world_size > 1:
         script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"
@@ -199,7 +200,7 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
         dist.abort(code)
     watch.finished()
     with guard:  # a rank lost meanwhile ends the job with one line (and the status), as `mpiddp run` does
-        elastic.wait_for_every_rank(dist)
+        recovery.wait_for_every_rank(dist)
     watch.stop()
     teardown(dist, store)
     if recovered_in_this_process():  # every survivor passed the teardown's barrier

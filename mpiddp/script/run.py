@@ -263,10 +263,9 @@ def main(args: list[str]) -> int:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
-    from mpiddp.elastic import api as elastic
     from mpiddp.elastic import grow
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
-    from mpiddp.script import api
+    from mpiddp.script import api, recovery
     from mpiddp.job.bootstrap import enable_flight_recorder, teardown
 
     try:
@@ -307,7 +306,7 @@ def run_script(argv: list[str], guard: FailFast) -> int:
         execute(target, target.source())
     watch.finished()
     log.info("the script finished on rank 0 after %.1f s; waiting for every rank", time.monotonic() - started)
-    elastic.wait_for_every_rank(dist)
+    recovery.wait_for_every_rank(dist)
     if dist.is_main and dist.topology.launch_run_dir:  # launch's evidence that the job finished: a local write
         mark_finished(Path(dist.topology.launch_run_dir))
     watch.stop()
@@ -363,10 +362,11 @@ def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, colle
     """A script that uses mpiddp's wrappers (or run_recoverable) recovers in the job: the runner's guard and
     finish watch follow the survivors (`command` starts a rank that grows the job back; `joining`: this rank is
     one). Rank 0 says in one line whether that is on here, and if not, why."""
-    from mpiddp.elastic import api as elastic
+    from mpiddp.elastic.api import OwnJob
     from mpiddp.elastic.membership import check_ulfm
+    from mpiddp.script import recovery
 
-    elastic.adopt(elastic.OwnJob([dist], guard, watch, collective_timeout_s, command, joining))
+    recovery.adopt(OwnJob([dist], guard, watch, collective_timeout_s, command, joining))
     if dist.is_main:  # a local log line, no collective
         log.info("%s", in_job_recovery_line(check_ulfm()))
 
