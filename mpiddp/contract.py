@@ -29,7 +29,7 @@ HELPER_PARENT_ENV = "MPIDDP_HELPER_PARENT"  # set by a rank for its loader helpe
 MIN_NP_ENV = "MPIDDP_MIN_NP"  # launch --min-np: in-job recovery goes on with no fewer ranks (1 when unset)
 SPARE_HOSTS_ENV = "MPIDDP_SPARE_HOSTS"  # host[:slots],...: where a job that lost ranks grows back (MPI_Comm_spawn)
 # N: the last N ranks of COMM_WORLD are hot spares: started with the job, they wait until a job that lost ranks
-# takes them in (no MPI_Comm_spawn: mpiddp.job.spares, mpiddp.elastic.membership)
+# takes them in (no MPI_Comm_spawn: mpiddp.job.spares, mpiddp.elastic.spawning)
 SPARE_RANKS_ENV = "MPIDDP_SPARE_RANKS"
 # "1" when launch runs the job under its relay layout (mpiddp.launch.relay): a lost host's daemon no longer ends the
 # job, so the survivors may cut a silent host off and go on (mpiddp.job.silenthost); without the relays mpirun ends

@@ -170,3 +170,19 @@ def test_a_host_fault_beside_a_user_error_is_a_user_error():
     with pytest.raises(AgreedError) as caught:
         agree_on(PeersTransport(0, [("error", "bad flag"), None]), lambda: host_fault("no GPU on a"))
     assert caught.value.exit_code == 2 and caught.value.faulty_ranks == ()
+
+
+def test_mpi_transport_knows_failed_peers_only_through_the_query_installed_above_it(monkeypatch):
+    """The job layer calls none of MPI's fault tolerance itself: without the elastic layer's query MPI knows of no
+    failed peer here; with it, the query answers for the transport's own communicator."""
+    from types import SimpleNamespace
+
+    from mpiddp.job import collective
+
+    transport = SimpleNamespace(comm="the job's communicator")
+    monkeypatch.setattr(collective, "_failed_ranks_query", None)
+    assert collective.MpiTransport.failed_ranks(transport) == ()
+    asked = []
+    collective.set_failed_ranks_query(lambda comm: asked.append(comm) or (1, 3))
+    assert collective.MpiTransport.failed_ranks(transport) == (1, 3)
+    assert asked == ["the job's communicator"]

@@ -244,3 +244,33 @@ def test_mpich_refuses_in_job_recovery_in_one_line(tmp_path: Path, mpich: Path):
     refusals = [line for line in done.stdout.splitlines() if line.startswith("refused: ")]
     assert len(refusals) == 1, done.stdout
     assert "needs an MPI with ULFM" in refusals[0] and "MPICH" in refusals[0]
+
+
+# ---- in-process: what the elastic layer gives the job layer, and the spawned rank's communicators -----------------
+
+def test_loading_the_elastic_layer_tells_the_job_layer_which_peers_failed():
+    """A failing rank's record blames the peers MPI reports failed (FailFast), with or without recovery armed: the
+    query is membership's, installed as it loads; a communicator without MPI_Comm_get_failed knows of none."""
+    from mpiddp.job import collective
+
+    class WithoutFaultTolerance:
+        def Get_failed(self):
+            raise NotImplementedError
+
+    assert collective._failed_ranks_query is membership.failed_ranks_of
+    assert membership.failed_ranks_of(WithoutFaultTolerance()) == ()
+    assert membership.failed_ranks_of(object()) == ()  # no such method at all (an MPI without ULFM's API)
+
+
+def test_a_spawned_rank_frees_every_spanning_communicator_but_its_parents_newest_first():
+    from mpiddp.elastic.spawning import SpanningComms
+
+    spanning = SpanningComms()
+    assert not spanning
+    spanning.add("parent", "merged")  # merge_with_parent
+    spanning.add("inter", "merged again")  # it spawned in turn, as a survivor
+    spanning.add("given up")
+    spanning.forget("given up")  # leave: freed by its user already
+    spanning.forget("never held")
+    assert spanning.take_all_but_the_parent() == ["merged again", "inter", "merged"]
+    assert not spanning  # taken: a second release frees nothing

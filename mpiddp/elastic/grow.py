@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, cast
 
 from mpiddp import failure
-from mpiddp.elastic import membership as mpigrow  # MPI's side of growing back: spawn, merge, the parent
+from mpiddp.elastic import spawning as mpigrow  # MPI's side of growing back: spawn, merge, the parent
 from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, regrow_refusal, spare_hosts_in
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
 from mpiddp.elastic.survivors import end_without_finalize, mark_recovered, recovered_in_this_process, topology_over

@@ -11,25 +11,33 @@ Ibarrier or Iallreduce per collective would add a collective to every step; MPI_
 local query that need not drive MPI's progress engine). The rendezvous store is rebuilt too: the new rank 0
 of the shrunk communicator opens a fresh TCPStore and broadcasts its address over MPI, so the death of the rank
 that held the first store (rank 0) is survived like any other.
+
+This is the package's only home of MPI's fault-tolerance calls beside the spares' world (mpiddp.elastic.spawning,
+growing back); the job layer learns which peers failed through the query installed here (failed_ranks_of).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
-from mpiddp.elastic.decide import GrowPlan, old_group_plan, recovery_refusal, store_address, ulfm_refusal
-from mpiddp.errors import EXIT_HANG
-from mpiddp.job.collective import MpiTransport
-from mpiddp.job.spares import WAKE_TAG, is_hot_spare, spare_world
+from mpiddp.elastic.decide import old_group_plan, recovery_refusal, store_address, ulfm_refusal
+from mpiddp.elastic.spawning import SPANNING
+from mpiddp.job.collective import MpiTransport, set_failed_ranks_query
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+    from torch.distributed import ProcessGroup, Store, Work
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WATCH_TAG = 27_182  # carried by no message: the watch receive completes only when a member fails
 GLOO_ERROR_GRACE_S = 30.0  # gloo saw a peer vanish: how long MPI gets to confirm it before the error is the answer
@@ -58,7 +66,7 @@ class RecoveryFailed(RuntimeError):
 class Recovered:
     """The outcome of one recovery, the same on every survivor."""
 
-    comm: Any  # the shrunk MPI communicator (errors return), which the job uses from now on
+    comm: MPI.Intracomm  # the shrunk MPI communicator (errors return), which the job uses from now on
     old_ranks_alive: tuple[int, ...]  # survivors' ranks in the old communicator, in new-rank order
     failed_ranks: tuple[int, ...]  # ranks in the old communicator that failed
     phases: dict[str, float] = field(default_factory=dict)  # seconds: agree_and_shrink, process_group
@@ -87,8 +95,9 @@ class Membership:
     is what `recover` revokes and shrinks, and a second duplicate carries the failure watch.
     """
 
-    def __init__(self, comm: Any, collective_timeout_s: float = 1800.0, poll_s: float = 0.0005,
-                 address: Callable[[], str] | None = None, backend: str = "gloo", device: Any = None) -> None:
+    def __init__(self, comm: MPI.Intracomm, collective_timeout_s: float = 1800.0, poll_s: float = 0.0005,
+                 address: Callable[[], str] | None = None, backend: str = "gloo",
+                 device: torch.device | None = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
@@ -98,16 +107,16 @@ class Membership:
         self.collective_timeout_s = collective_timeout_s
         self.poll_s = poll_s  # the longest sleep between polls (a collective that ends sooner is seen sooner)
         self._address = address or _default_address
-        self._watch_comm: Any = None
-        self._watch: Any = None
+        self._watch_comm: MPI.Intracomm | None = None
+        self._watch: MPI.Request | None = None
         self._lost: float | None = None  # time.time() when the watch reported a failure (until recovered)
-        self._store: Any = None  # this rank's rendezvous store after a recovery (the server on the new rank 0)
-        self._graveyard: list[Any] = []  # old process groups: never destroyed (see _retire_default_group)
+        self._store: Store | None = None  # this rank's rendezvous store after a recovery (the server on the new rank 0)
+        self._graveyard: list[ProcessGroup] = []  # old process groups: never destroyed (see _retire_default_group)
         self.endpoint: tuple[str, int] | None = None  # the store's (address, port) after a recovery
         self.waiting_since: float | None = None  # time.time() when this rank last began waiting on a collective
         self._arm()
 
-    def _dup(self, comm: Any) -> Any:
+    def _dup(self, comm: MPI.Intracomm) -> MPI.Intracomm:
         dup = comm.Dup()
         dup.Set_errhandler(self._mpi.ERRORS_RETURN)
         return dup
@@ -122,7 +131,7 @@ class Membership:
         return check_ulfm()
 
     @property
-    def store(self) -> Any:
+    def store(self) -> Store | None:
         """This rank's rendezvous store since the last recovery or grow (the server on rank 0), None before."""
         return self._store
 
@@ -164,7 +173,7 @@ class Membership:
             group.Free()
         return tuple(sorted(r for r in ranks if r != self._mpi.UNDEFINED))
 
-    def wait(self, work: Any) -> None:
+    def wait(self, work: Work) -> None:
         """Wait for a torch work (from `async_op=True`) to complete; raise MembersLost when MPI reports a failed
         member first. The torch error of a collective whose peer died becomes MembersLost once MPI confirms it."""
         pause = 0.00002
@@ -197,7 +206,7 @@ class Membership:
             time.sleep(self.poll_s)
         return None
 
-    def run_collective(self, issue: Callable[[], Any]) -> Any:
+    def run_collective(self, issue: Callable[[], Work]) -> Work:
         """Run `issue()`, which starts a torch collective with async_op=True and returns its work, and wait for it
         (see wait). Returns the work."""
         work = issue()
@@ -250,7 +259,7 @@ class Membership:
                     phases["process_group"])
         return Recovered(new, alive, failed, phases, detected)
 
-    def _shrink(self, old: Any) -> tuple[Any, tuple[int, ...]]:
+    def _shrink(self, old: MPI.Intracomm) -> tuple[MPI.Intracomm, tuple[int, ...]]:
         """Revoke (so every survivor leaves whatever it waits on), shrink, and agree that every survivor has the
         same new communicator: Agree fails if a member of it failed meanwhile."""
         old.Revoke()
@@ -269,7 +278,7 @@ class Membership:
             except self._mpi.Exception:
                 pass  # a revoked communicator may refuse: it is dropped either way
 
-    def adopt(self, comm: Any) -> float:
+    def adopt(self, comm: MPI.Intracomm) -> float:
         """Collective over `comm` (the survivors and the ranks that joined them, mpiddp.elastic.grow): watch and
         recover over it from now on, with torch's default group rebuilt over it. Returns the process group's
         seconds. A joining rank constructs a Membership on `comm` instead (the same collectives)."""
@@ -345,21 +354,20 @@ class Membership:
         under ULFM after a shrink: MPI_Comm_disconnect hangs in PMIx_Fence on every side, and MPI_Finalize with
         these still held waits forever in ompi_dpm_dyn_finalize for survivors that ended with os._exit. The
         survivors do nothing (they end without MPI_Finalize, as after any recovery)."""
-        if not _spanning:
+        if not SPANNING:
             return
         try:
             self._watch.Cancel()
             self._watch.Wait()
         except self._mpi.Exception:
             pass  # completed already (with an error): nothing pending on it
-        for comm in (self._watch_comm, self.comm, *reversed(_spanning[1:])):
+        for comm in (self._watch_comm, self.comm, *SPANNING.take_all_but_the_parent()):
             try:
                 comm.Free()
             except self._mpi.Exception:
                 pass  # revoked or freed already
-        _spanning.clear()
 
-    def bcast_large(self, value: Any, root: int = 0) -> Any:
+    def bcast_large(self, value: T, root: int = 0) -> T:
         """Collective over `comm`: `value` from `root` to every rank, pickles of any size (pkl5)."""
         from mpi4py.util import pkl5
 
@@ -420,7 +428,7 @@ def members_lost(members: Membership, exc: BaseException, confirm_s: float = CON
     return None if ranks is None else MembersLost(ranks, time.time())
 
 
-def mpi_error_of(members: Any) -> type[Exception]:
+def mpi_error_of(members: Membership) -> type[Exception]:
     """MPI's exception class as `members` (a Membership) raises it."""
     return members._mpi.Exception
 
@@ -436,7 +444,7 @@ class WatchedTransport(MpiTransport):
         super().__init__(members.comm)
         self.members = members
 
-    def _trusted(self, value: Any) -> Any:
+    def _trusted(self, value: T) -> T:
         lost = self.members.failed()
         if lost is not None:
             raise MembersLost(lost, self.members._lost or time.time())
@@ -446,19 +454,22 @@ class WatchedTransport(MpiTransport):
             raise MembersLost(failed, time.time())
         return value
 
-    def allgather(self, value: Any) -> Any:
+    def failed_ranks(self) -> tuple[int, ...]:
+        return failed_ranks_of(self.comm)
+
+    def allgather(self, value: T) -> list[T]:
         return self._trusted(super().allgather(value))
 
-    def gather(self, value: Any) -> Any:
+    def gather(self, value: T) -> list[T] | None:
         return self._trusted(super().gather(value))
 
-    def bcast(self, value: Any) -> Any:
+    def bcast(self, value: T) -> T:
         return self._trusted(super().bcast(value))
 
-    def scatter(self, values: Any) -> Any:
+    def scatter(self, values: list[T] | None) -> T:
         return self._trusted(super().scatter(values))
 
-    def allreduce(self, values: Any, op: str) -> Any:
+    def allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
         return self._trusted(super().allreduce(values, op))
 
     def barrier(self) -> None:
@@ -468,294 +479,24 @@ class WatchedTransport(MpiTransport):
         self._trusted(super().idle_barrier(poll_s))
 
 
-# ---- growing back: MPI's dynamic processes (mpiddp.elastic.grow) ------------------------------------------------
 
-# Communicators that span the first job and the spawned one, in the order both sides made them: a spawned rank's
-# MPI_Finalize disconnects from every process it is still connected to, and waits forever for survivors that
-# end with os._exit (measured: stuck in ompi_dpm_dyn_finalize), so every side disconnects them at the end.
-_spanning: list[Any] = []
-
-
-def spawn_and_merge(comm: Any, plan: GrowPlan, command: list[str]) -> tuple[Any, dict[str, float]]:
-    """Collective over the survivors' `comm`: start plan.count new ranks of `command` (the program and its
-    arguments) on plan.hosts and merge them in after the survivors. Returns (the merged intracommunicator,
-    {spawn, merge} seconds); MPI.Exception when the spawn fails (every survivor gets it: MPI_Comm_spawn is
-    collective)."""
+def failed_ranks_of(comm: object) -> tuple[int, ...]:
+    """The ranks of `comm` that MPI's fault tolerance (ULFM: MPI_Comm_get_failed) knows have failed; local, never a
+    message. Empty without ULFM, or when it knows of none."""
     from mpi4py import MPI
 
-    command, args = command[0], command[1:]
-    info = MPI.Info.Create()
     try:
-        info.Set("host", ",".join(plan.hosts))
-        info.Set("wdir", os.getcwd())  # `-m mpiddp` must find the same package (a checkout, a venv)
-        # Open MPI binds a spawned process to one core whatever the job's --bind-to (measured: [0] of [0, 1]), so
-        # the new rank got one CPU thread where its peers had their fair share, and its data and compute crawled.
-        # Unbound, it takes its share of the host (mpiddp.job.bootstrap.fair_thread_count), as the ranks of
-        # `launch` (--bind-to none) do; a user's own binding of the first ranks is not carried over.
-        info.Set("bind_to", "none")
-        started = time.monotonic()
-        inter = comm.Spawn(command, args=args, maxprocs=plan.count, info=info, root=0)
+        group = comm.Get_failed()  # type: ignore[attr-defined]
+    except (NotImplementedError, AttributeError, MPI.Exception):
+        return ()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                          comm.Get_group())  # type: ignore[attr-defined]
     finally:
-        info.Free()
-    spawned = time.monotonic()
-    inter.Set_errhandler(MPI.ERRORS_RETURN)
-    merged = inter.Merge(high=False)
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    _spanning.extend([inter, merged])
-    return merged, {"spawn": spawned - started, "merge": time.monotonic() - spawned}
+        group.Free()
+    return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
 
 
-def library_version() -> str:
-    """MPI_Get_library_version's text."""
-    from mpi4py import MPI
-
-    return str(MPI.Get_library_version())
-
-
-def mpi_exception() -> type[Exception]:
-    """MPI's exception class (mpi4py's), for code that holds a communicator but no Membership."""
-    from mpi4py import MPI
-
-    return MPI.Exception
-
-
-def revoke(comm: Any) -> None:
-    """MPI_Comm_revoke (ULFM): every rank waiting on `comm` gets an error; never raises (revoked already)."""
-    try:
-        comm.Revoke()
-    except Exception:  # noqa: BLE001 - revoked already by another survivor
-        pass
-
-
-def leave(merged: Any) -> None:
-    """A spawned rank whose grow was given up before it joined: free the merged communicator (revoked, or with a
-    failed rank 0), so that MPI_Finalize does not wait on it; the parent's stays (as Membership.release).
-    Measured: MPI_Finalize then returns at once, and mpirun's status stays 0."""
-    try:
-        merged.Free()
-    except Exception:  # noqa: BLE001 - freed already
-        pass
-    if merged in _spanning:
-        _spanning.remove(merged)
-
-
-def joining() -> bool:
-    """Whether this process joins a job growing back: spawned by it (it has an MPI parent), or a hot spare
-    (mpiddp.job.spares). Initialises MPI."""
-    from mpiddp.job.mpistart import init_mpi
-
-    init_mpi()
-    from mpi4py import MPI
-
-    return is_hot_spare() or MPI.Comm.Get_parent() != MPI.COMM_NULL
-
-
-class SpareReleased(Exception):
-    """A hot spare's wait ended without a grow: the job ended (its word, or every worker gone)."""
-
-
-def merge_with_parent() -> Any:
-    """A joining rank's side of spawn_and_merge (or of wake_and_merge, for a hot spare): the merged
-    intracommunicator (this rank after the survivors). SpareReleased when a hot spare's job ended instead."""
-    from mpi4py import MPI
-
-    if is_hot_spare():
-        return wait_to_join()
-    parent = MPI.Comm.Get_parent()
-    parent.Set_errhandler(MPI.ERRORS_RETURN)
-    merged = parent.Merge(high=True)
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    _spanning.extend([parent, merged])
-    return merged
-
-
-# ---- growing back onto hot spares (mpiddp.job.spares): no process started, no PMIx_Connect -------------------------
-
-
-
-def wake_and_merge(comm: Any, plan: GrowPlan) -> tuple[Any, dict[str, float]]:
-    """Collective over the survivors' `comm` and every waiting spare: rank 0 chooses live spares on plan.hosts
-    (broadcast: every survivor follows it) and wakes every waiting spare (one word each), everyone shrinks the
-    spares' world (a world with a failed process cannot create a group), and the survivors and the chosen spares
-    create the merged intracommunicator, survivors first in `comm`'s order. Returns (merged, {spawn: the wake and
-    the shrink, merge: the group}) as spawn_and_merge does; (None, {}) when too few spares are alive (a chosen
-    spare that failed unnoticed until the shrink included)."""
-    spares = spare_world()
-    assert spares is not None
-    started = time.monotonic()
-    old = spares.world.Get_group()
-    survivors = _world_ranks(comm.Get_group(), old)  # the survivors' world ranks, in comm's order
-    chosen = comm.bcast(_choose(spares, plan.hosts) if comm.Get_rank() == 0 else None, root=0)
-    if chosen is None:
-        return None, {}
-    if comm.Get_rank() == 0:
-        for spare in spares.waiting:
-            try:
-                spares.world.send(("join", survivors, chosen), dest=spare, tag=WAKE_TAG)
-            except mpi_exception():  # that spare failed while it waited: the shrink leaves it out
-                pass
-    merged, woken = _shrink_and_create(spares, old, survivors, chosen)
-    if merged is None:
-        return None, {}
-    return merged, {"spawn": woken - started, "merge": time.monotonic() - woken}
-
-
-def _choose(spares: Any, hosts: tuple[str, ...]) -> list[int] | None:
-    """Rank 0: the first live waiting spare on each of `hosts` (world ranks), or None when too few are alive."""
-    dead = _failed_in(spares.world)
-    free = [(rank, host) for rank, host in zip(spares.waiting, spares.hosts) if rank not in dead]
-    chosen = []
-    for host in hosts:
-        taken = next((item for item in free if item[1] == host), None)
-        if taken is None:
-            return None
-        free.remove(taken)
-        chosen.append(taken[0])
-    return chosen
-
-
-def _failed_in(world: Any) -> set[int]:
-    """The ranks of `world` that MPI reports failed (local: what this process has heard of)."""
-    failed = world.Get_failed()
-    try:
-        return set(_world_ranks(failed, world.Get_group()))
-    finally:
-        failed.Free()
-
-
-def live_spare_hosts() -> list[tuple[str, int]]:
-    """Rank 0: (host, live spares waiting there), leaving out the spares MPI reports failed: what a hot grow may
-    plan for (a dead spare planned for would make the grow fail)."""
-    spares = spare_world()
-    if spares is None:
-        return []
-    dead = _failed_in(spares.world)
-    counts: dict[str, int] = {}
-    for rank, host in zip(spares.waiting, spares.hosts):
-        if rank not in dead:
-            counts[host] = counts.get(host, 0) + 1
-    return list(counts.items())
-
-
-def new_ranks_of(merged: Any, count: int) -> Any:
-    """The group of a grow's new ranks: the last `count` of `merged` (local)."""
-    group = merged.Get_group()
-    size = group.Get_size()
-    return group.Range_incl([(size - count, size - 1, 1)])
-
-
-def any_alive(group: Any) -> bool:
-    """Rank 0: whether a process of `group` (hot spares of a grow given up) is still alive in the spares' world:
-    the world's next shrink, which every live process of it takes part in, would wait until it ended."""
-    from mpi4py import MPI
-
-    spares = spare_world()
-    if spares is None:
-        return False
-    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), spares.world.Get_group())
-    dead = _failed_in(spares.world)
-    return any(rank != MPI.UNDEFINED and rank not in dead for rank in ranks)
-
-
-def _world_ranks(group: Any, into: Any) -> list[int]:
-    """The ranks of `into` that `group`'s processes have, in `group`'s order."""
-    from mpi4py import MPI
-
-    return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), into))
-
-
-def _shrink_and_create(spares: Any, old: Any, survivors: list[int], chosen: list[int]) -> tuple[Any, float]:
-    """Every process of the spares' world (survivors and waiting spares): shrink it, then the survivors and the
-    chosen spares create their group; the spares not chosen wait on in the shrunk world."""
-    from mpi4py import MPI
-
-    world = spares.world.Shrink()
-    world.Set_errhandler(MPI.ERRORS_RETURN)
-    woken = time.monotonic()
-    new = world.Get_group()
-    moved = dict(zip(survivors + spares.waiting, MPI.Group.Translate_ranks(old, survivors + spares.waiting, new)))
-    spares.world = world
-    if any(moved[rank] == MPI.UNDEFINED for rank in chosen):  # a chosen spare failed before the shrink: every
-        chosen = []  # process sees the same shrunk world, so none joins, and the live ones wait on
-    kept = [(moved[rank], host) for rank, host in zip(spares.waiting, spares.hosts)
-            if rank not in chosen and moved[rank] != MPI.UNDEFINED]  # a spare that failed while it waited is gone
-    spares.waiting, spares.hosts = [rank for rank, _ in kept], [host for _, host in kept]
-    members = [moved[rank] for rank in survivors + chosen]
-    if not chosen or world.Get_rank() not in members:
-        return None, woken
-    spares.waits = False  # a chosen spare is taken in (a survivor never waited)
-    merged = world.Create_group(new.Incl(members), tag=WAKE_TAG)
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    return merged, woken
-
-
-def wait_to_join() -> Any:
-    """A hot spare: wait for rank 0's word (every failure in the job wakes the receive from any source with
-    MPI_ERR_PROC_FAILED_PENDING: acknowledged, the same receive goes on; posting another left the word to the
-    first one, measured), then take part in the shrink; the merged intracommunicator once chosen.
-    SpareReleased when told to leave."""
-    from mpi4py import MPI
-
-    spares = spare_world()
-    assert spares is not None
-    while True:
-        request = spares.world.irecv(source=MPI.ANY_SOURCE, tag=WAKE_TAG)
-        word = None
-        while word is None:
-            try:
-                done, word = request.test()
-            except MPI.Exception:
-                spares.world.Ack_failed()
-                spares.failures_seen = True
-                if _every_worker_failed(spares):
-                    raise SpareReleased("every rank of the job ended") from None
-                continue
-            if not done:
-                time.sleep(0.01)  # a spare has nothing else to do: one wake-up every 10 ms
-        if word[0] != "join":
-            raise SpareReleased("the job ended")
-        # a process lost between the shrink and the group leaves MPI_Comm_create_group waiting (measured): the
-        # survivors' bound ends the job then (grow.SPAWN_TIMEOUT_S), and this spare must not outlive it
-        bound = threading.Timer(SPARE_JOIN_TIMEOUT_S, _spare_stuck)
-        bound.daemon = True
-        bound.start()
-        try:
-            merged, _ = _shrink_and_create(spares, spares.world.Get_group(), word[1], word[2])
-        finally:
-            bound.cancel()
-        if merged is not None:
-            return merged  # else not chosen: wait on
-
-
-SPARE_JOIN_TIMEOUT_S = 90.0  # past the survivors' own bound on a grow (grow.SPAWN_TIMEOUT_S, 60 s)
-
-
-def _spare_stuck() -> None:
-    """A hot spare whose shrink or group never returned: one line, then it ends (EXIT_HANG)."""
-    import sys
-
-    print(f"mpiddp: this hot spare's join has not returned in {SPARE_JOIN_TIMEOUT_S:.0f} s (a rank lost during "
-          "it); it ends", file=sys.stderr, flush=True)
-    os._exit(EXIT_HANG)
-
-
-def _every_worker_failed(spares: Any) -> bool:
-    """Whether every process of the spares' world that is not a waiting spare failed (survivors that end with
-    os._exit release nobody)."""
-    dead = _failed_in(spares.world) - set(spares.waiting)  # a spare that died while waiting is no worker
-    return len(dead) >= spares.world.Get_size() - len(spares.waiting)
-
-
-def end_released_spare() -> None:
-    """A hot spare released without a grow ends: with MPI_Finalize in a job that lost no process, else at once
-    (MPI_Finalize's fence would wait for the processes that ended without it, measured)."""
-    spares = spare_world()
-    if spares is None:
-        return
-    failed = spares.world.Get_failed()  # this spare may have been told before it heard of a failure
-    if spares.failures_seen or failed.Get_size():
-        import sys
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+# Loaded, the elastic layer answers the job layer's question which peers failed (a failing rank's record names them,
+# mpiddp.job.failfast), with or without in-job recovery: every front door loads it before MPI starts (grow.joining).
+set_failed_ranks_query(failed_ranks_of)

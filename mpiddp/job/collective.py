@@ -1,7 +1,11 @@
 """Dist: the one typed object every module uses to talk across ranks, and its single-process twin.
 
-Only this module, mpistart, topology and bootstrap import mpi4py. Everything else calls `Dist` methods: reduce numbers,
-gather values, barrier, agree on user errors, let global rank 0 do file work, agree on a stop signal.
+Only this module, mpistart and topology import mpi4py in the job layer (mpistart hands MPI to the modules that call
+it without importing it: spares, and the elastic layer's spawning), and mpiddp.elastic.membership above it: four in
+the package (tests/test_package.py). Everything else calls `Dist` methods: reduce numbers, gather values, barrier,
+agree on user errors, let global rank 0 do file work, agree on a stop signal. MPI's fault tolerance (ULFM) is the
+elastic layer's alone: this module learns which peers failed only through the query it installs
+(set_failed_ranks_query).
 
 The rule that keeps `agree` and `from_main` deadlock-free: the attempt they run must not communicate. If one
 rank raised a user error before a collective inside the attempt while another entered it, the job would hang.
@@ -101,6 +105,19 @@ def _cuda_aware_mpi() -> bool:
     return False
 
 
+FailedRanksQuery = Callable[[object], tuple[int, ...]]  # a communicator -> its ranks MPI reports failed (local)
+
+# How the job layer learns which peers failed (a failing rank's record blames them: FailFast): MPI's fault tolerance
+# is the elastic layer's, which installs its query when loaded (mpiddp.elastic.membership); none, nothing is known.
+_failed_ranks_query: FailedRanksQuery | None = None
+
+
+def set_failed_ranks_query(query: FailedRanksQuery | None) -> None:
+    """Install how MpiTransport.failed_ranks asks MPI which ranks of its communicator failed (None: it knows none)."""
+    global _failed_ranks_query
+    _failed_ranks_query = query
+
+
 class MpiTransport:
     """An MPI communicator (COMM_WORLD): pickled objects for values, buffers for numbers."""
 
@@ -144,20 +161,10 @@ class MpiTransport:
         raise SystemExit(code)  # not reached
 
     def failed_ranks(self) -> tuple[int, ...]:
-        """Ranks MPI's fault tolerance (ULFM: MPI_Comm_get_failed) knows have failed; local, never a message.
-        Empty without ULFM, or when it knows of none."""
-        from mpi4py import MPI
-
-        try:
-            group = self.comm.Get_failed()  # type: ignore[attr-defined]
-        except (NotImplementedError, AttributeError, MPI.Exception):
-            return ()
-        try:
-            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                              self.comm.Get_group())  # type: ignore[attr-defined]
-        finally:
-            group.Free()
-        return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
+        """Ranks of this communicator MPI knows have failed; local, never a message. Empty unless the elastic layer
+        installed its query (MPI's fault tolerance: set_failed_ranks_query), or when MPI knows of none."""
+        query = _failed_ranks_query
+        return () if query is None else query(self.comm)
 
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
         """Median one-way time (s) of `nbytes` between rank 0 and `peer`; every rank returns rank 0's value."""

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NoReturn
 
 from mpiddp.errors import EXIT_USER_ERROR, UserError
@@ -111,6 +112,15 @@ def init_mpi() -> tuple[Any, str]:
     return _job_comm, adjusted
 
 
+def mpi() -> ModuleType:
+    """mpi4py's MPI, for the modules that call MPI without importing mpi4py (mpiddp.elastic.spawning): the job
+    layer's MPI home hands it out. Call it once MPI is started (init_mpi): importing it first starts MPI with
+    mpi4py's settings instead of mpiddp's."""
+    from mpi4py import MPI
+
+    return MPI
+
+
 def _spare_count_or_exit() -> int:
     """MPIDDP_SPARE_RANKS; a value that is no count ends every rank with one line (status 2) before MPI starts."""
     try:
@@ -127,7 +137,7 @@ def _split_or_exit(world: Any, count: int) -> Any:
     if not count or (world.Get_size() == 1 and launcher is not None and launcher.size > 1):
         return world  # each process alone in its world: topology.check_launcher names that mismatch, not the spares
     try:
-        return split_off_spares(world, count)
+        return split_off_spares(world, count, mpi())
     except UserError as exc:
         print(f"mpiddp: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None

@@ -1,11 +1,11 @@
 """Hot spares: the last MPIDDP_SPARE_RANKS ranks of COMM_WORLD are started with the job and wait; the job's own
 communicator is COMM_WORLD less them (split off as MPI starts, a collective every rank takes part in). Growing back
-takes a waiting spare in without starting a process (mpiddp.elastic.membership.wake_and_merge): nothing goes
+takes a waiting spare in without starting a process (mpiddp.elastic.spawning.wake_and_merge): nothing goes
 through the launcher's PMIx_Connect, which Open MPI 5.0.11's prterun can crash in (docs/recovery.md).
 
 This module keeps the world the spares live in: COMM_WORLD at the start, shrunk at every grow onto a spare (a
 world with a failed process cannot create a group: MPI_ERR_PROC_FAILED, measured), and which of its ranks still
-wait.
+wait. It imports no mpi4py: the job layer's MPI home (mpiddp.job.mpistart) hands it MPI as the spares split off.
 """
 
 from __future__ import annotations
@@ -14,15 +14,20 @@ import atexit
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from mpiddp.contract import SPARE_RANKS_ENV
 from mpiddp.errors import UserError
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 
 @dataclass
 class SpareWorld:
-    world: Any  # COMM_WORLD, then each shrunk world after a grow onto a spare
+    world: MPI.Intracomm  # COMM_WORLD, then each shrunk world after a grow onto a spare
+    everyone: MPI.Intracomm  # COMM_WORLD: MPI_Abort over it ends every process, the spares included
     waiting: list[int] = field(default_factory=list)  # the world's ranks of the spares still waiting
     hosts: list[str] = field(default_factory=list)  # the host of each waiting spare (as `waiting`)
     this_is_a_spare: bool = False
@@ -52,22 +57,20 @@ def spare_count(env: dict[str, str] | None = None) -> int:
     return int(text)
 
 
-def split_off_spares(world: Any, count: int) -> Any:
-    """Collective over COMM_WORLD, as MPI starts: the workers' communicator (the first size - count ranks), or
-    COMM_WORLD itself for a spare (which then waits: mpiddp.elastic.membership.merge_with_parent). UserError
-    when no worker would be left."""
-    from mpi4py import MPI
-
+def split_off_spares(world: MPI.Intracomm, count: int, mpi: ModuleType) -> MPI.Intracomm:
+    """Collective over COMM_WORLD (`world`), as MPI starts: the workers' communicator (the first size - count
+    ranks), or COMM_WORLD itself for a spare (which then waits: mpiddp.elastic.spawning.merge_with_parent).
+    UserError when no worker would be left. `mpi`: mpi4py's MPI, from mpiddp.job.mpistart."""
     global _spares
     size, rank = world.Get_size(), world.Get_rank()
     if count >= size:  # every rank alike, before any collective
         raise UserError(f"{SPARE_RANKS_ENV}={count} leaves no rank to train with -np {size}: run more ranks than "
                          "spares")
     spare = rank >= size - count
-    workers = world.Split(MPI.UNDEFINED if spare else 0, rank)
-    world.Set_errhandler(MPI.ERRORS_RETURN)
+    workers = world.Split(mpi.UNDEFINED if spare else 0, rank)
+    world.Set_errhandler(mpi.ERRORS_RETURN)
     hosts = world.allgather(socket.gethostname())
-    _spares = SpareWorld(world, list(range(size - count, size)), hosts[size - count:], spare, waits=spare)
+    _spares = SpareWorld(world, world, list(range(size - count, size)), hosts[size - count:], spare, waits=spare)
     if not spare:  # before mpi4py's MPI_Finalize (exit handlers run last registered first)
         atexit.register(release_spares)
     return world if spare else workers
@@ -85,7 +88,7 @@ def is_hot_spare() -> bool:
 def release_spares() -> None:
     """A worker that ends: tell every spare still waiting to leave (MPI_Finalize would otherwise wait for them;
     every worker says it, a spare leaves at the first word); never raises. Survivors that end with os._exit say
-    nothing: a spare leaves once every worker failed (mpiddp.elastic.membership.wait_to_join)."""
+    nothing: a spare leaves once every worker failed (mpiddp.elastic.spawning.wait_to_join)."""
     spares = _spares
     if spares is None or spares.this_is_a_spare:
         return
@@ -107,6 +110,4 @@ def abort_with_spares(code: int) -> None:
     spares = _spares
     if spares is None or not spares.waiting or spares.waits:  # a spare taken in aborts as the workers do
         return
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(code)
+    spares.everyone.Abort(code)

@@ -20,7 +20,7 @@ log = logging.getLogger("mpiddp")
 
 def main(args: list[str], stop: StopRequest | None) -> int:
     """`python -m mpiddp` in a spawned rank: training's stop handlers, then join_main."""
-    from mpiddp.elastic.membership import is_hot_spare
+    from mpiddp.job.spares import is_hot_spare
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
 
     stop = stop or StopRequest().install()

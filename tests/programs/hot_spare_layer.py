@@ -5,7 +5,7 @@ steps; rank 0 releases the other spare at the end. With `first-spare-dies` the f
 grow takes the second. Each process writes what it saw into OUT."""
 import json, os, signal, sys
 from array import array
-from mpiddp.elastic import membership as m
+from mpiddp.elastic import spawning as m
 from mpiddp.elastic.decide import GrowPlan
 from mpiddp.job.mpistart import init_mpi
 from mpiddp.job.spares import spare_world
