@@ -342,18 +342,19 @@ def test_per_rank_names_plain_values_of_the_state(entries, says):
 
 def test_a_recovery_is_on_record_for_this_process_and_not_for_the_processes_it_starts(monkeypatch):
     """survivors.mark_recovered (the engine's, a joining rank's) is read where the process ends (the trainer's, the
-    script's exit): the record is this process's own; a process it starts inherits the environment, not the
-    record (it would end without MPI_Finalize)."""
+    script's exit): the record is this process's own, kept with its MPI life; a process it starts does not have it
+    (it would end without MPI_Finalize)."""
     import os
     import subprocess
     import sys
 
     from mpiddp.elastic import survivors
+    from mpiddp.job import mpistart
 
-    monkeypatch.setenv(survivors.RECOVERED_ENV, "0")  # no process's: restored (removed) after the test
+    monkeypatch.setattr(mpistart, "_world_failed", False)  # restored after the test
     assert not survivors.recovered_in_this_process()
     survivors.mark_recovered()
-    assert survivors.recovered_in_this_process()
+    assert survivors.recovered_in_this_process() and mpistart.world_failed()
     code = "from mpiddp.elastic.survivors import recovered_in_this_process; print(recovered_in_this_process())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -296,7 +296,7 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
     built = []
 
     class Members:
-        def __init__(self, comm, timeout, backend="gloo", device=None):
+        def __init__(self, comm, timeout, backend="gloo", device=None, spanning=None):
             built.append((backend, device))
 
         def start_process_group(self):
@@ -304,6 +304,7 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
 
     monkeypatch.setattr(grow.mpigrow, "merge_with_parent", Merged)
     monkeypatch.setattr(grow, "Membership", Members)
+    monkeypatch.setattr(grow.mpigrow, "spanning_of_joined", lambda merged: None)  # no MPI parent here
     monkeypatch.setattr(grow, "own_host", lambda: "c")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as far as the binding asks
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -270,7 +270,7 @@ def test_a_spawned_rank_frees_every_spanning_communicator_but_its_parents_newest
     spanning.add("parent", "merged")  # merge_with_parent
     spanning.add("inter", "merged again")  # it spawned in turn, as a survivor
     spanning.add("given up")
-    spanning.forget("given up")  # leave: freed by its user already
+    spanning.forget("given up")  # freed by its user already
     spanning.forget("never held")
     assert spanning.take_all_but_the_parent() == ["merged again", "inter", "merged"]
     assert not spanning  # taken: a second release frees nothing

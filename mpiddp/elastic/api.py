@@ -199,8 +199,8 @@ class State:
                 zero_grad(set_to_none=True)
 
 
-_RESERVED = {"commit", "commits", "restore", "position", "payload", "load", "drop_gradients", "digests", "per_rank",
-             "check_at_first_commit", "at_each_commit"}
+_RESERVED = frozenset({"commit", "commits", "restore", "position", "payload", "load", "drop_gradients", "digests",
+                       "per_rank", "check_at_first_commit", "at_each_commit"})
 
 
 def diverging(digests_per_rank: list[dict[str, str]]) -> list[str]:

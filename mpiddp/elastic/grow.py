@@ -303,7 +303,8 @@ class GrowBack:
         try:
             with bounded(SPAWN_TIMEOUT_S, lambda: spawn_stuck(dist, self.how(plan), records, step)):
                 merged, phases = (mpigrow.wake_and_merge(members.comm, plan) if self.hot else
-                                  mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command()))
+                                  mpigrow.spawn_and_merge(members.comm, plan, recovery.spawn_command(),
+                                                          members.spanning))
             if merged is None:  # a hot spare planned for failed unnoticed: the next plan leaves it out
                 recovery.follow_watch(dist)
                 if dist.is_main:
@@ -570,7 +571,8 @@ def enter(arrival: Arrival) -> Joining:
     started = time.monotonic()
     # the survivors adopt the merged job on their own backend (Membership.adopt): NCCL on GPUs, so must this rank
     members = Membership(merged, hello["collective_timeout_s"], backend=hello["backend"],
-                         device=device if device.type == "cuda" else None)
+                         device=device if device.type == "cuda" else None,
+                         spanning=mpigrow.spanning_of_joined(merged))
     members.start_process_group()
     phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
     before = hello["topology"].world_size

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 from mpiddp.elastic.decide import old_group_plan, recovery_refusal, store_address, ulfm_refusal
-from mpiddp.elastic.spawning import SPANNING
+from mpiddp.elastic.spawning import SpanningComms
 from mpiddp.job.collective import MpiTransport, set_failed_ranks_query
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Membership:
 
     def __init__(self, comm: MPI.Intracomm, collective_timeout_s: float = 1800.0, poll_s: float = 0.0005,
                  address: Callable[[], str] | None = None, backend: str = "gloo",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, spanning: SpanningComms | None = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
@@ -114,6 +114,9 @@ class Membership:
         self._graveyard: list[ProcessGroup] = []  # old process groups: never destroyed (see _retire_default_group)
         self.endpoint: tuple[str, int] | None = None  # the store's (address, port) after a recovery
         self.waiting_since: float | None = None  # time.time() when this rank last began waiting on a collective
+        # the communicators this process holds that span the first job and a spawned one (mpiddp.elastic.spawning):
+        # a joined rank's parent and merged ones, a survivor's spawn's; release frees them
+        self.spanning = spanning if spanning is not None else SpanningComms()
         self._arm()
 
     def _dup(self, comm: MPI.Intracomm) -> MPI.Intracomm:
@@ -354,14 +357,14 @@ class Membership:
         under ULFM after a shrink: MPI_Comm_disconnect hangs in PMIx_Fence on every side, and MPI_Finalize with
         these still held waits forever in ompi_dpm_dyn_finalize for survivors that ended with os._exit. The
         survivors do nothing (they end without MPI_Finalize, as after any recovery)."""
-        if not SPANNING:
+        if not self.spanning:
             return
         try:
             self._watch.Cancel()
             self._watch.Wait()
         except self._mpi.Exception:
             pass  # completed already (with an error): nothing pending on it
-        for comm in (self._watch_comm, self.comm, *SPANNING.take_all_but_the_parent()):
+        for comm in (self._watch_comm, self.comm, *self.spanning.take_all_but_the_parent()):
             try:
                 comm.Free()
             except self._mpi.Exception:

@@ -58,17 +58,13 @@ class SpanningComms:
         return taken
 
 
-# This process's own: MPI's connections belong to the process, and the survivors' grow (mpiddp.elastic.grow) hands
-# the spawn no object of its own (it passes the survivors' communicator), so the spawn, the merge with the parent and
-# Membership.release find them here.
-SPANNING = SpanningComms()
-
-
 # ---- growing back: MPI's dynamic processes ------------------------------------------------------------------------
 
-def spawn_and_merge(comm: MPI.Intracomm, plan: GrowPlan, command: list[str]) -> tuple[MPI.Intracomm, dict[str, float]]:
+def spawn_and_merge(comm: MPI.Intracomm, plan: GrowPlan, command: list[str],
+                    spanning: SpanningComms) -> tuple[MPI.Intracomm, dict[str, float]]:
     """Collective over the survivors' `comm`: start plan.count new ranks of `command` (the program and its
-    arguments) on plan.hosts and merge them in after the survivors. Returns (the merged intracommunicator,
+    arguments) on plan.hosts and merge them in after the survivors (both communicators held in `spanning`, the
+    survivor's Membership's). Returns (the merged intracommunicator,
     {spawn, merge} seconds); MPI.Exception when the spawn fails (every survivor gets it: MPI_Comm_spawn is
     collective)."""
     MPI = mpi()
@@ -90,7 +86,7 @@ def spawn_and_merge(comm: MPI.Intracomm, plan: GrowPlan, command: list[str]) -> 
     inter.Set_errhandler(MPI.ERRORS_RETURN)
     merged = inter.Merge(high=False)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    SPANNING.add(inter, merged)
+    spanning.add(inter, merged)
     return merged, {"spawn": spawned - started, "merge": time.monotonic() - spawned}
 
 
@@ -120,7 +116,6 @@ def leave(merged: MPI.Intracomm) -> None:
         merged.Free()
     except Exception:  # noqa: BLE001 - freed already
         pass
-    SPANNING.forget(merged)
 
 
 def joining() -> bool:
@@ -141,8 +136,17 @@ def merge_with_parent() -> MPI.Intracomm:
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    SPANNING.add(parent, merged)
     return merged
+
+
+def spanning_of_joined(merged: MPI.Intracomm) -> SpanningComms:
+    """A joining rank's communicators that span its job and the survivors' (for its Membership, which frees them at
+    the very end): the parent's and `merged`, for a spawned rank; none for a hot spare (one job from the start)."""
+    spanning = SpanningComms()
+    parent = mpi().Comm.Get_parent()
+    if parent != mpi().COMM_NULL:
+        spanning.add(parent, merged)
+    return spanning
 
 
 # ---- growing back onto hot spares (mpiddp.job.spares): no process started, no PMIx_Connect -------------------------

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from mpiddp.errors import EXIT_CRASH, EndDecided
 from mpiddp.failure import end_decided, replace_placement
-from mpiddp.job import storekeys
+from mpiddp.job import mpistart, storekeys
 from mpiddp.elastic.membership import Membership, WatchedTransport
 from mpiddp.job.collective import Dist, Rendezvous
 from mpiddp.job.log import setup_logging
@@ -29,11 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mpiddp")
 
 REPORT_CLAIM_S = 2.0
-# Set to this process's id once it went through an in-job recovery (its MPI world has failed members). The engine
-# (for the trainer and for scripts alike) and a joining rank mark it, and whichever front door ends the process
-# reads it, with no object in common: the record is the process's own, in its environment, keyed by its pid so
-# that a process it starts (a data loader's worker, a script's subprocess) does not take it for its own.
-RECOVERED_ENV = "MPIDDP_RECOVERED_PID"
 
 
 def unless_end_decided(directory: Path | None, lost: Sequence[int]) -> None:
@@ -51,12 +46,14 @@ def unless_end_decided(directory: Path | None, lost: Sequence[int]) -> None:
 
 
 def mark_recovered() -> None:
-    """This process went through an in-job recovery: it ends without MPI_Finalize (end_without_finalize)."""
-    os.environ[RECOVERED_ENV] = str(os.getpid())
+    """This process went through an in-job recovery (its MPI world holds failed processes): it ends without
+    MPI_Finalize (end_without_finalize). Kept with the process's MPI life (mpiddp.job.mpistart), which every front
+    door's ending reads."""
+    mpistart.mark_world_failed()
 
 
 def recovered_in_this_process() -> bool:
-    return os.environ.get(RECOVERED_ENV) == str(os.getpid())
+    return mpistart.world_failed()
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ def _loaded_library_dir(prefix: str) -> Path | None:
 
 _initialised_with = ""  # what init_mpi set for MPI, once it ran
 _job_comm: Any = None  # COMM_WORLD, or the workers' part of it where the job has hot spares (mpiddp.job.spares)
+_world_failed = False  # this process's MPI world holds failed processes (mark_world_failed)
 
 
 def init_mpi() -> tuple[Any, str]:
@@ -110,6 +111,17 @@ def init_mpi() -> tuple[Any, str]:
     _initialised_with = adjusted  # a second call (after growing back's check for an MPI parent) says the same
     _job_comm = _split_or_exit(MPI.COMM_WORLD, count)
     return _job_comm, adjusted
+
+
+def mark_world_failed() -> None:
+    """This process's MPI world holds failed processes (it went on without them: ULFM). MPI_Finalize's fence would
+    wait for them, so whatever ends this process must end it without (world_failed)."""
+    global _world_failed
+    _world_failed = True
+
+
+def world_failed() -> bool:
+    return _world_failed
 
 
 def mpi() -> ModuleType:
