@@ -2,9 +2,9 @@
 
 Only this module, mpistart and topology import mpi4py in the job layer (mpistart hands MPI to the modules that call
 it without importing it: spares, and the elastic layer's spawning), and mpiddp.elastic.membership above it: four in
-the package (tests/test_package.py). Everything else calls `Dist` methods: reduce numbers, gather values, barrier,
-agree on user errors, let global rank 0 do file work, agree on a stop signal. MPI's fault tolerance (ULFM) is the
-elastic layer's alone: this module learns which peers failed only through the query it installs
+the package (tests/common/test_package.py). Everything else calls `Dist` methods: reduce numbers, gather values,
+barrier, agree on user errors, let global rank 0 do file work, agree on a stop signal. MPI's fault tolerance (ULFM) is
+the elastic layer's alone: this module learns which peers failed only through the query it installs
 (set_failed_ranks_query).
 
 The rule that keeps `agree` and `from_main` deadlock-free: the attempt they run must not communicate. If one

@@ -317,7 +317,7 @@ RELAUNCH_FLAGS = ("--no-progress", "--wandb", "disabled", "--log-every", "1")
 
 def relaunch_comparisons(repeats: int, work: Path) -> list[dict]:
     """Downtime of `launch` after a failure, on three fake hosts with one slot each and -np 2 (as
-    tests/test_launch_e2e.py): the rank on nodeb killed (SIGKILL) mid-run, then stopped (SIGSTOP) under
+    tests/launch/test_launch_e2e.py): the rank on nodeb killed (SIGKILL) mid-run, then stopped (SIGSTOP) under
     --hang-timeout 10; each relaunches on nodea and nodec. Downtime and its phases come from attempts.json."""
     from fakehosts import FakeHosts, unavailable_reason
 

@@ -8,7 +8,7 @@ recorded as such and the next one runs):
               never into this Python's environment; the project runs from this checkout (PYTHONPATH). Wheels for
               another Python or machine: skipped, saying so, where no GPU shows (a dry run), failed where one does
   machine     GPU, driver, torch, CUDA, cuDNN, NCCL, mpirun, ULFM
-  tier        `pytest -m gpu` over tests/test_gpu.py and tests/test_recovery_gpu.py: every test's outcome
+  tier        `pytest -m gpu` over tests/job/test_gpu.py and tests/elastic/test_recovery_gpu.py: every test's outcome
   throughput  the built-in trainer (resnet50, bf16, channels-last, synthetic, batch 256) against the same model in a
               plain torch loop (run/gpu/resnet50_loop.py), and the same loop in DDP under torchrun, interleaved rounds: images/s and ratios
   ft_cost     the same trainer under `mpirun --with-ft ulfm` (in-job recovery armed) against plain `mpirun`
@@ -285,8 +285,8 @@ def machine(kit: Kit) -> dict[str, Any]:
 
 def tier(kit: Kit) -> dict[str, Any]:
     junit = Path(tempfile.mkdtemp()) / "tier.xml"
-    command = [PYTHON, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "tests/test_recovery_gpu.py", "-v", "-rA",
-               "-p", "no:cacheprovider", "--timeout", "150", f"--junitxml={junit}"]
+    command = [PYTHON, "-m", "pytest", "-m", "gpu", "tests/job/test_gpu.py", "tests/elastic/test_recovery_gpu.py",
+               "-v", "-rA", "-p", "no:cacheprovider", "--timeout", "150", f"--junitxml={junit}"]
     if kit.gpus and parallel_tests_available():
         # one job per test, each on its own NCCL communicator: several share the one GPU well, and the tier
         # fits the budget (serially it takes about as long as the whole kit may)

@@ -1,5 +1,6 @@
 """A torchrun-style loop with mpiddp's wrappers whose rank 1 is SIGKILLed right after the loop, while the others'
-scripts end without communicating: they wait for every rank in `mpiddp run`'s finish (tests/test_steps_e2e.py)."""
+scripts end without communicating: they wait for every rank in `mpiddp run`'s finish
+(tests/script/test_steps_e2e.py)."""
 
 import os
 import signal

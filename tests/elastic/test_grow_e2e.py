@@ -3,7 +3,7 @@
 on at reduced size, then spawn a new rank on the spare host, hand it the state from memory, and the job
 finishes on 3 ranks at the same global batch, every step once.
 
-The victim is held with `--inject-fault stall-data:1:5` (see tests/test_recovery_e2e.py), then killed."""
+The victim is held with `--inject-fault stall-data:1:5` (see tests/elastic/test_recovery_e2e.py), then killed."""
 
 import json
 import re

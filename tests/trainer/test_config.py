@@ -103,7 +103,7 @@ def test_wandb_mode_lives_with_the_flag_so_check_never_reaches_into_the_trainer(
     netrc.write_text("machine api.wandb.ai login user password key\n")
     assert wandb_mode("auto", {}, netrc) == "online" and wandb_mode("auto", {"WANDB_MODE": "disabled"}, netrc) == "disabled"
     assert wandb_mode("offline", {"WANDB_API_KEY": "k"}, netrc) == "offline"
-    check = ast.parse((Path(__file__).resolve().parent.parent / "mpiddp" / "tools" / "check.py").read_text())
+    check = ast.parse((Path(__file__).resolve().parents[2] / "mpiddp" / "tools" / "check.py").read_text())
     imported = {node.module for node in ast.walk(check) if isinstance(node, ast.ImportFrom)}
     assert "mpiddp.trainer.metrics" not in imported  # a tool, not the trainer's metric log
 

@@ -241,7 +241,7 @@ def test_with_min_np_a_killed_rank_without_a_spare_finishes_on_one_rank_at_the_s
 
     def launch(run_dir, *fault):
         command = launch_command("-H", "nodea:1,nodeb:1", "-np", "2", "--min-np", "1", "--launcher", "mpirun",
-                                 "--no-in-job-recovery",  # the relaunch path (in-job: tests/test_recovery_e2e.py)
+                                 "--no-in-job-recovery",  # the relaunch path (in-job: elastic/test_recovery_e2e.py)
                                  "--launcher-args", " ".join(two_hosts.transport_args()), "--",
                                  "--run-dir", str(run_dir), "--epochs", "3", *FAST, *fault)
         return run_command(two_hosts.command_on("nodea", command), run_dir, timeout=300, env=env)

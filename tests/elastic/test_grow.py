@@ -341,8 +341,9 @@ def test_a_spawn_that_never_returns_ends_the_process_after_its_bound_with_a_reco
 
 
 def test_after_a_rank_lost_in_a_grown_job_open_mpi_5_0_grows_no_more():
-    """Open MPI 5.0's launcher fails to spawn into a job that lost a rank after it grew (tests/test_grow_e2e.py):
-    refused there, with the library named; not before the job grew, and not with another MPI."""
+    """Open MPI 5.0's launcher fails to spawn into a job that lost a rank after it grew
+    (tests/elastic/test_grow_e2e.py): refused there, with the library named; not before the job grew, and not with
+    another MPI."""
     from mpiddp.elastic.decide import regrow_refusal
 
     version = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"

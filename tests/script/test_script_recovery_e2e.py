@@ -41,7 +41,7 @@ class Script:
 
     def __init__(self, hosts: FakeHosts, tmp_path: Path, victim: int, ft: bool = True, where: str = "step",
                  command: Callable[[Path], list[str]] | None = None, **env_extra: str) -> None:
-        """`command(out)`: another command line (tests/test_script_grow_e2e.py)."""
+        """`command(out)`: another command line (tests/script/test_script_grow_e2e.py)."""
         self.out, self.log = tmp_path / "out", tmp_path / "job.log"
         self.out.mkdir(parents=True)
         env, self.mark = marked_env(PYTHONPATH=str(REPO), **env_extra)

@@ -1,6 +1,6 @@
 """The repository itself: nothing tracked may depend on the machine that committed it.
 
-Stdlib only, so `.ci/run` can run it (`python3 tests/test_repository.py`) before installing anything.
+Stdlib only, so `.ci/run` can run it (`python3 tests/common/test_repository.py`) before installing anything.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def escaping_links(repo: Path) -> list[str]:

@@ -143,7 +143,7 @@ def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
 # rank's process group (the rank, its loader's forkserver and workers), as mpirun and srun deliver a stop.
 # With spawn the workers are the rank's children: one killed raises at once in the rank (torch's SIGCHLD
 # handler). A forkserver's workers are not, and the batches the rank still needs are usually prefetched; the
-# forkserver's own signal dispositions are checked in tests/test_loader_helpers.py.
+# forkserver's own signal dispositions are checked in tests/trainer/test_loader_helpers.py.
 PHASES = {
     "start-up": ("signal:all:0", "forkserver", "snapshot-epoch0000-batch000001.pt"),  # first batch loaded
     "mid-epoch": ("signal:all:2", "spawn", "snapshot-epoch0000-batch000002.pt"),

@@ -349,7 +349,7 @@ def test_crash_then_resume_equals_straight_run(run_job, tmp_path, communication)
     else:
         # Equal up to float rounding: DDP's first step after a restart lays the buckets out differently, and
         # the rounding grows over the following steps (measured after 44 steps: under 1e-6 on torch 2.14, 5e-6
-        # on 2.4.1). Without the PowerSGD state, weights differ by about 1e-2 (tests/test_compression.py).
+        # on 2.4.1). Without the PowerSGD state, weights differ by about 1e-2 (tests/job/test_compression.py).
         # Each rank saved its own PowerSGD state beside each snapshot; the snapshot file holds none of it.
         checkpoints = tmp_path / "interrupted" / "checkpoints"
         assert b["communication"] == [] and b["side_ranks"] == 2

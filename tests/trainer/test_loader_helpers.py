@@ -90,7 +90,7 @@ def test_helper_processes_die_with_a_killed_rank(method, tmp_path):
 
     program = (
         "import multiprocessing.forkserver, os, signal, sys\n"
-        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}, {str(Path(__file__).resolve().parent)!r}]\n"
         "from test_loader_helpers import loader\n"
         "from mpiddp.job.helper_signals import mark_helper_parent\n"
         "from mpiddp.trainer.data import prepare_forkserver\n"
@@ -138,7 +138,7 @@ def test_a_rank_s_forkserver_imports_what_workers_need_once_and_never_mpi(tmp_pa
 
     program = (
         "import multiprocessing.forkserver, os, sys\n"
-        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}, {str(Path(__file__).resolve().parent)!r}]\n"
         "from pathlib import Path\n"
         "from datagen import write_cifar10\n"
         "from mpiddp.job.collective import solo_dist\n"
