@@ -348,9 +348,8 @@ class BatchShare:
         if global_batch < 1 or max_per_rank < 1 or not 0 <= rank < world_size:
             raise ValueError(f"BatchShare.over({global_batch}, {world_size}, {rank}, {max_per_rank}): the batches "
                              "must be at least 1, the rank one of the ranks")
-        if global_batch % world_size == 0:
-            per_rank, accumulation = split(global_batch, world_size, max_per_rank)
-            return cls(global_batch, world_size, rank, (per_rank,) * accumulation)
+        # as few micro-batches as `max_per_rank` allows, of balanced sizes (an even split too: 17 samples at most 16
+        # are 9 + 8, not the 17 micro-batches of 1 that equal sizes would need)
         _, accumulation = uneven_split(global_batch, world_size, max_per_rank)
         return cls(global_batch, world_size, rank, tuple(balanced(share(global_batch, world_size, rank),
                                                                   accumulation)))

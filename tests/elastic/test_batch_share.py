@@ -95,3 +95,16 @@ def test_split_global_batch_points_to_the_uneven_share_where_no_even_split_exist
     monkeypatch.setattr(steps, "_world_now", lambda: (0, 3))
     with pytest.raises(ValueError, match="does not split over 3 ranks .*mpiddp.share_global_batch shares it"):
         split_global_batch(64, 16)
+
+
+@pytest.mark.parametrize("global_batch, world, max_per_rank, micro_batches", [
+    (34, 2, 16, (9, 8)),  # 17 each: two micro-batches, not 17 of one sample (the largest divisor of 17 below 16)
+    (64, 2, 16, (16, 16)),  # an even split that divides: as before
+    (30, 2, 16, (15,)),  # fits in one
+    (35, 2, 16, (9, 9)),  # rank 0 of an uneven split: 18 in two
+])
+def test_a_share_takes_as_few_micro_batches_as_the_most_per_rank_allows(global_batch, world, max_per_rank,
+                                                                         micro_batches):
+    share = BatchShare.over(global_batch, world, 0, max_per_rank)
+    assert share.micro_batches == micro_batches
+    assert sum(share.micro_batches) == len(share.positions)
