@@ -138,6 +138,11 @@ class CouldNotWarmUp(Abandoned):
     """A new rank's own warm-up failed: it told rank 0 and said why (cannot_warm_up)."""
 
 
+class GivenUp(Abandoned):
+    """The survivors gave this rank's grow up before it joined (they revoked it: a rank failed, or the job ended).
+    A hot spare is healthy all the same: it waits again (wait_again)."""
+
+
 @dataclass
 class Warming:
     """A grow under way on the survivors: the new ranks were spawned and merged in, and warm up while the
@@ -206,9 +211,9 @@ class GrowBack:
         self.grew = False  # new ranks joined this job
         self.lost_after_grow = False  # a rank was lost after new ranks joined (decide.regrow_refusal)
         self.hot = False  # the spares are hot (mpiddp.job.spares): taken in without a spawn
-        # hot: the group of a given-up grow's spares, until MPI reports them ended
-        self.leaving: MPI.Group | None = None
-        self.said_leaving = False  # rank 0 said once that growing back waits for them
+        # hot: the spares of a grow given up ((spares' world rank, host)), until each waits again or has failed
+        self.returning: list[tuple[int, str]] = []
+        self.said_returning = False  # rank 0 said once that growing back waits for them
 
     @classmethod
     def from_env(cls) -> GrowBack:
@@ -230,8 +235,10 @@ class GrowBack:
             return
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
             return self.stop_growing(dist, self.off)
+        if self.returning and self.settle_returning(dist):  # a wake now would wait for them in the world's shrink
+            return None
         decision = dist.transport.bcast(self.plan(dist, recovery.engine.initial_world) if dist.is_main else None)
-        if decision is None:  # not at this boundary: a hot spare of a grow given up has not ended yet
+        if decision is None:  # not at this boundary
             return None
         if isinstance(decision, str):
             return self.stop_growing(dist, decision)
@@ -239,6 +246,24 @@ class GrowBack:
         if isinstance(split, str):
             return self.stop_growing(dist, split)
         self.start(recovery, decision)  # where the split is None here, the new ranks warm up while the job reaches one
+
+    def settle_returning(self, dist: Dist) -> bool:
+        """Collective over the survivors, while hot spares of a grow given up are on their way back: rank 0 says
+        which wait again (taken back by every survivor) and which failed (forgotten). Whether any is still on its
+        way: every live process of the spares' world takes part in a wake's shrink, so a wake would wait for it."""
+        back, gone = dist.transport.bcast(mpigrow.returned_or_gone([rank for rank, _ in self.returning])
+                                          if dist.is_main else None)
+        for rank, host in self.returning:
+            if rank in back:
+                mpigrow.take_back(rank, host)
+        self.returning = [(rank, host) for rank, host in self.returning if rank not in back and rank not in gone]
+        if self.returning and dist.is_main and not self.said_returning:  # a local log line, no collective
+            log.warning("growing back waits until the hot spare of the grow given up waits again (once its warm-up "
+                        "is over); the job goes on with %d ranks", dist.world_size)
+            self.said_returning = True
+        if not self.returning:
+            self.said_returning = False
+        return bool(self.returning)
 
     def how(self, plan: GrowPlan) -> str:
         """What growing back by `plan` does, for the lines that say it failed."""
@@ -248,17 +273,14 @@ class GrowBack:
     def plan(self, dist: Dist, full: int) -> GrowPlan | str | None:
         """Rank 0's decision (broadcast: every rank follows it, a rank that joined by a grow too): the plan, why
         not, or None for not yet."""
-        if self.hot:  # the live spares still waiting: one taken, or given up, is gone
-            if self.leaving is not None and mpigrow.any_alive(self.leaving):
-                if not self.said_leaving:  # the spares' world shrinks with every live process: it would wait
-                    log.warning("growing back waits until the hot spare of the grow given up has ended (it leaves "
-                                "once its warm-up is over); the job goes on with %d ranks", dist.world_size)
-                    self.said_leaving = True
-                return None
-            self.leaving, self.said_leaving = None, False
+        if self.hot:  # the live spares waiting: one taken, or failed, is gone
             live = mpigrow.live_spare_hosts()
             if not live and dist.world_size < full:
                 return "no hot spare is left (each was taken in, or has failed)"
+            silent = mpigrow.silent_spares()
+            if silent:  # a wake would wait for it in MPI, up to the grow's bound, which ends the job
+                return (f"the hot spare on {', '.join(sorted(set(silent)))} does not answer within "
+                        f"{mpigrow.PING_S:g} s (stopped, or its host silent)")
             return plan_growth(dist.world_size, full, live, {})
         refusal = regrow_refusal(mpigrow.library_version(), self.lost_after_grow)
         return refusal if refusal is not None else plan_growth(dist.world_size, full, self.spares, self.used)
@@ -417,11 +439,12 @@ class GrowBack:
         if warming is None:
             return
         if dist is not None and dist.is_main and why:
-            log.warning("growing back given up: %s; the new ranks on %s leave", why, ", ".join(warming.plan.hosts))
+            then = "the hot spares on %s wait again" if self.hot else "the new ranks on %s leave"
+            log.warning("growing back given up: %s; " + then, why, ", ".join(warming.plan.hosts))
         for host in warming.plan.hosts:
             self.used[host] -= 1
-        if self.hot:  # they end when they see the revoke (their `enter`), after their warm-up
-            self.leaving = mpigrow.new_ranks_of(warming.merged, warming.plan.count)
+        if self.hot:  # after their warm-up they see the revoke (their `enter`) and wait again (back_to_waiting)
+            self.returning += list(zip(mpigrow.spares_of(warming.merged, warming.plan.count), warming.plan.hosts))
         if not keep_mark:
             failure.spawned(warming.records)
         warming.stop_watching()
@@ -545,7 +568,7 @@ def arrive() -> Arrival:
         hostnames = merged.allgather(own_host())
     except mpigrow.mpi_exception() as exc:  # the survivors gave the start up (revoked), or one of them failed
         mpigrow.leave(merged)
-        raise Abandoned(f"the job gave up this rank's grow as it started ({str(exc).splitlines()[0]})") from None
+        raise GivenUp(f"the job gave up this rank's grow as it started ({str(exc).splitlines()[0]})") from None
     point_gloo_at(hello["interface_per_host"], hello["topology"].hostname)
     topology = topology_over(hello["topology"], hostnames, merged.Get_rank())
     device = joining_device(hello["backend"], topology)
@@ -566,7 +589,7 @@ def enter(arrival: Arrival) -> Joining:
         merged.recv(source=0, tag=JOIN_TAG)
     except mpigrow.mpi_exception() as exc:
         mpigrow.leave(merged)
-        raise Abandoned(f"the job gave up this rank's grow before it joined ({str(exc).splitlines()[0]}): a rank "
+        raise GivenUp(f"the job gave up this rank's grow before it joined ({str(exc).splitlines()[0]}): a rank "
                         "failed, or the job ended, meanwhile") from None
     started = time.monotonic()
     # the survivors adopt the merged job on their own backend (Membership.adopt): NCCL on GPUs, so must this rank
@@ -596,8 +619,25 @@ def cannot_warm_up(arrival: Arrival, exc: BaseException) -> None:
 
 def join() -> Joining:
     """Both steps at once (a script's new rank under plain mpirun: its own code imported torch before
-    mpiddp.init, and builds its model after it): `arrive`, then `enter`. Abandoned as `enter`."""
-    return enter(arrive())
+    mpiddp.init, and builds its model after it): `arrive`, then `enter`, again for a hot spare whose grow was given
+    up (wait_again). Abandoned as `enter`."""
+    while True:
+        try:
+            return enter(arrive())
+        except GivenUp as exc:
+            if not wait_again(exc):
+                raise
+
+
+def wait_again(exc: Abandoned) -> bool:
+    """A hot spare whose grow the survivors gave up (GivenUp: a rank failed while it warmed up) is healthy: it
+    says so, waits again among the spares (the next grow takes it in) and returns True; any other new rank
+    returns False (it ends: say_abandoned)."""
+    if not (isinstance(exc, GivenUp) and mpigrow.is_hot_spare()):
+        return False
+    log.warning("grow: %s; this hot spare waits again for the next grow", exc)
+    mpigrow.back_to_waiting()
+    return True
 
 
 def wait_until_released() -> int:

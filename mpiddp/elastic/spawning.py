@@ -10,6 +10,7 @@ starts MPI on import.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -18,11 +19,14 @@ from typing import TYPE_CHECKING
 from mpiddp.elastic.decide import GrowPlan
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job.mpistart import init_mpi, mpi
-from mpiddp.job.spares import WAKE_TAG, SpareWorld, is_hot_spare, spare_world
+from mpiddp.job.spares import BACK_TAG, PONG_TAG, WAKE_TAG, SpareWorld, is_hot_spare, spare_world
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+# A waiting spare answers a ping within its 10 ms poll; one that has not in this long is stopped, or its host is
+# silent: a wake would wait for it in the spares' world's shrink (up to the grow's bound, which ends the job).
+PING_S = 5.0
 SPARE_JOIN_TIMEOUT_S = 90.0  # past the survivors' own bound on a grow (grow.SPAWN_TIMEOUT_S, 60 s)
 
 
@@ -169,7 +173,10 @@ def wake_and_merge(comm: MPI.Intracomm, plan: GrowPlan) -> tuple[MPI.Intracomm |
     if comm.Get_rank() == 0:
         for spare in spares.waiting:
             try:
-                spares.world.send(("join", survivors, chosen), dest=spare, tag=WAKE_TAG)
+                # with rank 0's list of who waits: a spare that waited again after a grow given up told the
+                # workers only, and every process of the shrink must number the same spares
+                spares.world.send(("join", survivors, chosen, list(spares.waiting), list(spares.hosts)), dest=spare,
+                                  tag=WAKE_TAG)
             except mpi_exception():  # that spare failed while it waited: the shrink leaves it out
                 pass
     merged, woken = _shrink_and_create(spares, old, survivors, chosen)
@@ -215,23 +222,95 @@ def live_spare_hosts() -> list[tuple[str, int]]:
     return list(counts.items())
 
 
-def new_ranks_of(merged: MPI.Intracomm, count: int) -> MPI.Group:
-    """The group of a grow's new ranks: the last `count` of `merged` (local)."""
-    group = merged.Get_group()
-    size = group.Get_size()
-    return group.Range_incl([(size - count, size - 1, 1)])
-
-
-def any_alive(group: MPI.Group) -> bool:
-    """Rank 0: whether a process of `group` (hot spares of a grow given up) is still alive in the spares' world:
-    the world's next shrink, which every live process of it takes part in, would wait until it ended."""
+def silent_spares(timeout_s: float = PING_S) -> list[str]:
+    """Rank 0, before a grow onto hot spares: every live waiting spare is asked to answer (a ping on the spares'
+    world); the hosts of those that have not within `timeout_s` (stopped, or their host silent). Every live process
+    of the spares' world takes part in a wake's shrink, so a wake would wait for a silent one."""
     MPI = mpi()
     spares = spare_world()
-    if spares is None:
-        return False
-    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), spares.world.Get_group())
+    assert spares is not None
+    dead, me = _failed_in(spares.world), spares.world.Get_rank()
+    asked = []
+    for rank, host in zip(spares.waiting, spares.hosts):
+        if rank in dead:
+            continue
+        try:
+            spares.world.send(("ping", me), dest=rank, tag=WAKE_TAG)
+        except MPI.Exception:  # failed meanwhile: the next plan leaves it out
+            continue
+        asked.append((host, spares.world.irecv(source=rank, tag=PONG_TAG)))
+    deadline = time.monotonic() + timeout_s
+    while asked and time.monotonic() < deadline:
+        still = []
+        for host, request in asked:
+            try:
+                done, _ = request.test()
+            except MPI.Exception:  # it failed: not silent, dead (the shrink leaves it out)
+                done = True
+            if not done:
+                still.append((host, request))
+        asked = still
+        if asked:
+            time.sleep(0.001)
+    for _, request in asked:  # its answer, should it come late, is never received
+        try:
+            request.Cancel()
+        except MPI.Exception:
+            pass
+    return [host for host, _ in asked]
+
+
+def spares_of(merged: MPI.Intracomm, count: int) -> list[int]:
+    """The spares' world ranks of a grow's new ranks (the last `count` of `merged`), in their order (local)."""
+    spares = spare_world()
+    assert spares is not None
+    group = merged.Get_group()
+    size = group.Get_size()
+    return _world_ranks(group.Range_incl([(size - count, size - 1, 1)]), spares.world.Get_group())
+
+
+def returned_or_gone(returning: list[int]) -> tuple[list[int], list[int]]:
+    """Rank 0, local: of the hot spares of a grow given up (`returning`: spares' world ranks), those waiting again
+    (their word came: back_to_waiting) and those MPI reports failed (one that could not warm up ends)."""
+    spares = spare_world()
+    assert spares is not None
     dead = _failed_in(spares.world)
-    return any(rank != MPI.UNDEFINED and rank not in dead for rank in ranks)
+    gone = [rank for rank in returning if rank in dead]
+    back = [rank for rank in returning if rank not in dead and spares.world.iprobe(source=rank, tag=BACK_TAG)]
+    return back, gone
+
+
+def take_back(rank: int, host: str) -> None:
+    """Every survivor: the hot spare `rank` of the spares' world waits again on `host`: the next grow may wake it.
+    Its word to this survivor is taken (it sent one to each; a survivor that cannot receive it, the spare having
+    failed since, leaves it out: the next wake's shrink does too)."""
+    spares = spare_world()
+    assert spares is not None
+    try:
+        spares.world.recv(source=rank, tag=BACK_TAG)
+    except mpi().Exception:
+        return
+    spares.waiting.append(rank)
+    spares.hosts.append(host)
+
+
+def back_to_waiting() -> None:
+    """A hot spare whose grow the survivors gave up before it joined (a rank failed meanwhile): it is again one of
+    the waiting spares, and says so to every worker of the spares' world (rank 0 takes it back at a step boundary:
+    GrowBack.settle_returning). Its warm-up is done again at the next wake."""
+    spares = spare_world()
+    assert spares is not None
+    me = spares.world.Get_rank()
+    spares.waiting.append(me)
+    spares.hosts.append(socket.gethostname())
+    spares.waits = True
+    dead = _failed_in(spares.world)
+    for rank in range(spares.world.Get_size()):
+        if rank not in spares.waiting and rank not in dead:
+            try:
+                spares.world.send(("back",), dest=rank, tag=BACK_TAG)
+            except mpi().Exception:  # that worker failed meanwhile
+                pass
 
 
 def _world_ranks(group: MPI.Group, into: MPI.Group) -> list[int]:
@@ -286,6 +365,12 @@ def wait_to_join() -> MPI.Intracomm:
                 continue
             if not done:
                 time.sleep(0.01)  # a spare has nothing else to do: one wake-up every 10 ms
+        if word[0] == "ping":  # rank 0 asks whether this spare answers before it plans a grow onto the spares
+            try:
+                spares.world.send(("pong",), dest=word[1], tag=PONG_TAG)
+            except MPI.Exception:  # the asking rank failed meanwhile
+                pass
+            continue
         if word[0] != "join":
             raise SpareReleased("the job ended")
         # a process lost between the shrink and the group leaves MPI_Comm_create_group waiting (measured): the
@@ -294,6 +379,7 @@ def wait_to_join() -> MPI.Intracomm:
         bound.daemon = True
         bound.start()
         try:
+            spares.waiting, spares.hosts = list(word[3]), list(word[4])
             merged, _ = _shrink_and_create(spares, spares.world.Get_group(), word[1], word[2])
         finally:
             bound.cancel()

@@ -43,7 +43,10 @@ class SpareWorld:
 
 
 _spares: SpareWorld | None = None
-WAKE_TAG = 7704  # a worker's word to every waiting spare: ("join", survivors, chosen) or ("leave",)
+# a worker's word to every waiting spare: ("join", survivors, chosen, waiting, hosts), ("ping", rank) or ("leave",)
+WAKE_TAG = 7704
+BACK_TAG = 7705  # a hot spare's word to every worker that it waits again (its grow was given up)
+PONG_TAG = 7706  # a waiting spare's answer to rank 0's ("ping", rank) on WAKE_TAG
 
 
 def spare_count(env: dict[str, str] | None = None) -> int:

@@ -263,20 +263,14 @@ def main(args: list[str]) -> int:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
-    from mpiddp.elastic import grow
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.script import api, recovery
     from mpiddp.job.bootstrap import enable_flight_recorder, teardown
 
-    try:
-        arrival = grow.arrive() if grow.joining() else None  # spawned by a job growing back after a recovery
-        dist, cfg, target, (rendezvous, store, num_threads), joining = start_job(argv, guard, arrival)
-    except grow.Abandoned as exc:  # given up before it joined: this process was never part of the job
-        grow.say_abandoned(exc)
+    started = start_or_join(argv, guard)
+    if started is None:  # given up before it joined: this process was never part of the job
         return 0
-    except Exception:  # a hot spare that cannot start the script's job: the survivors see it end and go on
-        grow.end_if_taken_in(1, "this hot spare could not start the script's job")
-        raise
+    dist, cfg, target, (rendezvous, store, num_threads), joining = started
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
     gpus_per_rank = dist.allgather(visible_gpus()) if joining is None else [visible_gpus()]
     if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose
@@ -318,6 +312,25 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     if recovered_in_this_process():  # MPI_Finalize can wait for the failed ranks: every survivor passed the barrier
         end_without_finalize(0)
     return 0
+
+
+def start_or_join(argv: list[str], guard: FailFast) -> tuple[Dist, RunConfig, Target, tuple, Joining | None] | None:
+    """Collective: start_job, after the arrival of a rank that joins a grown job (spawned by it, or a hot spare;
+    again for a hot spare whose grow was given up). None when this process was given up before it joined."""
+    from mpiddp.elastic import grow
+
+    while True:
+        try:
+            arrival = grow.arrive() if grow.joining() else None
+            return start_job(argv, guard, arrival)
+        except grow.Abandoned as exc:
+            if grow.wait_again(exc):  # a hot spare whose grow was given up: the next grow may take it in
+                continue
+            grow.say_abandoned(exc)
+            return None
+        except Exception:  # a hot spare that cannot start the script's job: the survivors see it end and go on
+            grow.end_if_taken_in(1, "this hot spare could not start the script's job")
+            raise
 
 
 def start_job(argv: list[str], guard: FailFast, arrival: Arrival | None,

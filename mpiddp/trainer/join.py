@@ -43,11 +43,15 @@ def join_main(args: list[str], stop: Any) -> int:
     from mpiddp.trainer.metrics import process_start_time
 
     startup = StartupClock(process_start_time())
-    try:
-        joined = Joined.enter(args)
-    except grow.Abandoned as exc:
-        grow.say_abandoned(exc)
-        return 0
+    while True:
+        try:
+            joined = Joined.enter(args)
+            break
+        except grow.Abandoned as exc:
+            if grow.wait_again(exc):  # a hot spare whose grow was given up: the next grow may take it in
+                continue
+            grow.say_abandoned(exc)
+            return 0
     try:
         outcome = joined.train(stop)
     except Stopped:

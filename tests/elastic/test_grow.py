@@ -524,3 +524,40 @@ def test_a_joined_rank_keeps_the_survivors_full_epoch_end():
     policy.parts = SimpleNamespace(loaders=SimpleNamespace(epoch_end=1400))
     policy.keep_full_epoch_end(1344)
     assert policy.full_epoch_end() == 1344
+
+
+def test_a_hot_spare_of_a_grow_given_up_is_waited_for_and_taken_back_not_lost(monkeypatch, caplog):
+    """The survivors gave a grow onto two hot spares up (a rank failed while they warmed up): the spares finish
+    their warm-up and wait again. Until each waits again or has failed no grow starts (every live process of the
+    spares' world takes part in a wake's shrink: it would wait); rank 0 says so once. One back is taken back
+    (waiting again, on its host: the next plan may wake it); one failed is forgotten."""
+    from mpiddp.elastic import grow
+
+    took_back, answers = [], iter([([], []), ([7], []), ([], [8])])
+    monkeypatch.setattr(grow.mpigrow, "returned_or_gone", lambda returning: next(answers))
+    monkeypatch.setattr(grow.mpigrow, "take_back", lambda rank, host: took_back.append((rank, host)))
+    grower = grow.GrowBack([("noded", 2)])
+    grower.hot, grower.returning = True, [(7, "noded"), (8, "noded")]
+    dist = SimpleNamespace(is_main=True, world_size=1, transport=SimpleNamespace(bcast=lambda value: value))
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        assert grower.settle_returning(dist) is True  # neither back yet
+        assert grower.settle_returning(dist) is True  # 7 back, 8 still on its way
+    assert took_back == [(7, "noded")] and grower.returning == [(8, "noded")]
+    assert [r.getMessage() for r in caplog.records].count(
+        "growing back waits until the hot spare of the grow given up waits again (once its warm-up is over); the "
+        "job goes on with 1 ranks") == 1
+    assert grower.settle_returning(dist) is False  # 8 failed: forgotten, nothing to wait for
+    assert took_back == [(7, "noded")] and grower.returning == []
+
+
+def test_only_a_healthy_hot_spare_whose_grow_was_given_up_waits_again(monkeypatch):
+    from mpiddp.elastic import grow
+
+    back = []
+    monkeypatch.setattr(grow.mpigrow, "back_to_waiting", lambda: back.append(True))
+    monkeypatch.setattr(grow.mpigrow, "is_hot_spare", lambda: True)
+    assert grow.wait_again(grow.GivenUp("the job gave up this rank's grow before it joined")) and back == [True]
+    assert not grow.wait_again(grow.CouldNotWarmUp())  # it failed itself: it ends
+    assert not grow.wait_again(grow.Abandoned("this hot spare was not needed: the job ended"))
+    monkeypatch.setattr(grow.mpigrow, "is_hot_spare", lambda: False)  # a spawned rank is a job of its own: it ends
+    assert not grow.wait_again(grow.GivenUp("the job gave up this rank's grow before it joined")) and back == [True]

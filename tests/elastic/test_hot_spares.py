@@ -200,6 +200,76 @@ def test_a_grown_rank_lost_is_recovered_from_and_the_job_grows_again_onto_the_se
     assert steps_logged(job) == list(range(1, 91))
 
 
+@pytest.mark.mpi
+def test_a_rank_lost_while_the_spare_warms_up_gives_that_grow_up_not_the_spare(hosts, tmp_path):
+    """Two spares wait on noded. Rank 1 (nodeb) killed: the first spare is woken and warms up; before it is
+    taken in, rank 2 (nodec) is killed too. The survivors give that grow up, not the spare: it finishes its
+    warm-up, waits again, and the next grow takes both spares in: the job ends at full size (3 ranks) with
+    mpirun's status 0. (The woken spare and the survivors are held still while rank 2 dies, so the take-in cannot
+    come first however fast the spare warms up.)"""
+    from conftest import rank_pids
+
+    job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--inject-fault", "stall-data:1:5",
+                  spares=2)
+    pids = job.wait_for("five processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 5 and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    job.wait_for("the first grow's start", lambda: "growing back: ranks [2] woken" in job.output())
+    held = [str(pids[0]), str(pids[2]), str(pids[3])]  # the survivors and the woken spare
+    subprocess.run(["kill", "-STOP", *held], check=False)
+    try:
+        subprocess.run(["kill", "-KILL", str(pids[2])], check=False)
+        subprocess.run(["kill", "-CONT", str(pids[0])], check=False)
+        job.wait_for("the grow given up", lambda: "growing back given up" in job.output())
+        subprocess.run(["kill", "-STOP", str(pids[0])], check=False)  # alone, it would end the job meanwhile
+        subprocess.run(["kill", "-CONT", str(pids[3])], check=False)
+        job.wait_for("the spare waiting again", lambda: "this hot spare waits again" in job.output())
+    finally:
+        subprocess.run(["kill", "-CONT", *held], check=False)
+    # the second grow: both spares warm up (three warm lines in all) while rank 0 is held
+    job.wait_for("the second grow's start", lambda: job.output().count("growing back: ranks") >= 2)
+    subprocess.run(["kill", "-STOP", str(pids[0])], check=False)
+    try:
+        job.wait_for("both spares warm", lambda: job.output().count("grow: warm in") >= 3)
+    finally:
+        subprocess.run(["kill", "-CONT", str(pids[0])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert "running at full size again: 3 ranks" in output, output[-4000:]
+    assert f"this process (pid {pids[3]}) joins as rank" in output, output[-4000:]
+    assert f"this process (pid {pids[4]}) joins as rank" in output, output[-4000:]
+    assert "MPI_ERR_RANK" not in output and "not growing back" not in output, output[-4000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert [item["world_after"] for item in summary["recoveries"]][-1] == 3, summary["recoveries"]
+
+
+@pytest.mark.mpi
+def test_a_silent_hot_spare_is_found_before_a_grow_and_the_job_goes_on_at_reduced_size(hosts, tmp_path):
+    """The spare on noded is stopped (SIGSTOP: alive for MPI, but it answers nothing) before rank 1 is killed. A
+    wake would wait for it in the spares' world's shrink until the grow's 60 s bound ends the job; rank 0 asks the
+    spares first, and says in one line that it does not answer: the survivors go on at reduced size. (The spare is
+    resumed once that is said, so that it can leave with the job.)"""
+    from conftest import rank_pids
+
+    job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--inject-fault", "stall-data:1:5")
+    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    subprocess.run(["kill", "-STOP", str(pids[3])], check=False)
+    try:
+        subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+        job.wait_for("the silent spare said", lambda: "not growing back: the hot spare on noded does not answer"
+                     in job.output())
+    finally:
+        subprocess.run(["kill", "-CONT", str(pids[3])], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert "(stopped, or its host silent); the job goes on with 2 ranks" in output, output[-4000:]
+    assert "has not returned after" not in output and "growing back: ranks" not in output, output[-4000:]
+    assert output.count("not growing back") == 1, output[-4000:]
+
+
 def steps_logged(job) -> list[int]:
     """The steps rank 0 has logged so far (metrics.jsonl; a line still being written is left out)."""
     path = job.run_dir / "metrics.jsonl"
