@@ -257,7 +257,8 @@ def silent_spares(timeout_s: float = PING_S) -> list[str]:
             request.Cancel()
         except MPI.Exception:
             pass
-    return [host for host, _ in asked]
+    spares.silent = [host for host, _ in asked]  # the job's end must end them (spares.end_silent_spares)
+    return spares.silent
 
 
 def spares_of(merged: MPI.Intracomm, count: int) -> list[int]:
@@ -327,7 +328,10 @@ def _shrink_and_create(spares: SpareWorld, old: MPI.Group, survivors: list[int],
     world.Set_errhandler(MPI.ERRORS_RETURN)
     woken = time.monotonic()
     new = world.Get_group()
-    moved = dict(zip(survivors + spares.waiting, MPI.Group.Translate_ranks(old, survivors + spares.waiting, new)))
+    # every rank of the word numbered alike, the chosen ones included: a survivor that missed a returning spare's
+    # word (it failed as it came back: take_back) does not count it as waiting, and must still agree on it
+    known = list(dict.fromkeys(survivors + spares.waiting + chosen))
+    moved = dict(zip(known, MPI.Group.Translate_ranks(old, known, new)))
     spares.world = world
     if any(moved[rank] == MPI.UNDEFINED for rank in chosen):  # a chosen spare failed before the shrink: every
         chosen = []  # process sees the same shrunk world, so none joins, and the live ones wait on

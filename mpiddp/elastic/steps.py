@@ -83,6 +83,11 @@ class DistributedDataParallel(nn.Module):
         self.ddp = self._wrap(module)
         manager.track_model(self)
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled (torch.save of the whole wrapper, copy.deepcopy) without the process's in-job recovery, which
+        holds this process's own references: the copy is handed the loading process's (mpiddp.script.wrappers)."""
+        return {**self.__dict__, "manager": None}
+
     def _wrap(self, module: nn.Module, replicas_agree: bool = False) -> nn.parallel.DistributedDataParallel:
         kwargs = dict(self._kwargs)
         if replicas_agree and _DDP_INIT_SYNC in _ddp_parameters():

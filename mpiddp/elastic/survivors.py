@@ -68,10 +68,12 @@ def end_without_finalize(status: int) -> NoReturn:
     MPI_Finalize, which Open MPI's ULFM can hang in after a shrink (open-mpi/ompi#11404). mpirun takes the exit
     of a process of a failed-and-shrunk job as it is (status 0 included)."""
     from mpiddp.job.log import flush_logs
+    from mpiddp.job.spares import end_silent_spares
 
     flush_logs()
     sys.stdout.flush()
     sys.stderr.flush()
+    end_silent_spares(status)  # a spare that never answered would keep the launcher waiting
     os._exit(status)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ class SpareWorld:
     this_is_a_spare: bool = False
     waits: bool = False  # this process is a spare still waiting (not taken in yet): known without asking MPI
     failures_seen: bool = False  # a spare acknowledged a failed process: it ends with os._exit, not MPI_Finalize
+    silent: list[str] = field(default_factory=list)  # rank 0: hosts of spares that did not answer its ping
 
     def spare_hosts(self) -> list[tuple[str, int]]:
         """(host, spares waiting there), in the order they wait: what growing back may take."""
@@ -101,6 +103,19 @@ def release_spares() -> None:
         except Exception:  # noqa: BLE001 - that spare is gone
             pass
     spares.waiting, spares.hosts = [], []
+
+
+def end_silent_spares(status: int) -> None:
+    """A survivor at its very end: where rank 0 found a spare that does not answer (stopped, or its host silent),
+    nothing else ends it (it cannot read the job's word to leave, nor see the workers end), and Open MPI's
+    launcher under --with-ft ulfm would wait for it for good: one line, then MPI_Abort over COMM_WORLD with the
+    job's own `status` (mpirun then exits with it: 0 for a job that finished, measured). Otherwise nothing."""
+    spares = _spares
+    if spares is None or not spares.silent:
+        return
+    print(f"mpiddp: the hot spare on {', '.join(sorted(set(spares.silent)))} never answered; the job ends it "
+          f"(MPI_Abort, status {status})", file=sys.stderr, flush=True)
+    spares.everyone.Abort(status)
 
 
 def abort_with_spares(code: int) -> None:

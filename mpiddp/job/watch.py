@@ -179,11 +179,14 @@ class Watcher(StoreMixin):
     def _watch(self) -> None:
         stopped = self.stopped  # this thread's own: a watcher that follows a new store starts a new thread
         while True:
-            waited_from = time.monotonic()
+            waited_from, cpu_from = time.monotonic(), time.process_time()
             if stopped.wait(self.interval):
                 return
             overslept = time.monotonic() - waited_from - self.interval  # the wait's own lateness, not a round's
-            if overslept > max(SUSPENDED_S, self.interval):  # far more than a busy machine's lateness
+            # far more than a busy machine's lateness, with the process's CPU time still: the whole process stood
+            # still. A main thread spinning in C code that holds the GIL also makes this thread late, but burns CPU
+            # meanwhile: that is a hang to find, not a stop to leave out.
+            if overslept > max(SUSPENDED_S, self.interval) and time.process_time() - cpu_from < overslept / 2:
                 self.resumed(overslept)
             try:
                 ending = self.poll()

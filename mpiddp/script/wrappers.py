@@ -17,5 +17,10 @@ class DistributedDataParallel(steps.DistributedDataParallel):
     def __init__(self, module: nn.Module, *args: object, **kwargs: object) -> None:
         super().__init__(module, *args, manager=manager(), **kwargs)
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """A copy (torch.load of a whole wrapper, copy.deepcopy) joins the loading process's in-job recovery."""
+        super().__setstate__(state)
+        self.manager = manager()
+
 
 __all__ = ["BatchShare", "DistributedDataParallel", "Optimizer", "share_global_batch", "split_global_batch"]

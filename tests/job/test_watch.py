@@ -178,3 +178,40 @@ def test_a_process_that_stood_still_does_not_take_the_stop_for_a_hang(tmp_path):
     finally:
         child.kill()
     assert out.strip() == "alive" and child.returncode == 0, out
+
+
+def test_a_late_wake_counts_as_a_stop_only_where_the_process_burnt_no_cpu_meanwhile(monkeypatch):
+    """A main thread spinning in C code that holds the GIL makes the watcher as late as a SIGSTOP does, but burns
+    CPU meanwhile: a hang to find, never a stop to leave out of the idle time."""
+    from mpiddp.job import watch as watch_module
+
+    class Clock:
+        def __init__(self, cpu_per_wait):
+            self.wall = self.cpu = 0.0
+            self.cpu_per_wait = cpu_per_wait
+            self.reads = 0
+
+        def monotonic(self):
+            self.reads += 1
+            if self.reads % 2 == 0:  # the read after each wait: 10 s past the interval
+                self.wall += 10.2
+                self.cpu += self.cpu_per_wait
+            return self.wall
+
+        def process_time(self):
+            return self.cpu
+
+    class OneRound(Watcher):
+        def poll(self):
+            self.stopped.set()
+
+        def resumed(self, seconds):
+            credited.append(round(seconds, 1))
+
+    for cpu_per_wait, expected in ((0.0, [10.0]), (10.2, [])):  # stopped; spinning with the GIL
+        credited = []
+        monkeypatch.setattr(watch_module, "time", Clock(cpu_per_wait))
+        watcher = OneRound(2.0, 0, 1, "rank 0/1", DictStore(), print)
+        watcher.interval = 0.2
+        watcher._watch()
+        assert credited == expected, cpu_per_wait
