@@ -298,7 +298,8 @@ class Optimizer(torch.optim.Optimizer):
         return {name: value for name, value in self.__dict__.items() if name != "_wrappers"}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state, _wrappers=[weakref.ref(self.model)])
+        self.__dict__.update(state)
+        self.__dict__["_wrappers"] = [weakref.ref(self.model)]  # the model loaded with it
 
     def __repr__(self) -> str:
         return f"mpiddp.Optimizer({self.optimizer!r}, steps={self.steps}, skipped={self.skipped})"

@@ -157,3 +157,24 @@ def test_the_public_wrapper_is_handed_the_processs_one_manager(solo_group, monke
     assert manager.live_models() == [ddp] and optimizer._generation == manager.generation == 0
     other = steps.DistributedDataParallel(nn.Linear(4, 2), manager=Manager())  # another process's, as it were
     assert manager.live_models() == [ddp] and other.manager is not manager
+
+
+def test_the_whole_wrapper_and_its_optimizer_save_and_copy_as_torchs_do(wrapped):
+    """torch.save of the whole wrapper (or of the optimizer over it) and copy.deepcopy work as for torch's own: the
+    process's in-job recovery holds references of this process only and is left out; a copy is handed the loading
+    process's."""
+    import copy
+    import io
+
+    from mpiddp.script.recovery import manager
+
+    model, ddp, optimizer = wrapped
+    for thing in (ddp, optimizer):
+        buffer = io.BytesIO()
+        torch.save(thing, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        loaded_ddp = loaded if thing is ddp else loaded.model
+        assert loaded_ddp.manager is manager() and torch.equal(loaded_ddp.module.weight, model.weight)
+    duplicate = copy.deepcopy(ddp)
+    assert duplicate.manager is ddp.manager is manager() and duplicate.module is not model
