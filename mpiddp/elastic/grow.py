@@ -2,7 +2,7 @@
 by side: the survivors' (GrowBack: when to grow, spawn, merge, hand over the state) and the joining rank's
 (join: merge, hello, process group, the state).
 
-The mechanism is MPI's own (mpiddp.elastic.membership): the survivors' shrunk communicator spawns the missing
+The mechanism is MPI's own (mpiddp.elastic.spawning): the survivors' shrunk communicator spawns the missing
 ranks (`MPI_Comm_spawn`, onto the spare hosts mpirun was given beyond `-np`: its DVM has a daemon there), and the
 parent/child intercommunicator is merged into one intracommunicator, survivors first, so every survivor keeps its
 rank and the new ranks come last. Measured on four fake hosts under `mpirun --with-ft ulfm` (Open MPI 5.0.11),

@@ -3,7 +3,7 @@ issue "A spare joins without stopping the survivors".
 
 Both variants run 3 workers under `mpirun --with-ft ulfm` doing small allreduces; worker 1 SIGKILLs itself at
 step KILL_AT; the survivors revoke and shrink their communicator, then grow back to 3:
-- `spawn`: what mpiddp does today (mpiddp.elastic.membership.spawn_and_merge): MPI_Comm_spawn of one process from
+- `spawn`: what mpiddp does today (mpiddp.elastic.spawning.spawn_and_merge): MPI_Comm_spawn of one process from
   the survivors' communicator, then MPI_Intercomm_merge. Every route to a new process ends in prterun's
   PMIx_Connect, whose `connect_release` frees past the end of an array in Open MPI 5.0.11 (docs/recovery.md).
 - `hot`: a spare started with the job (`-np 4`, the last rank) that waits on COMM_WORLD; rank 0 wakes it with one

@@ -1,4 +1,4 @@
-"""Hot spares (mpiddp.job.spares, mpiddp.elastic.membership.wake_and_merge): the rule in-process, the MPI layer
+"""Hot spares (mpiddp.job.spares, mpiddp.elastic.spawning.wake_and_merge): the rule in-process, the MPI layer
 under a real `mpirun --with-ft ulfm`."""
 
 import json

@@ -1,6 +1,6 @@
 """Hot spares at the MPI layer (tests/elastic/test_hot_spares.py): under `mpirun --with-ft ulfm -np 5` with
 MPIDDP_SPARE_RANKS=2, three workers all-reduce; world rank 1 SIGKILLs itself at step 10; the survivors shrink
-and grow back onto the first spare (mpiddp.elastic.membership.wake_and_merge), which joins for the remaining
+and grow back onto the first spare (mpiddp.elastic.spawning.wake_and_merge), which joins for the remaining
 steps; rank 0 releases the other spare at the end. With `first-spare-dies` the first spare dies at once and the
 grow takes the second. Each process writes what it saw into OUT."""
 import json, os, signal, sys
