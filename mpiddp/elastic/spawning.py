@@ -287,8 +287,13 @@ def take_back(rank: int, host: str) -> None:
     failed since, leaves it out: the next wake's shrink does too)."""
     spares = spare_world()
     assert spares is not None
-    try:
-        spares.world.recv(source=rank, tag=BACK_TAG)
+    request, deadline = spares.world.irecv(source=rank, tag=BACK_TAG), time.monotonic() + PING_S
+    try:  # with a deadline: a spare stopped between its words holds its sockets open, and a receive would wait
+        while not request.test()[0]:
+            if time.monotonic() > deadline:
+                request.Cancel()
+                return
+            time.sleep(0.001)
     except mpi().Exception:
         return
     spares.waiting.append(rank)
