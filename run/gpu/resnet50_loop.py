@@ -37,8 +37,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of images/s (cudnn's autotuning)")
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--mpiddp-wrappers", action="store_true",
-                        help="mpiddp.DistributedDataParallel and mpiddp.Optimizer instead of torch's (needs a launcher)")
+    parser.add_argument("--mpiddp-wrappers", action="store_true", help="mpiddp.DistributedDataParallel and "
+                        "mpiddp.Optimizer instead of torch's (needs a launcher)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--image-size", type=int, default=224)
     args = parser.parse_args()
