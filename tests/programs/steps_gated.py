@@ -2,7 +2,9 @@
 what the test checks while the job still trains (a hot spare released at start-up has ended) is checked before any
 rank can finish.
 
-argv: OUT_DIR ITERATIONS GATE [--kill RANK:ITERATION]
+argv: OUT_DIR ITERATIONS GATE [--kill RANK:ITERATION] [--init]
+--init: `mpiddp.init()` starts the job (a plain `mpirun python steps_gated.py`), else torch's init_process_group
+under `python -m mpiddp run`.
 Before iteration GATE every rank waits until OUT_DIR/go exists (the test makes it). The victim SIGKILLs itself in
 that iteration, after its forward: its peers wait for it in the gradient all-reduce. Each rank appends to
 OUT_DIR/rank<R>.jsonl (R: its rank at start) one line per iteration, {iteration, world, pid, steps, skipped}, and
@@ -26,9 +28,13 @@ parser.add_argument("out_dir")
 parser.add_argument("iterations", type=int)
 parser.add_argument("gate", type=int)
 parser.add_argument("--kill", default="")
+parser.add_argument("--init", action="store_true")
 args = parser.parse_args()
 
-dist.init_process_group("gloo")
+if args.init:
+    mpiddp.init(device="cpu")
+else:
+    dist.init_process_group("gloo")
 start_rank = dist.get_rank()
 victim, at = map(int, args.kill.split(":")) if args.kill else (-1, -1)
 torch.manual_seed(0)

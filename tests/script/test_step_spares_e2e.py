@@ -45,14 +45,17 @@ def lines_of(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kill", ["", "1:5"], ids=["no-loss", "rank-1-killed"])
-def test_a_step_wrapper_loop_releases_its_hot_spare_at_start_up_and_the_job_trains_on(tmp_path, kill):
+@pytest.mark.parametrize("kill, runner", [("", "run"), ("1:5", "run"), ("", "init")],
+                         ids=["no-loss", "rank-1-killed", "plain-mpirun-init"])
+def test_a_step_wrapper_loop_releases_its_hot_spare_at_start_up_and_the_job_trains_on(tmp_path, kill, runner):
+    """`runner`: `python -m mpiddp run` (the spare waits in the runner), or a plain mpirun of a script that calls
+    mpiddp.init() (the spare waits inside it)."""
     out, log = tmp_path / "out", tmp_path / "job.log"
     out.mkdir()
     env, mark = marked_env(MPIDDP_SPARE_RANKS="1")
+    started = ["-m", "mpiddp", "run", str(PROGRAM)] if runner == "run" else [str(PROGRAM), "--init"]
     command = [find_mpirun(), "--with-ft", "ulfm", "-np", str(WORKERS + 1), "-x", "MPIDDP_SPARE_RANKS",
-               sys.executable, "-m", "mpiddp", "run", str(PROGRAM), str(out), str(ITERATIONS), str(GATE),
-               *(["--kill", kill] if kill else [])]
+               sys.executable, *started, str(out), str(ITERATIONS), str(GATE), *(["--kill", kill] if kill else [])]
     try:
         with log.open("w") as sink:
             job = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=sink,
