@@ -49,6 +49,7 @@ from mpiddp.elastic.survivors import hosts_of
 from mpiddp import recoveries
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist, current
+from mpiddp.job.spares import release_spares, spare_world
 from mpiddp.job.log import chosen_level
 
 if TYPE_CHECKING:
@@ -471,6 +472,7 @@ class Manager:
         self.wrappers: list[weakref.ref[DDP]] = []  # torch's DDP wrappers: a recovery checks they are gone
         self.models: list[weakref.ref[nn.Module]] = []  # mpiddp's wrappers (elastic.steps), rebuilt after a recovery
         self.generation = 0  # recoveries this process went through: gradients from before the last one are stale
+        self.running = 0  # run_recoverable calls under way (one, or none)
 
     def on_membership_change(self, callback: Callable[[MembershipChange], None]) -> Callable[[MembershipChange], None]:
         """Run `callback(change)` on every survivor after each recovery, once the state is synced and before the
@@ -522,7 +524,39 @@ class Manager:
         recovery = self._decide(dist, min_world_size)
         if recovery is None:
             return train(state)
-        return recovery.run(train, state)
+        self.running += 1
+        try:
+            return recovery.run(train, state)
+        finally:
+            self.running -= 1
+
+    def release_spares_of_step_loop(self) -> None:
+        """Every rank, as an mpiddp.Optimizer is built (mpiddp.elastic.steps): where that loop can never grow back,
+        the job's hot spares are released now (each ends at once) and rank 0 says once why and what to do, instead
+        of holding them all run for nothing. Not collective: every rank builds the optimizer at the same point of
+        its script, and what decides (recovery on, run_recoverable running, the spares waiting) is the same on
+        every rank, so each worker sends every spare its word to leave without asking the others."""
+        recovery, spares = self.recovery, spare_world()
+        # Known here, and not earlier: growing back needs run_recoverable, whose State holds the loop's position
+        # for a new rank to start from; an optimizer built while it is not running steps a loop that keeps its
+        # position in its own variables (and recovers through this optimizer's step, never at a State's commit,
+        # where a grow is taken). The DDP wrapper alone decides nothing: run_recoverable's training function may
+        # wrap its model in it. Without recovery (no ULFM) nothing changes: a spare's exit without MPI_Finalize
+        # would end such a job, and it could never grow back either.
+        if recovery is None or self.running or spares is None or not spares.waiting:
+            return
+        hosts = sorted(set(spares.hosts))
+        if recovery.dists[0].is_main:  # a local log line, no collective
+            count = len(spares.waiting)
+            log.warning("hot spares released at start-up: a loop under mpiddp.Optimizer recovers from a lost rank "
+                        "but does not grow back (its position is in its own variables, where a new rank cannot "
+                        "start from), so the %d hot spare%s on %s end%s now and a lost rank leaves the job at "
+                        "reduced size; to grow back, hand the loop to mpiddp.run_recoverable (its State holds the "
+                        "position), else run without hot spares", count, "" if count == 1 else "s",
+                        ", ".join(hosts), "s" if count == 1 else "")
+        recovery.grower.give_up_spares()
+        release_spares("released at start-up: the script's loop under mpiddp.Optimizer does not grow back (rank 0 "
+                       "says why)")
 
     def wait_for_every_rank(self, dist: Dist) -> None:
         """Collective, once this rank's script has finished: wait, asleep, until every rank's has. Under in-job

@@ -305,6 +305,11 @@ class GrowBack:
         """Whether the job was given spare hosts (or named them wrongly) and has not said why it does not grow."""
         return bool(self.spares) or (self.off is not None and not self.said_off)
 
+    def give_up_spares(self) -> None:
+        """The job released its hot spares while it runs on (a loop that never grows back: said once, at start-up):
+        nothing more is tried, nor said, about growing back."""
+        self.spares, self.off = [], "said"
+
     def stop_growing(self, dist: Dist, reason: str) -> None:
         if dist.is_main:  # a local log line, no collective
             log.warning("not growing back: %s; the job goes on with %d ranks", reason, dist.world_size)

@@ -381,6 +381,9 @@ def wait_to_join() -> MPI.Intracomm:
                 pass
             continue
         if word[0] != "join":
+            if len(word) > 1:  # released while the job runs on: it ends at once (end_released_spare)
+                spares.released = str(word[1])
+                raise SpareReleased(spares.released)
             raise SpareReleased("the job ended")
         # a process lost between the shrink and the group leaves MPI_Comm_create_group waiting (measured): the
         # survivors' bound ends the job then (grow.SPAWN_TIMEOUT_S), and this spare must not outlive it
@@ -412,12 +415,18 @@ def _every_worker_failed(spares: SpareWorld) -> bool:
 
 def end_released_spare() -> None:
     """A hot spare released without a grow ends: with MPI_Finalize in a job that lost no process, else at once
-    (MPI_Finalize's fence would wait for the processes that ended without it, measured)."""
+    (MPI_Finalize's fence would wait for the processes that ended without it, measured). One released while the
+    job runs on (spares.released) ends at once too, saying so: MPI_Finalize's fence would hold it until the
+    workers' end (measured: its MPI_Finalize returned after theirs), and under --with-ft ulfm its exit without
+    MPI_Finalize leaves mpirun's status and the workers' own MPI_Finalize as they were (measured, status 0)."""
     spares = spare_world()
     if spares is None:
         return
+    if spares.released:
+        print(f"mpiddp: this hot spare (pid {os.getpid()} on {socket.gethostname()}) ends: {spares.released}",
+              file=sys.stderr, flush=True)
     failed = spares.world.Get_failed()  # this spare may have been told before it heard of a failure
-    if spares.failures_seen or failed.Get_size():
+    if spares.released or spares.failures_seen or failed.Get_size():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

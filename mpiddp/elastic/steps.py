@@ -197,6 +197,7 @@ class Optimizer(torch.optim.Optimizer):
         self._state = State(model=model.module, optimizer=optimizer)
         self._started = time.time()
         self._generation = model.manager.generation
+        model.manager.release_spares_of_step_loop()  # this loop never grows back: its hot spares go now
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in self._OWN or hasattr(type(self), name):

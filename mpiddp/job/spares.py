@@ -35,6 +35,7 @@ class SpareWorld:
     waits: bool = False  # this process is a spare still waiting (not taken in yet): known without asking MPI
     failures_seen: bool = False  # a spare acknowledged a failed process: it ends with os._exit, not MPI_Finalize
     silent: list[str] = field(default_factory=list)  # rank 0: hosts of spares that did not answer its ping
+    released: str = ""  # a spare the job released before its end: why (it ends at once: end_released_spare)
 
     def spare_hosts(self) -> list[tuple[str, int]]:
         """(host, spares waiting there), in the order they wait: what growing back may take."""
@@ -45,7 +46,8 @@ class SpareWorld:
 
 
 _spares: SpareWorld | None = None
-# a worker's word to every waiting spare: ("join", survivors, chosen, waiting, hosts), ("ping", rank) or ("leave",)
+# a worker's word to every waiting spare: ("join", survivors, chosen, waiting, hosts), ("ping", rank), ("leave",) at
+# the job's end, or ("leave", why) where the job releases its spares while it runs on
 WAKE_TAG = 7704
 BACK_TAG = 7705  # a hot spare's word to every worker that it waits again (its grow was given up)
 PONG_TAG = 7706  # a waiting spare's answer to rank 0's ("ping", rank) on WAKE_TAG
@@ -90,16 +92,19 @@ def is_hot_spare() -> bool:
     return _spares is not None and _spares.this_is_a_spare
 
 
-def release_spares() -> None:
+def release_spares(why: str = "") -> None:
     """A worker that ends: tell every spare still waiting to leave (MPI_Finalize would otherwise wait for them;
     every worker says it, a spare leaves at the first word); never raises. Survivors that end with os._exit say
-    nothing: a spare leaves once every worker failed (mpiddp.elastic.spawning.wait_to_join)."""
+    nothing: a spare leaves once every worker failed (mpiddp.elastic.spawning.wait_to_join). `why`: the job
+    releases its spares while it runs on (it will never take one in): each says it and ends at once. Not
+    collective: every worker calls it at the same point of its script, with the same spares waiting."""
     spares = _spares
     if spares is None or spares.this_is_a_spare:
         return
+    word = ("leave", why) if why else ("leave",)
     for spare in spares.waiting:
         try:
-            spares.world.send(("leave",), dest=spare, tag=WAKE_TAG)
+            spares.world.send(word, dest=spare, tag=WAKE_TAG)
         except Exception:  # noqa: BLE001 - that spare is gone
             pass
     spares.waiting, spares.hosts = [], []
