@@ -57,7 +57,10 @@ def _copied(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
-        return type(value)((key, _copied(item)) for key, item in value.items())
+        copy = value.copy()  # the same kind of dict (an OrderedDict, a defaultdict with its factory)
+        for key, item in value.items():
+            copy[key] = _copied(item)
+        return copy
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         return type(value)(_copied(item) for item in value)
     return value

@@ -350,3 +350,22 @@ def test_state_rebound_to_another_shape_or_dropped_is_bound_again_to_the_old_val
     del run.optimizer.state[second]["velocity"]
     undo.restore()
     assert identical(run.snapshot(), before)
+
+
+def test_take_never_makes_the_cpu_wait_for_the_device(monkeypatch):
+    """What would synchronise with a GPU (a tensor's value read on the CPU, a device synchronise) fails in take()."""
+    make = OPTIMIZERS["adamw-tensor-lr"]()
+    run = Run(make, scaler=cpu_scaler, scheduler=SCHEDULERS["step"])
+    run.step(0)
+    undo = run.undo()
+
+    def synchronises(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("take() waited for the device")
+
+    for name in ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, synchronises)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronises)
+    undo.take()
+    undo.take()
+    monkeypatch.undo()
+    assert undo.held and len(undo._buffers) > len(list(run.model.parameters()))
