@@ -369,3 +369,31 @@ def test_take_never_makes_the_cpu_wait_for_the_device(monkeypatch):
     undo.take()
     monkeypatch.undo()
     assert undo.held and len(undo._buffers) > len(list(run.model.parameters()))
+
+
+def test_the_step_wrappers_optimizer_is_undone_as_its_own(solo_group):
+    """Over mpiddp.Optimizer (param_groups and state are the wrapped optimizer's), with the model inside
+    mpiddp.DistributedDataParallel: what the trainer and a script hand to StepUndo."""
+    from mpiddp import DistributedDataParallel, Optimizer
+
+    model = make_model()
+    wrapped = DistributedDataParallel(model)
+    optimizer = Optimizer(adamw(wrapped.parameters(), foreach=True), wrapped)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(wrapped(batch(0)[0]), batch(0)[1]).backward()
+        optimizer.step()
+
+    def snapshot() -> dict:
+        return copied({"parameters": list(model.parameters()), "buffers": dict(model.named_buffers()),
+                       "state": {index: optimizer.state[p] for index, p in enumerate(model.parameters())}})
+
+    step()
+    before = snapshot()
+    undo = StepUndo(wrapped, optimizer)
+    undo.take()
+    step()
+    assert not identical(snapshot(), before)
+    undo.restore()
+    assert identical(snapshot(), before)
