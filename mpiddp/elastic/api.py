@@ -53,6 +53,7 @@ from mpiddp.job.spares import release_spares, spare_world
 from mpiddp.job.log import chosen_level
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
     from torch.distributed import Work
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -471,6 +472,7 @@ class Manager:
         self.decided = False  # whether this process decided (once, collectively) if it can recover
         self.wrappers: list[weakref.ref[DDP]] = []  # torch's DDP wrappers: a recovery checks they are gone
         self.models: list[weakref.ref[nn.Module]] = []  # mpiddp's wrappers (elastic.steps), rebuilt after a recovery
+        self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # mpiddp.Optimizer: held steps rolled back
         self.generation = 0  # recoveries this process went through: gradients from before the last one are stale
         self.running = 0  # run_recoverable calls under way (one, or none)
 
@@ -601,6 +603,13 @@ class Manager:
 
     def live_models(self) -> list[nn.Module]:
         return [model for ref in self.models if (model := ref()) is not None]
+
+    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """One of mpiddp's optimizers: a recovery rolls back the step each holds under the late commit."""
+        self.optimizers.append(weakref.ref(optimizer))
+
+    def live_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [optimizer for ref in self.optimizers if (optimizer := ref()) is not None]
 
     def watch_gradients(self, ddp: DDP, compression: str = "none") -> DDP:
         """Collective-free: under in-job recovery, DDP's gradient all-reduce runs on the process group as DDP's

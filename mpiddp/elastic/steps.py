@@ -43,7 +43,9 @@ from torch import nn
 
 from mpiddp.elastic.api import Manager, ScriptRecovery, State
 from mpiddp.globalbatch import GlobalBatchError, balanced, share, split, uneven_split
+from mpiddp.elastic.latecommit import LateCommit, late_refusal
 from mpiddp.elastic.membership import MembersLost
+from mpiddp.elastic.undo import StepUndo, room_for
 from mpiddp.job.collective import current
 from mpiddp.job.compression import WatchedAllReduce
 
@@ -180,11 +182,19 @@ class Optimizer(torch.optim.Optimizer):
     otherwise skips it on every survivor alike and recovers in the job (see the module). `model`: the
     mpiddp.DistributedDataParallel it trains (the wrappers whose parameters it holds are all watched). It is a
     torch Optimizer to schedulers and GradScaler: `param_groups`, `state`, `defaults` and every other attribute,
-    read or written, are the optimizer's own. `steps` counts the steps taken, `skipped` the steps skipped."""
+    read or written, are the optimizer's own. `steps` counts the steps taken, `skipped` the steps skipped.
 
-    _OWN = frozenset({"optimizer", "model", "steps", "skipped", "_state", "_started", "_wrappers", "_generation"})
+    `commit="late"` (opt-in; default "strict"): the step does not wait for its all-reduces on the GPU; it is
+    committed at the next step, and on a failure every survivor undoes it from a copy on the device (see
+    mpiddp.elastic.latecommit: one step late costs nothing on the GPU, at the price of a copy of the parameters and
+    the optimizer's state). Call `settle()` before a sync of the script's own with the GPU (`loss.item()`, a save).
+    "auto" is late on GPUs, strict on CPU. Without in-job recovery every mode is the plain optimizer."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: DistributedDataParallel) -> None:  # noqa: D107
+    _OWN = frozenset({"optimizer", "model", "steps", "skipped", "_state", "_started", "_wrappers", "_generation",
+                      "_late", "_strict_next"})
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DistributedDataParallel,
+                 commit: str = "strict") -> None:  # noqa: D107
         if not isinstance(model, DistributedDataParallel):
             raise TypeError("mpiddp.Optimizer(optimizer, model): model must be an mpiddp.DistributedDataParallel "
                             f"(from mpiddp import DistributedDataParallel), not {type(model).__name__}")
@@ -197,7 +207,31 @@ class Optimizer(torch.optim.Optimizer):
         self._state = State(model=model.module, optimizer=optimizer)
         self._started = time.time()
         self._generation = model.manager.generation
+        self._late = self._arm_late_commit(commit)
+        self._strict_next = True  # the first step, and the first after a recovery: DDP's first over a process group
+        model.manager.track_optimizer(self)
         model.manager.release_spares_of_step_loop()  # this loop never grows back: its hot spares go now
+
+    def _arm_late_commit(self, mode: str) -> LateCommit | None:
+        """`commit="late"`: each step committed one step late (mpiddp.elastic.latecommit), where in-job recovery is
+        on and the undo copy fits; one line on rank 0 says which mode is in force. None: each step waits for its
+        all-reduces before the optimizer step (strict). Opt-in here, as a script that syncs with the GPU every step
+        (`loss.item()`) gains nothing from it, and must call `settle()` before such a sync."""
+        late_refusal(mode, "cpu", None)  # an unknown mode is an error with or without recovery
+        if self.model._recovery is None:
+            return None
+        undo = StepUndo(self.model.module, self.optimizer)
+        device = next((p.device for group in self.optimizer.param_groups for p in group["params"]), None)
+        device_type = device.type if device is not None else "cpu"
+        refusal = late_refusal(mode, device_type, room_for(undo) if mode != "strict" else None)
+        if tdist.get_rank() == 0:  # a local log line, no collective
+            if refusal is None:
+                log.info("in-job recovery: each step commits one step late (an undo copy of %.1f MB on %s)",
+                         undo.device_bytes() / 2**20, device_type)
+            elif mode != "strict":
+                log.warning("in-job recovery: not committing late (%s): each step waits for its all-reduces",
+                            refusal)
+        return None if refusal is not None else LateCommit(self.model._recovery.members, undo)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in self._OWN or hasattr(type(self), name):
@@ -241,8 +275,11 @@ class Optimizer(torch.optim.Optimizer):
         generation = self.model.manager.generation
         if self._generation != generation:  # its gradients were made before a recovery: on every survivor
             self._generation = generation
+            self._strict_next = True
             self._skip()
             return None
+        if self._late is not None and not self._strict_next:
+            return self._late_step(recovery, wrappers, args, kwargs)
         lost = None
         for wrapper in wrappers:
             lost = wrapper.watch.settle() or lost
@@ -250,9 +287,45 @@ class Optimizer(torch.optim.Optimizer):
         for wrapper in wrappers:
             wrapper.watch.new_step()
         if completed:
+            self._strict_next = False
             return self._take(*args, **kwargs)
         self._skip_and_recover(recovery, lost)
         return None
+
+    def _late_step(self, recovery: ScriptRecovery, wrappers: list[DistributedDataParallel],
+                   args: tuple[object, ...], kwargs: dict[str, object]) -> object:
+        """The step under the late commit: the held step agreed on (its works long done), this one held (its works
+        unwaited) and taken; where the agreement says a rank failed, both are dropped on every survivor alike."""
+        assert self._late is not None
+        lost = next((wrapper.watch.lost for wrapper in wrappers if wrapper.watch.lost is not None), None)
+        works = [work for wrapper in wrappers for work in wrapper.watch.take_pending()]
+        agreed = self._late.agree(completed_since=lost is None)
+        for wrapper in wrappers:
+            wrapper.watch.new_step()
+        if not agreed:
+            self._skip_and_recover(recovery, lost or self._late.members_lost())
+            return None
+        self._late.hold(works)
+        return self._take(*args, **kwargs)
+
+    def settle(self) -> None:
+        """Under `commit="late"`, before a sync of the script's own with the GPU (`loss.item()`, a save, an
+        evaluation): the held step agreed on now, so the sync cannot wait on an all-reduce a dead peer never
+        finishes; where a rank failed, the survivors recover here. Collective; a no-op in strict mode."""
+        recovery = self.model._recovery
+        if self._late is None or recovery is None or not self._late.holding:
+            return
+        if not self._late.agree():
+            self._skip_and_recover(recovery, self._late.members_lost(), skipping=False)
+
+    def roll_back_held(self) -> bool:
+        """After a failure, on every survivor alike: the step the late commit holds undone (counted skipped).
+        True where one was held."""
+        if self._late is None or not self._late.roll_back():
+            return False
+        self.steps -= 1
+        self.skipped += 1
+        return True
 
     def _take(self, *args: object, **kwargs: object) -> object:
         result = self.optimizer.step(*args, **kwargs)
@@ -265,12 +338,15 @@ class Optimizer(torch.optim.Optimizer):
         self.skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _skip_and_recover(self, recovery: ScriptRecovery, lost: MembersLost | None) -> None:
-        """Collective over the survivors: drop this step, shrink, rebuild every wrapper over the survivors."""
+    def _skip_and_recover(self, recovery: ScriptRecovery, lost: MembersLost | None, skipping: bool = True) -> None:
+        """Collective over the survivors: drop this step (`skipping`) and undo every held one, shrink, rebuild
+        every wrapper over the survivors."""
         manager = self.model.manager
         if lost is None:  # this rank completed the step; another did not (or failed since): the agreement said so
             lost = MembersLost(recovery.members.failed() or (), recovery.members.lost_at or time.time())
-        self.skipped += 1
+        self.skipped += skipping
+        # queued on the device behind the steps they undo: after NCCL's abort they run last
+        undone = sum(optimizer.roll_back_held() for optimizer in _live_optimizers(manager))
         wrappers = _live_wrappers(manager)
         modules = [wrapper.release() for wrapper in wrappers]
         recovery.recover(lost, self._state, self._started)  # syncs the state, drops the step's gradients
@@ -278,10 +354,12 @@ class Optimizer(torch.optim.Optimizer):
             wrapper.rewrap(module)
         manager.generation += 1
         self._generation = manager.generation
+        self._strict_next = True
         self._started = time.time()
         if tdist.get_rank() == 0:  # a local log line, no collective
-            log.warning("in-job recovery: the step a failed rank did not complete was skipped on every survivor "
-                        "(steps taken %d, skipped %d)", self.steps, self.skipped)
+            log.warning("in-job recovery: the step a failed rank did not complete was skipped on every survivor%s "
+                        "(steps taken %d, skipped %d)", " and the step before it undone" if undone else "",
+                        self.steps, self.skipped)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -295,15 +373,21 @@ class Optimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: TorchDict) -> None:
         self.optimizer.add_param_group(param_group)
 
-    def __getstate__(self) -> dict[str, object]:  # the wrappers it watches are this process's: not pickled
-        return {name: value for name, value in self.__dict__.items() if name != "_wrappers"}
+    def __getstate__(self) -> dict[str, object]:  # the wrappers it watches, its late commit: this process's
+        return {name: value for name, value in self.__dict__.items() if name not in ("_wrappers", "_late")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self.__dict__["_wrappers"] = [weakref.ref(self.model)]  # the model loaded with it
+        self.__dict__["_late"] = None  # a loaded copy waits for each step's all-reduces
+        self.__dict__.setdefault("_strict_next", True)
 
     def __repr__(self) -> str:
         return f"mpiddp.Optimizer({self.optimizer!r}, steps={self.steps}, skipped={self.skipped})"
+
+
+def _live_optimizers(manager: Manager) -> list[Optimizer]:
+    return [optimizer for optimizer in manager.live_optimizers() if isinstance(optimizer, Optimizer)]
 
 
 def _live_wrappers(manager: Manager) -> list[DistributedDataParallel]:

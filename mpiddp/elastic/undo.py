@@ -180,8 +180,9 @@ class StepUndo:
         self._slots, self._state_entries, self._group_values, self._scheduler_state = [], [], [], None
 
     def restore(self) -> None:
-        """Put back exactly what `take()` saw, bit for bit; the record is then spent. Call it after the device
-        finished the step (the caller synchronises). RuntimeError where nothing is held."""
+        """Put back exactly what `take()` saw, bit for bit; the record is then spent. Its copies are issued on the
+        current stream, behind the step they undo (never a sync: after a failure they may be queued behind an
+        all-reduce that runs only once NCCL is aborted). RuntimeError where nothing is held."""
         if not self._held:
             raise RuntimeError("StepUndo.restore(): nothing to restore (no take() since the last restore() or "
                                "drop())")

@@ -305,6 +305,12 @@ class WatchedAllReduce(Generic[Lost]):
             for buffer, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 buffer.copy_(synced)
 
+    def take_pending(self) -> list[Work]:
+        """The step's collectives still in flight (GPUs), handed over unwaited: the late commit holds them and
+        waits for them at the next step (mpiddp.elastic.latecommit)."""
+        pending, self.pending = self.pending, []
+        return pending
+
     def settle(self) -> Lost | None:
         """On the main thread once backward returned: the step's collectives done (GPUs: NCCL's work is waited
         for here; CPU: the hook waited), or the failure `absorb` kept (else it raises, before the optimizer uses

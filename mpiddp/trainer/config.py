@@ -185,6 +185,12 @@ class TrainingSettings:
         help="what carries DDP's gradient all-reduce: mpi (MPI_Allreduce in DDP's hook: CPU tensors; the trainer "
         "starts MPI funneled, so on GPUs it is refused), gloo or nccl (torch's process group, the --backend), auto (mpi on CPU "
         "when a start-up probe measures it faster, else the process group)")
+    commit: str = option(
+        "auto", "--commit", group=TRAINING, choices=("auto", "late", "strict"),
+        help="under in-job recovery, when a step's update may use its gradients: strict (the CPU waits for the "
+        "step's all-reduces first: on GPUs 6-12%% of a step), late (committed at the next step, undone on every "
+        "survivor from a copy on the device where a rank failed: free on the GPU, one copy of the parameters and "
+        "optimizer state in memory), auto (late on GPUs where the copy fits, strict on CPU)")
     powersgd_rank: int = option(1, "--powersgd-rank", group=TRAINING, parse=int, at_least=1,
                                 help="PowerSGD: rank of the gradient approximation (higher: closer, more bytes)")
     powersgd_warmup_steps: int = option(10, "--powersgd-warmup-steps", group=TRAINING, parse=int, at_least=2,

@@ -109,6 +109,7 @@ class TrainerPolicy(Policy[Resumed]):
         self.grower: GrowBack = GrowBack.from_env()  # back to full size after a recovery
         # in a step, hung ranks, ranks cut off with a silent host, step: at the shrink
         self._failure: tuple[bool, set[int], set[int], int] = (False, set(), set(), 0)
+        self._undone = 0  # steps the late commit rolled back at the shrink (0 or 1)
 
     @classmethod
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
@@ -214,8 +215,23 @@ class TrainerPolicy(Policy[Resumed]):
         return failure_refusal(self.where, self.stepped, self.dists[0].device_type,
                                cfg.training.grad_compression)
 
+    def arm_commit(self, state: TrainState, dist: Dist) -> None:
+        """The run's commit of each step, strict or one step late (mpiddp.trainer.commit), on `state`."""
+        from mpiddp.trainer.commit import StepCommit
+
+        cfg = self.cfg or self.parts.cfg
+        state.commit = StepCommit.arm(cfg.training.commit, state, self.members, dist.is_main)
+
+    def regrown(self) -> None:
+        """New ranks joined: the first step over the grown process group is settled strictly (DDP's first)."""
+        if self.parts.state.commit is not None:
+            self.parts.state.commit.strict_next = True
+
     def before_shrink(self) -> None:
         parts = self.parts
+        commit = parts.state.commit
+        # the step the late commit holds is undone on every survivor alike, before the furthest one is looked for
+        self._undone = int(commit is not None and commit.roll_back(parts.state))
         # ranks the hang watchdog ended, or cut off with their silent host (before it follows the survivors)
         hung, silent = set(parts.watchdog.excluded), set(parts.watchdog.silenced)
         self._failure = (self.in_step, hung, silent, parts.state.step)
@@ -248,7 +264,7 @@ class TrainerPolicy(Policy[Resumed]):
             "time": time.time(),  # launch weighs it against the failure records' times (the end decided before it?)
             "cause": "hang" if hung & set(failed) else "silent_host" if silent & set(failed) else "process_failed",
             "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
-            "steps_lost": 1 if in_step and not caught_up else 0,
+            "steps_lost": (1 if in_step and not caught_up else 0) + self._undone,
             "world_before": before.world_size, "world_after": dist.world_size, "phases": phases,
         })
         # a grow whose first step never came (this failure struck first) has no stand-still: never this recovery's
@@ -348,6 +364,8 @@ class TrainerPolicy(Policy[Resumed]):
         cfg, loaders, done = self.cfg or self.parts.cfg, self.parts.loaders, self.parts.state.batches_done
         split, never = split_for_growth(cfg, self.parts.cfg, world, grown, done, global_batch=loaders.samples_per_step,
                                         position=loaders.position(done), epoch_samples=loaders.epoch_end)
+        if never is None and split is not None and self.parts.state.commit is not None:
+            self.parts.state.commit.settle()  # the new ranks take the state: the held step agreed on first
         return f"{never}: the job cannot keep its global batch on {grown} ranks" if never is not None else split
 
     @staticmethod

@@ -150,6 +150,7 @@ class Joined:
         recovery.changed_size()  # the grow's first step is this rank's too
         recovery.parts = TrainingParts(cfg, state, self.loaders, self.datasets, self.watchdog, None, self.run_dir,
                                        saver)
+        recovery.arm_commit(state, dist)
         try:
             return train(self.current, state, self.loaders, dist, recovery.hooks(hooks), joined=True)
         finally:

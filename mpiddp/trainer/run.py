@@ -205,6 +205,7 @@ def run(cfg: Config, dist: Dist, run_dir: Path, stop: StopRequest, startup: Star
                       watchdog.enter)
         if recovery is not None:
             recovery.parts = TrainingParts(cfg, state, loaders, datasets, watchdog, guard, run_dir, saver)
+            recovery.arm_commit(state, dist)
             hooks = recovery.hooks(hooks)
         outcome = train(cfg, state, loaders, dist, hooks)
     finally:

@@ -26,7 +26,7 @@ RUN_LOCAL_SETTINGS = frozenset({
     "wandb_project", "wandb_name", "wandb_group", "wandb_tags", "log_every", "throughput_warmup_steps", "progress",
     "log_level", "master_addr", "iface", "rendezvous_timeout_s", "collective_timeout_s", "hang_timeout_s",
     "num_threads", "inject_fault", "save_interval_s", "data_dir", "download", "num_workers", "worker_start_method",
-    "eval_batch_size", "device", "backend",
+    "eval_batch_size", "device", "backend", "commit",
 })
 # Settings whose change makes the snapshot's state unusable: another model, optimizer state or loss scaling, or
 # (the seed) another train/eval split and data order, which the restored position and RNG streams belong to.

@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from mpiddp.errors import UserError
 from mpiddp.job import compression
 from mpiddp.job.collective import Dist
 from mpiddp.trainer.config import Config, TrainingSettings
+
+if TYPE_CHECKING:
+    from mpiddp.trainer.commit import StepCommit
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     gradient_hook: compression.GradientHook | None = None  # the all-reduce: PowerSGD's state, the clock's signal
+    commit: StepCommit | None = None  # when the optimizer step may use the step's gradients (in-job recovery)
     epoch: int = 0  # completed epochs
     step: int = 0  # completed optimizer steps
     batches_done: int = 0  # batches already trained in epoch `epoch + 1` (a run stopped part-way)

@@ -160,8 +160,10 @@ def train_step(
             state.scaler.scale(scaled).backward()
         loss_sum += loss.detach().float() * len(targets)
         images += len(targets)
-    if state.gradient_hook is not None:
-        state.gradient_hook.settle()  # GPU under in-job recovery: a dead peer is noticed here, on the main thread
+    if state.commit is not None:  # in-job recovery: a dead peer noticed here (strict), or at the next step (late)
+        state.commit.before_step(state)
+    elif state.gradient_hook is not None:
+        state.gradient_hook.settle()
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
@@ -318,15 +320,24 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
             log_window(meters, dist, state, hooks, epoch, progress)
         if save_due:
             save_by_time(state, hooks, batches_seen, epoch_batches)
+    settle(state)
     meters.account()
     progress.close()
     return meters.totals, meters.durations
+
+
+def settle(state: TrainState) -> None:
+    """Collective, where the loop syncs with the GPU (a metric line, a save, the epoch's end): a step held by the
+    late commit agreed on first (mpiddp.trainer.commit), so no sync waits on an all-reduce a dead peer left."""
+    if state.commit is not None:
+        state.commit.settle()
 
 
 def save_by_time(state: TrainState, hooks: Hooks, batches_seen: int, epoch_batches: int) -> None:
     """Collective, where every rank agreed rank 0's clock called for a snapshot (--save-interval): mid-epoch it
     saves now, resumed as a stop's is; on the epoch's last step the epoch's own snapshot, after its evaluation, is
     the one, not a copy before it."""
+    settle(state)
     if batches_seen < epoch_batches:
         state.batches_done = batches_seen
         hooks.save_now(state)
@@ -336,6 +347,7 @@ def save_by_time(state: TrainState, hooks: Hooks, batches_seen: int, epoch_batch
 
 def log_window(meters: EpochMeters, dist: Dist, state: TrainState, hooks: Hooks, epoch: int, progress: Any) -> None:
     """Collective: the metric line for the steps since the last one (the only per-window sync); a new window."""
+    settle(state)
     meters.account()
     record = step_record(meters.window, dist, state, epoch)
     hooks.log.log(record)
@@ -361,6 +373,7 @@ def stop_in_epoch(signum: int, state: TrainState, dist: Dist, hooks: Hooks, epoc
     """Collective: every rank agreed to stop after this step: its metric line when one is due (before the save:
     the resume starts after this step, so a line written later would be lost with a stop), then save where the
     epoch stands, raise Stopped."""
+    settle(state)
     if state.step % log_every == 0 and meters.logged_step < state.step:
         log_window(meters, dist, state, hooks, epoch, NullProgress())  # the caller closed the bar
     state.batches_done = batches_seen

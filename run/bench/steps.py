@@ -7,8 +7,9 @@
   cost      nothing fails: iterations per second with the wrappers against torch's DDP and the optimizer itself,
             interleaved pairs (A B, A B, ...), the median of the per-pair ratios
 
-usage: python run/bench/steps.py [--repeats 5] [--width 512] [--iterations 200]
-Writes run/bench/results/only-steps.json. Not timed in any test: numbers for the docs.
+usage: python run/bench/steps.py [--repeats 5] [--width 512] [--iterations 200] [--commit late]
+Writes run/bench/results/only-steps.json (--commit late: only-steps-late.json, the wrappers' late commit, forced on
+CPU). Not timed in any test: numbers for the docs.
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--commit", default="strict", choices=("strict", "late"))
     args = parser.parse_args()
+    commit = ("--commit", args.commit)
     downtimes, recovery_lines = [], []
     for _ in range(args.repeats):
-        lines, output = run(60, args.width, "--kill", "1:30")
+        lines, output = run(60, args.width, "--kill", "1:30", *commit)
         killed = next(line["killed"] for line in lines[1] if "killed" in line)
         steps = [line for line in lines[0] if "iteration" in line]
         durations = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])]
@@ -66,17 +69,18 @@ def main() -> None:
         recovery_lines += [line for line in output.splitlines() if "state sync" in line]
     pairs = []
     for _ in range(args.repeats):
-        wrapped, _ = run(args.iterations, args.width)
+        wrapped, _ = run(args.iterations, args.width, *commit)
         plain, _ = run(args.iterations, args.width, "--plain")
         pairs.append((rate(wrapped), rate(plain)))
     result = {
-        "machine": f"{os.cpu_count()} CPU cores", "ranks": 3, "width": args.width,
+        "machine": f"{os.cpu_count()} CPU cores", "ranks": 3, "width": args.width, "commit": args.commit,
         "downtime_s": {"median": statistics.median(downtimes), "runs": downtimes},
         "recovery_lines": recovery_lines,
         "cost": {"wrapped_iterations_per_s": [a for a, _ in pairs], "plain_iterations_per_s": [b for _, b in pairs],
                  "median_ratio": statistics.median(a / b for a, b in pairs)},
     }
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
+    out = OUT if args.commit == "strict" else OUT.with_name(f"only-steps-{args.commit}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"downtime_median_s": result["downtime_s"]["median"], "cost_ratio": result["cost"]["median_ratio"]}))
 
 

@@ -402,3 +402,23 @@ def test_rank_0_killed_during_a_save_then_a_stop_and_resume_continue_from_a_comp
     starts = [r for r in metrics(job.run_dir) if r["kind"] == "start"]
     assert starts[-1]["resumed_from"] == str(checkpoints / lineage[-1]) and starts[-1]["step"] == stopped.step
     assert [r["step"] for r in metrics(job.run_dir) if r["kind"] == "epoch"] == [30, 60]
+
+
+def test_under_the_late_commit_the_held_step_is_undone_on_every_survivor_and_trained_again(hosts, tmp_path):
+    """--commit late on CPU runs the GPU's late commit: rank 1 dies right after its step 5, before the survivors
+    agree on it (at step 6; no metric line before step 10 settles it earlier). They undo step 5 from their copy
+    (step and position with it), recover at step 4 and train step 5 again: every step once, and the recovery
+    counts the step undone as lost."""
+    job = Job(hosts, tmp_path, "--grad-transport", "gloo", "--commit", "late", "--log-every", "10",
+              "--inject-fault", "kill:1:5")
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-5000:]
+    assert "each step commits one step late (--commit late" in output, output[-3000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    (recovery,) = summary["recoveries"]
+    assert (recovery["step"], recovery["steps_lost"], recovery["world_after"]) == (4, 1, 2), recovery
+    records = metrics(job.run_dir)
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(10, 61, 10)), records
+    # summary.json's steps are the steps run and timed: the undone one ran too, so 61 for the run's 60
+    assert summary["steps"] == 61 and summary["eval_accuracy"] > 0.8, summary

@@ -2,16 +2,19 @@
 in-job recovery tests, under `mpirun --with-ft ulfm ... python -m mpiddp run`.
 
 argv: OUT_DIR ITERATIONS [--accumulate K] [--kill RANK:ITERATION[:MICRO]] [--width N] [--plain] [--device cuda]
-      [--batchnorm] [--kill-before-forward]
+      [--batchnorm] [--kill-before-forward] [--commit late] [--kill-after-step RANK:ITERATION]
 The victim SIGKILLs itself in that iteration (and micro-batch), after its forward: its peers then wait for it in
 the gradient all-reduce (or, during accumulation, in the next one); with --kill-before-forward before it, so that
 with --batchnorm (a model with BatchNorm buffers, which DDP broadcasts from rank 0 before each forward) and rank 0
 the victim, they wait for it in that broadcast. Each rank appends to OUT_DIR/rank<R>.jsonl
-(R: its rank at start) one line per iteration, {iteration, rank, world, pid, steps, skipped, time}, the victim
+(R: its rank at start) one line per iteration, {iteration, rank, world, pid, steps, skipped, time, start} (start:
+the parameters' and momentum's sum at the iteration's start), the victim
 {killed: time} just before its end, and at the end
 {done, iterations, steps, skipped, checksum, buffers} (checksum: the parameters' and momentum's sum, to compare
 ranks; buffers: the sum of this rank's buffers).
---plain: torch's DDP and the optimizer itself (what the wrappers cost, run/bench/steps.py); --width: the model's.
+--kill-after-step: the victim ends itself once that iteration's optimizer step is taken (late commit: before the
+agreement on it), and each line's `start` is set. --plain: torch's DDP and the optimizer itself (what the wrappers
+cost, run/bench/steps.py); --width: the model's.
 """
 
 import argparse
@@ -36,6 +39,8 @@ parser.add_argument("--plain", action="store_true")
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 parser.add_argument("--batchnorm", action="store_true")
 parser.add_argument("--kill-before-forward", action="store_true")
+parser.add_argument("--kill-after-step", default="")
+parser.add_argument("--commit", default="strict")
 parser.add_argument("--second-model", choices=["own-optimizer", "shared-optimizer"],
                     help="a second wrapped model (a GAN's two, or one optimizer over both)")
 args = parser.parse_args()
@@ -54,7 +59,8 @@ if args.plain:
     optimizer.steps = optimizer.skipped = 0
 else:
     ddp = mpiddp.DistributedDataParallel(model)
-    optimizer = mpiddp.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), ddp)
+    optimizer = mpiddp.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), ddp, commit=args.commit)
+after_victim, after_at = map(int, args.kill_after_step.split(":")) if args.kill_after_step else (-1, -1)
 second = second_ddp = second_optimizer = None
 if args.second_model:
     second = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)).to(args.device)
@@ -68,12 +74,18 @@ generator = torch.Generator().manual_seed(start_rank)
 out = open(os.path.join(args.out_dir, f"rank{start_rank}.jsonl"), "a")
 
 
+def digest():
+    momentum = sum(float(state["momentum_buffer"].double().sum()) for state in optimizer.state.values())
+    return sum(float(p.detach().double().sum()) for p in model.parameters()) + momentum
+
+
 def note(**record):
     out.write(json.dumps(record) + "\n")
     out.flush()
 
 
 for iteration in range(args.iterations):
+    start = digest() if args.kill_after_step else None  # a sync with the device: only where a test reads it
     optimizer.zero_grad()
     for micro in range(args.accumulate):
         inputs = torch.randn(64, 32, generator=generator).to(args.device)
@@ -103,8 +115,13 @@ for iteration in range(args.iterations):
     if args.plain:
         optimizer.steps += 1
     note(iteration=iteration, rank=dist.get_rank(), world=dist.get_world_size(), pid=os.getpid(),
-         steps=optimizer.steps, skipped=optimizer.skipped, time=time.time())
+         steps=optimizer.steps, skipped=optimizer.skipped, time=time.time(), start=start)
+    if start_rank == after_victim and iteration == after_at:
+        note(killed=time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
 
+if hasattr(optimizer, "settle"):
+    optimizer.settle()
 momentum = sum(float(state["momentum_buffer"].sum()) for state in optimizer.state.values())
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters()) + momentum
 buffers = sum(float(b.detach().double().sum()) for b in model.buffers())  # a rank's own: its last forward's data

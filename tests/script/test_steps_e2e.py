@@ -239,3 +239,28 @@ def test_a_rank_lost_in_the_batchnorm_broadcast_is_recovered(tmp_path):
     finals = [line for rank in (1, 2) for line in lines_of(out, rank) if line.get("done")]
     assert [(final["steps"], final["skipped"]) for final in finals] == [(ITERATIONS - 1, 1)] * 2, finals
     assert len({final["checksum"] for final in finals}) == 1, finals
+
+
+def test_under_the_late_commit_a_rank_lost_after_its_step_is_undone_on_every_survivor(tmp_path):
+    """commit="late" on CPU runs the GPU's late commit (the step not waited for, agreed on at the next one): rank 1
+    dies once its step 5 is taken, before the agreement on it. The survivors undo step 5 from their copy and skip
+    step 6: each goes on from the very state it held before step 5 (not the one after it, which the strict wait
+    keeps), the same on both, and the job finishes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = run_job([str(PROGRAM), str(out), str(ITERATIONS), "--commit", "late", "--kill-after-step", "1:5"], tmp_path)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-5000:]
+    starts = {}
+    for rank in (0, 2):
+        lines = lines_of(out, rank)
+        steps = {line["iteration"]: line for line in lines if "iteration" in line}
+        assert sorted(steps) == list(range(ITERATIONS)), lines
+        (final,) = [line for line in lines if line.get("done")]
+        assert (final["steps"], final["skipped"]) == (ITERATIONS - 2, 2), final  # step 5 undone, step 6 skipped
+        assert steps[7]["start"] == steps[5]["start"] != steps[6]["start"], [steps[i] for i in (5, 6, 7)]
+        starts[rank] = [steps[i]["start"] for i in range(ITERATIONS)]
+        assert steps[7]["world"] == RANKS - 1
+    assert starts[0] == starts[2]  # bit for bit the same on both survivors, every step
+    assert "each step commits one step late" in output
+    assert "skipped on every survivor and the step before it undone" in output, output[-3000:]

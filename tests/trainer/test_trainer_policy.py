@@ -60,7 +60,7 @@ def policy_on(dist, run_dir: Path, watchdog=None, cfg=None, step: int = 12, load
     policy.dists, policy.members = [dist], None
     policy.engine = SimpleNamespace(said_reduced=[], initial_world=3)
     policy.engine.say_reduced = policy.engine.said_reduced.append
-    state = SimpleNamespace(step=step, batches_done=0)
+    state = SimpleNamespace(step=step, batches_done=0, commit=None)
     policy.parts = TrainingParts(cfg or config(), state, loaders, None, watchdog or Watchdog(), None, run_dir,
                                  SimpleNamespace(cfg=None, parent=None, wandb_run_id=None))
     return policy
@@ -195,3 +195,42 @@ def test_a_recovery_reruns_the_body_with_the_survivors_config_and_restores_where
     policy.where = "train"
     assert policy.attempt(lambda cfg: cfg.training.batch_size, first, "save") == 24
     assert seen == [(16, "save")] and policy.where == "train"
+
+
+class HeldStep:
+    """The late commit's undo record as the trainer's StepCommit sees it: held, then restored (or not)."""
+
+    def __init__(self) -> None:
+        self.held, self.restored = False, 0
+
+    def take(self) -> None:
+        self.held = True
+
+    def restore(self) -> None:
+        self.restored += 1
+
+    def drop(self) -> None:
+        self.held = False
+
+
+def test_under_the_late_commit_the_held_step_and_its_position_are_undone_before_the_shrink(tmp_path):
+    """Every survivor rolls back the step it holds (mpiddp.trainer.commit) before the furthest one is looked for:
+    the step and position recorded are the ones before it, and it counts as lost; with nothing held, nothing."""
+    from mpiddp.elastic.latecommit import LateCommit
+    from mpiddp.trainer.commit import StepCommit
+
+    policy = policy_on(FakeDist(topology(0, ["a", "b", "c"])), tmp_path, step=12)
+    state = policy.parts.state
+    undo = HeldStep()
+    state.commit = commit = StepCommit(LateCommit(SimpleNamespace(), undo))
+    commit.strict_next = False
+    state.gradient_hook = None
+    state.batches_done = 12
+    commit.before_step(state)  # nothing held yet: no agreement, step 13 held
+    state.step, state.batches_done = 13, 13
+    policy.before_shrink()
+    assert undo.restored == 1 and (state.step, state.batches_done) == (12, 12) and commit.strict_next
+    record = settle(policy, topology(0, ["a", "b", "c"]), (1,), caught_up=True)
+    assert (record["step"], record["steps_lost"]) == (12, 1)
+    policy.before_shrink()  # a second loss with nothing held
+    assert undo.restored == 1 and settle(policy, topology(0, ["a", "b"]), (1,), caught_up=True)["steps_lost"] == 0

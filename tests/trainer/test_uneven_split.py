@@ -42,7 +42,7 @@ def one_step(micro_batches: list[list[int]], inputs, labels, sample_weight) -> t
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES)).double()
     optimizer = Recorded(model)
-    state = SimpleNamespace(model=model, ddp=SimpleNamespace(no_sync=nullcontext), gradient_hook=None,
+    state = SimpleNamespace(model=model, ddp=SimpleNamespace(no_sync=nullcontext), gradient_hook=None, commit=None,
                             scaler=torch.amp.GradScaler("cpu", enabled=False), optimizer=optimizer,
                             scheduler=SimpleNamespace(step=lambda: None), step=0)
     batches = [(inputs[indices], labels[indices]) for indices in micro_batches]
