@@ -264,6 +264,15 @@ def ft_cost_comparisons(repeats: int, work: Path) -> list[dict]:
         row["step_s"] = {"on": statistics.median(r["step_s"] for r in on),
                          "off": statistics.median(r["step_s"] for r in off)}
         rows.append(row)
+    # the late commit (on GPUs by default; forced here): its undo copy and one agreement a step, against the wait
+    flags = (*plain, *TRANSPORTS["gloo"])
+    late, strict = interleave(repeats, lambda: synthetic(2, work, TRANSPORT_STEPS, *flags, "--commit", "late",
+                                                         mpirun_args=FAULT_TOLERANT),
+                              lambda: synthetic(2, work, TRANSPORT_STEPS, *flags, "--commit", "strict",
+                                                mpirun_args=FAULT_TOLERANT))
+    rows.append(compare("in-job recovery on: --commit late vs strict, throughput, --grad-transport gloo (CPU)",
+                        "images_per_second", "--commit late", late, "--commit strict", strict)
+                | {"target": "a CPU's copy costs; a GPU's is overlapped (run/gpu/prove.sh ft_cost)"})
     one_step = (*synthetic_flags(1), "--throughput-warmup-steps", "0")
     on, off = interleave(repeats, lambda: mpiddp(2, work, *one_step, mpirun_args=FAULT_TOLERANT),
                          lambda: mpiddp(2, work, *one_step))
