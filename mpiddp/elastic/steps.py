@@ -368,9 +368,11 @@ class Optimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: TorchDict) -> None:
+        self.settle()  # a held step's undo record would put its pre-step values back over the loaded ones
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: TorchDict) -> None:
+        self.settle()  # a held step's undo record knows the groups there were at its step: agreed on first
         self.optimizer.add_param_group(param_group)
 
     def __getstate__(self) -> dict[str, object]:  # the wrappers it watches, its late commit: this process's

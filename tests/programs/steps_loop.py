@@ -67,9 +67,10 @@ if args.second_model:
     second_ddp = mpiddp.DistributedDataParallel(second)
     if args.second_model == "shared-optimizer":
         optimizer = mpiddp.Optimizer(torch.optim.SGD([*model.parameters(), *second.parameters()], lr=0.05,
-                                                     momentum=0.9), ddp)
+                                                     momentum=0.9), ddp, commit=args.commit)
     else:
-        second_optimizer = mpiddp.Optimizer(torch.optim.SGD(second_ddp.parameters(), lr=0.05), second_ddp)
+        second_optimizer = mpiddp.Optimizer(torch.optim.SGD(second_ddp.parameters(), lr=0.05), second_ddp,
+                                            commit=args.commit)
 generator = torch.Generator().manual_seed(start_rank)
 out = open(os.path.join(args.out_dir, f"rank{start_rank}.jsonl"), "a")
 
@@ -120,8 +121,9 @@ for iteration in range(args.iterations):
         note(killed=time.time())
         os.kill(os.getpid(), signal.SIGKILL)
 
-if hasattr(optimizer, "settle"):
-    optimizer.settle()
+for held in (optimizer, second_optimizer):
+    if hasattr(held, "settle"):
+        held.settle()
 momentum = sum(float(state["momentum_buffer"].sum()) for state in optimizer.state.values())
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters()) + momentum
 buffers = sum(float(b.detach().double().sum()) for b in model.buffers())  # a rank's own: its last forward's data
