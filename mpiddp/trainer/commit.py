@@ -13,6 +13,7 @@ Settled strictly where the loop syncs with the GPU anyway: a metric line, a save
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from mpiddp.elastic.latecommit import LateCommit, late_refusal
@@ -68,6 +69,7 @@ class StepCommit:
         self.strict_next = True  # the first step over a process group is settled strictly
         self.position = (0, 0)  # the loop's (step, batches_done) before the held step
         self.undone = 0  # held steps rolled back (summary.json's recoveries count them as lost)
+        self._uncount: Callable[[], None] | None = None  # takes the held step out of the epoch's meters
 
     @classmethod
     def arm(cls, mode: str, state: TrainState, members: Membership | None, is_main: bool) -> StepCommit:
@@ -100,7 +102,12 @@ class StepCommit:
         if not self.late.agree():
             raise self.late.members_lost()
         self.position = (state.step, state.batches_done)
+        self._uncount = None
         self.late.hold(works)
+
+    def counted(self, uncount: Callable[[], None]) -> None:
+        """The loop counted the step it just took in its meters; `uncount()` takes it out again."""
+        self._uncount = uncount if self.late is not None and self.late.holding else None
 
     def settle(self) -> None:
         """Collective, where the loop syncs with the GPU: the held step agreed on now (MembersLost where a rank
@@ -115,5 +122,8 @@ class StepCommit:
         if self.late is None or not self.late.roll_back():
             return False
         state.step, state.batches_done = self.position
+        if self._uncount is not None:  # trained again after the recovery, and counted then
+            self._uncount()
+            self._uncount = None
         self.undone += 1
         return True

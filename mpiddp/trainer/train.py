@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, NoReturn
+from functools import partial
+from typing import TYPE_CHECKING, Any, ContextManager, NoReturn
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from mpiddp.trainer.metrics import RunLogger
 from mpiddp.trainer.saveclock import SaveClock
 from mpiddp.trainer.state import TrainState, optimizer_steps_per_epoch
 from mpiddp.trainer.steptime import StepClock, StepDurations, StepTime
+
+if TYPE_CHECKING:
+    from mpiddp.trainer.commit import StepCommit
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,11 @@ class Meter:
     def add(self, loss_sum: torch.Tensor, images: int) -> None:
         self.loss += loss_sum
         self.images += images
+
+    def take_back(self, loss_sum: torch.Tensor, images: int) -> None:
+        """A step counted, then undone (the late commit's rollback): it is trained again and counted then."""
+        self.loss -= loss_sum
+        self.images -= images
 
     def reduced(self, dist: Dist) -> tuple[float, int, float]:
         """Collective: (mean loss per image, images, seconds of the slowest rank) over the whole job."""
@@ -240,9 +249,16 @@ class EpochMeters:
     def on(cls, device: torch.device, timing: RankTiming, step: int) -> EpochMeters:
         return cls(StepClock(device), timing, Meter.on(device), Meter.on(device), step)
 
-    def add(self, loss_sum: torch.Tensor, images: int) -> None:
+    def add(self, loss_sum: torch.Tensor, images: int, commit: StepCommit | None = None) -> None:
+        """A step's loss and images; `commit`: the late commit, told how to take them out if it undoes the step."""
         self.totals.add(loss_sum, images)
         self.window.add(loss_sum, images)
+        if commit is not None:
+            commit.counted(partial(self.take_back, loss_sum, images))
+
+    def take_back(self, loss_sum: torch.Tensor, images: int) -> None:
+        self.totals.take_back(loss_sum, images)
+        self.window.take_back(loss_sum, images)
 
     def account(self) -> None:
         """Read the clock (on a GPU this waits for the device: only where the loop syncs anyway)."""
@@ -307,7 +323,7 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
         hooks.callbacks.on_step_end(state.step)
         batches_seen += len(group)
         state.batches_done = batches_seen  # where in-job recovery continues the epoch
-        meters.add(loss_sum, images)
+        meters.add(loss_sum, images, state.commit)
         progress.update(1)
         hooks.heartbeat("train", state.step)
         # One reduction per step carries both the stop signal and rank 0's clock's call for a snapshot.

@@ -420,5 +420,9 @@ def test_under_the_late_commit_the_held_step_is_undone_on_every_survivor_and_tra
     assert (recovery["step"], recovery["steps_lost"], recovery["world_after"]) == (4, 1, 2), recovery
     records = metrics(job.run_dir)
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(10, 61, 10)), records
+    # epoch 1's images: each survivor's 4 x 16 before the failure (step 5's, undone, taken back out), then from
+    # sample 192 (4 steps x 48) 51 batches of 12 to sample 1416: 2 x (64 + 612); counting step 5 twice gives 1384
+    first = next(r for r in records if r["kind"] == "epoch")
+    assert round(first["images_per_second"] * first["epoch_time_s"]) == 1352, first
     # summary.json's steps are the steps run and timed: the undone one ran too, so 61 for the run's 60
     assert summary["steps"] == 61 and summary["eval_accuracy"] > 0.8, summary
