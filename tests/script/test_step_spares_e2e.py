@@ -80,7 +80,6 @@ def test_a_step_wrapper_loop_releases_its_hot_spare_at_start_up_and_the_job_trai
     assert status == 0, output[-5000:]
     assert output.count(SAID) == 1, output[-5000:]  # once, by rank 0, at start-up
     assert "to grow back, hand the loop to mpiddp.run_recoverable" in output
-    assert output.index(SAID) < output.index("mpiddp: this hot spare (pid")  # said as it was released
     assert "not growing back" not in output and "growing back:" not in output, output[-5000:]  # not said again
     assert len(SPARE_ENDS.findall(output)) == 1
     victim = int(kill.split(":")[0]) if kill else None
