@@ -8,6 +8,7 @@ Public API for your own scripts (importing mpiddp never initialises MPI):
     mpiddp.run_recoverable(train, state)          # train(state) runs again on the survivors when a rank dies
     ddp = mpiddp.DistributedDataParallel(model)   # or keep your loop: torch's DDP that survives a recovery,
     optimizer = mpiddp.Optimizer(optimizer, ddp)  # and an optimizer whose step() skips a step a rank failed
+    mpiddp.keep(globals(), "iter_num")            # the loop's position, for a new rank to grow back into
 
 The names load on first use (PEP 562): `import mpiddp` alone, or `python -m mpiddp launch`, loads no numpy,
 mpi4py or torch.
@@ -23,8 +24,8 @@ from mpiddp.version import __version__
 
 if TYPE_CHECKING:
     from mpiddp.script.api import init
-    from mpiddp.script.recovery import (MembershipChange, State, on_membership_change, run_recoverable, wait,
-                                        watch_gradients)
+    from mpiddp.script.recovery import (MembershipChange, State, keep, on_membership_change, run_recoverable,
+                                        wait, watch_gradients)
     from mpiddp.script.wrappers import (BatchShare, DistributedDataParallel, Optimizer, share_global_batch,
                                         split_global_batch)
     from mpiddp.job.collective import Dist, Rendezvous
@@ -32,14 +33,15 @@ if TYPE_CHECKING:
     from mpiddp.job.transport import comm_hook
 
 __all__ = ["AgreedError", "BatchShare", "Dist", "DistributedDataParallel", "MembershipChange", "Optimizer",
-           "Rendezvous", "State", "Topology", "UserError", "__version__", "comm_hook", "init", "on_membership_change",
-           "run_recoverable", "setup_logging", "share_global_batch", "split_global_batch", "wait", "watch_gradients"]
+           "Rendezvous", "State", "Topology", "UserError", "__version__", "comm_hook", "init", "keep",
+           "on_membership_change", "run_recoverable", "setup_logging", "share_global_batch", "split_global_batch", "wait",
+           "watch_gradients"]
 
 # Lazy: `python -m mpiddp` imports this package before its first line runs, and that line installs the stop
 # handlers; a numpy or torch import here would be a window in which a scheduler's SIGTERM kills a rank.
 _LAZY = {"init": "mpiddp.script.api", "Dist": "mpiddp.job.collective", "Rendezvous": "mpiddp.job.collective",
          "Topology": "mpiddp.job.topology", "comm_hook": "mpiddp.job.transport",
-         **dict.fromkeys(["MembershipChange", "State", "on_membership_change", "run_recoverable", "wait",
+         **dict.fromkeys(["MembershipChange", "State", "keep", "on_membership_change", "run_recoverable", "wait",
                           "watch_gradients"], "mpiddp.script.recovery"),
          **dict.fromkeys(["BatchShare", "DistributedDataParallel", "Optimizer", "share_global_batch",
                           "split_global_batch"], "mpiddp.script.wrappers")}

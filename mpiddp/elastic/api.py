@@ -36,10 +36,10 @@ import os
 import pickle
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar
 
 from mpiddp.elastic.decide import furthest, grow_record, script_refusal
 from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, refused
@@ -93,6 +93,53 @@ class Payload(TypedDict):
     objects: dict[str, object]
     values: dict[str, object]
     commits: int
+
+
+class Kept:
+    """What a torchrun-style loop under mpiddp.Optimizer declared holds its position (`mpiddp.keep`): names of its own
+    variables in a namespace (a module's globals, or an object's attributes). At a grow rank 0 hands their values to
+    the new rank, which writes them into its own namespace as it enters the loop; a value with `state_dict` and
+    `load_state_dict` (a GradScaler, an LR scheduler) is handed over as its state dict and loaded in place."""
+
+    def __init__(self, where: MutableMapping[str, Any] | object, names: tuple[str, ...]) -> None:
+        self.where = where
+        self.names: tuple[str, ...] = ()
+        self.add(names)
+
+    def add(self, names: tuple[str, ...]) -> None:
+        missing = [name for name in names if not self._has(name)]
+        if missing:
+            raise ValueError(f"mpiddp.keep: {', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} "
+                             "not set there yet: call it after the loop's variables are first assigned")
+        self.names = tuple(dict.fromkeys((*self.names, *names)))
+
+    def _has(self, name: str) -> bool:
+        return name in self.where if isinstance(self.where, Mapping) else hasattr(self.where, name)
+
+    def _get(self, name: str) -> Any:
+        return self.where[name] if isinstance(self.where, Mapping) else getattr(self.where, name)
+
+    def values(self) -> dict[str, tuple[str, object]]:
+        """Rank 0's, at a grow: each name's value, or its object's state dict."""
+        taken: dict[str, tuple[str, object]] = {}
+        for name in self.names:
+            value = self._get(name)
+            taken[name] = ("state_dict", value.state_dict()) if _has_state(value) else ("value", value)
+        return taken
+
+    def load(self, taken: dict[str, tuple[str, object]]) -> None:
+        """A new rank, as it joins: rank 0's values written here (objects loaded in place)."""
+        unknown = sorted(set(taken) - set(self.names))
+        if unknown:
+            raise RuntimeError(f"growing back: the survivors keep {', '.join(map(repr, unknown))} (mpiddp.keep), "
+                               "which this rank's script did not declare before its first optimizer step")
+        for name, (kind, value) in taken.items():
+            if kind == "state_dict":
+                self._get(name).load_state_dict(value)
+            elif isinstance(self.where, MutableMapping):
+                self.where[name] = value
+            else:
+                setattr(self.where, name, value)
 
 
 class State:
@@ -249,6 +296,24 @@ class OwnJob:
     joining: Joining | None = None  # this process was spawned by a grow and joined the job (mpiddp.elastic.grow)
 
 
+class StepLoopHooks(Protocol):
+    """What growing back asks of a torchrun-style loop under mpiddp.Optimizer (mpiddp.elastic.steps.StepLoop): the
+    survivors' side, at a step of its first optimizer (the loop's clock)."""
+
+    @property
+    def grows(self) -> bool:
+        """The loop said which of its variables hold its position (mpiddp.keep): a new rank can enter it."""
+
+    def handover(self) -> dict[str, object]:
+        """Rank 0's: every model's and optimizer's state, the steps, the kept variables."""
+
+    def settle_for_grow(self) -> bool:
+        """Collective: every step held under the late commit agreed on; False where a rank failed (recovered)."""
+
+    def rewrap_grown(self) -> None:
+        """Collective over the merged job: every model wrapped again over it."""
+
+
 class ScriptRecovery(Policy):
     """A script's side of the elastic engine (mpiddp.elastic.engine), one per process, made by the first
     `run_recoverable` (collective): what survives (the State), what follows the survivors (init()'s failure
@@ -265,6 +330,7 @@ class ScriptRecovery(Policy):
         self.started = 0.0  # time.time() when the failed call of the training function began
         self.grower = GrowBack.from_env()  # back to full size after a recovery, at a commit
         self.regrowable = False  # run_recoverable's State holds the position new ranks start from
+        self.loop: StepLoopHooks | None = None  # a loop under mpiddp.Optimizer outside run_recoverable
         self._changed_at: float | None = None  # monotonic end of the last change of size, until the next commit
 
     @classmethod
@@ -334,19 +400,43 @@ class ScriptRecovery(Policy):
         self.state = state
         self.grower.at_boundary(self)
 
+    @property
+    def awaiting_join(self) -> bool:
+        """This rank was spawned (or woken) by a grow and has not taken the survivors' state yet."""
+        return self.job.joining is not None
+
+    @property
+    def grows_back(self) -> bool:
+        """A new rank can enter the training: run_recoverable's State, or a step loop that declared its position."""
+        return self.regrowable or (self.loop is not None and self.loop.grows)
+
     def _take_joined_state(self, state: State) -> None:
         """Collective over the merged job (a new rank's half of GrowBack._join): the state a survivor handed over,
         then the callbacks, as on the survivors."""
         from mpiddp.elastic.grow import receive
 
-        joining = self.job.joining
-        assert joining is not None
-        payload = receive(joining)
+        assert self.job.joining is not None
+        payload = receive(self.job.joining)
         state.load(payload["state"])
         state.drop_gradients()
+        self._joined(state.commits)
+
+    def join_step_loop(self, load: Callable[[dict[str, Any]], int]) -> None:
+        """Collective over the merged job (a new rank's half of GrowBack._join for a loop under mpiddp.Optimizer,
+        at its first optimizer step): the loop's state a survivor handed over, given to `load` (which wraps the
+        models again over the merged job and returns the steps the job stands at), then the callbacks."""
+        from mpiddp.elastic.grow import receive
+
+        assert self.job.joining is not None
+        self._joined(load(receive(self.job.joining)["loop"]))
+
+    def _joined(self, commits: int) -> None:
+        """A new rank has the survivors' state: it is one of them from now on; the grow on record, the callbacks."""
+        joining = self.job.joining
+        assert joining is not None
         self.job = dataclasses.replace(self.job, joining=None)
         ranks, hosts, before, _ = joining.added
-        record = grow_record(state.commits, ranks, hosts, before, self.dists[0].world_size, joining.phases)
+        record = grow_record(commits, ranks, hosts, before, self.dists[0].world_size, joining.phases)
         self._changed(MembershipChange(self.dists[0].rank, self.dists[0].world_size, before, (), (), 0,
                                        record["phases"], tuple(ranks), tuple(hosts)))
 
@@ -399,10 +489,10 @@ class ScriptRecovery(Policy):
                         change.world_size, synced, phases["agree_and_shrink"], phases["process_group"],
                         phases["state"])
         self.engine.say_reduced(len(self.changes) == 0)
-        if not self.regrowable and self.grower.offered:
+        if not self.grows_back and self.grower.offered:
             self.grower.stop_growing(dist, "a loop under mpiddp.Optimizer keeps its position in its own variables, "
-                                     "where new ranks cannot start from: growing back needs mpiddp.run_recoverable "
-                                     "(its State holds the position)")
+                                     "which it did not declare: a new rank could not enter it (mpiddp.keep(globals(), "
+                                     "\"iter_num\", ...) declares them; or hand the loop to mpiddp.run_recoverable)")
         self._changed(change)
 
     # -- growing back (mpiddp.elastic.grow): the survivors' side, at a commit --
@@ -414,10 +504,14 @@ class ScriptRecovery(Policy):
     def steps_done(self) -> int:
         return self.state.commits if self.state is not None else 0
 
-    @staticmethod
-    def grow_split(world: int, grown: int) -> int:
+    def grow_split(self, world: int, grown: int) -> int | None:
         """A script re-splits its batch itself (`split_global_batch` in an on_membership_change callback): the
-        grow goes ahead at any commit."""
+        grow goes ahead at any commit. A step loop's take-in first agrees on every step held under the late commit
+        (the state that moves must be committed): where a rank failed meanwhile the survivors recovered, and the
+        grow, given up, is not taken in (None)."""
+        taking_in = self.grower.warming is not None
+        if self.loop is not None and taking_in and not self.loop.settle_for_grow():
+            return None
         return grown
 
     def spawn_command(self) -> list[str]:
@@ -429,11 +523,16 @@ class ScriptRecovery(Policy):
     def follow_watch(self, dist: Dist) -> None:
         self.after_rebind(dist)
 
-    def handover(self, split: int) -> dict[str, Payload]:
+    def handover(self, split: int) -> dict[str, object]:
+        if self.loop is not None:
+            return {"loop": self.loop.handover()}
         assert self.state is not None
         return {"state": self.state.payload()}
 
     def rewrap_grown(self, split: int, dist: Dist) -> None:
+        if self.loop is not None:  # the loop goes on in the same call of its optimizer's step: wrapped again now
+            self.loop.rewrap_grown()
+            return
         assert self.state is not None
         self.state.drop_gradients()  # the script wraps its model again when `train` runs again
 
@@ -474,6 +573,7 @@ class Manager:
         self.models: list[weakref.ref[nn.Module]] = []  # mpiddp's wrappers (elastic.steps), rebuilt after a recovery
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # mpiddp.Optimizer: held steps rolled back
         self.generation = 0  # recoveries this process went through: gradients from before the last one are stale
+        self.kept: Kept | None = None  # the step loop's own variables that hold its position (mpiddp.keep)
         self.running = 0  # run_recoverable calls under way (one, or none)
 
     def on_membership_change(self, callback: Callable[[MembershipChange], None]) -> Callable[[MembershipChange], None]:
@@ -532,33 +632,52 @@ class Manager:
         finally:
             self.running -= 1
 
+    def keep(self, where: MutableMapping[str, Any] | object, names: tuple[str, ...]) -> None:
+        """The step loop's own variables that hold its position (mpiddp.keep): a grow hands them to new ranks."""
+        if self.kept is not None and self.kept.where is not where:
+            raise ValueError("mpiddp.keep: the loop's variables are already kept in another namespace: keep them "
+                             "all in one (the module's globals(), or one object)")
+        if self.kept is None:
+            self.kept = Kept(where, names)
+        else:
+            self.kept.add(names)
+
     def release_spares_of_step_loop(self) -> None:
-        """Every rank, as an mpiddp.Optimizer is built (mpiddp.elastic.steps): where that loop can never grow back,
-        the job's hot spares are released now (each ends at once) and rank 0 says once why and what to do, instead
-        of holding them all run for nothing. Not collective: every rank builds the optimizer at the same point of
-        its script, and what decides (recovery on, run_recoverable running, the spares waiting) is the same on
-        every rank, so each worker sends every spare its word to leave without asking the others."""
+        """Every rank, at the first step of a loop under mpiddp.Optimizer (mpiddp.elastic.steps): where that loop
+        cannot grow back (it did not declare its position: mpiddp.keep), the job's hot spares are released now
+        (each ends at once) and rank 0 says once why and what to do, instead of holding them all run for nothing;
+        spare hosts to spawn onto are given up the same way. Not collective: every rank takes its first step at the
+        same point of its script, and what decides (recovery on, run_recoverable running, the loop's keep, the
+        spares waiting) is the same on every rank, so each worker sends every spare its word to leave without
+        asking the others."""
         recovery, spares = self.recovery, spare_world()
-        # Known here, and not earlier: growing back needs run_recoverable, whose State holds the loop's position
-        # for a new rank to start from; an optimizer built while it is not running steps a loop that keeps its
-        # position in its own variables (and recovers through this optimizer's step, never at a State's commit,
-        # where a grow is taken). The DDP wrapper alone decides nothing: run_recoverable's training function may
-        # wrap its model in it. Without recovery (no ULFM) nothing changes: a spare's exit without MPI_Finalize
-        # would end such a job, and it could never grow back either.
-        if recovery is None or self.running or spares is None or not spares.waiting:
+        # Known at the first step, and not earlier: a new rank enters a loop under mpiddp.Optimizer at its first
+        # step, where it takes the loop's variables the script declared (mpiddp.keep, usually just before the
+        # loop); a loop that declared none keeps its position where a new rank cannot start from. The DDP wrapper
+        # alone decides nothing: run_recoverable's training function may wrap its model in it. Without recovery (no
+        # ULFM) nothing changes: a spare's exit without MPI_Finalize would end such a job, and it could never grow
+        # back either.
+        if recovery is None or self.running or self.kept is not None or not recovery.grower.offered:
             return
-        hosts = sorted(set(spares.hosts))
+        hot = spares is not None and bool(spares.waiting)
         if recovery.dists[0].is_main:  # a local log line, no collective
-            count = len(spares.waiting)
-            log.warning("hot spares released at start-up: a loop under mpiddp.Optimizer recovers from a lost rank "
-                        "but does not grow back (its position is in its own variables, where a new rank cannot "
-                        "start from), so the %d hot spare%s on %s end%s now and a lost rank leaves the job at "
-                        "reduced size; to grow back, hand the loop to mpiddp.run_recoverable (its State holds the "
-                        "position), else run without hot spares", count, "" if count == 1 else "s",
-                        ", ".join(hosts), "s" if count == 1 else "")
+            if hot:
+                hosts, count = sorted(set(spares.hosts)), len(spares.waiting)  # type: ignore[union-attr]
+                ending = (f"the {count} hot spare{'' if count == 1 else 's'} on {', '.join(hosts)} "
+                          f"end{'s' if count == 1 else ''} now")
+            else:
+                ending = "the spare hosts are not used"
+            log.warning("%s: this loop under mpiddp.Optimizer recovers from a lost rank but cannot grow back, as "
+                        "it did not say which of its own variables hold its position (a new rank could not enter "
+                        "it), so %s and a lost rank leaves the job at reduced size; to grow back, declare them before "
+                        "the loop (mpiddp.keep(globals(), \"iter_num\", ...); mpiddp.keep(globals()) where "
+                        "optimizer.steps is the position) or hand the loop to mpiddp.run_recoverable, else run "
+                        "without spares",
+                        "hot spares released at start-up" if hot else "not growing back", ending)
         recovery.grower.give_up_spares()
-        release_spares("released at start-up: the script's loop under mpiddp.Optimizer does not grow back (rank 0 "
-                       "says why)")
+        if hot:
+            release_spares("released at start-up: the script's loop under mpiddp.Optimizer does not grow back (rank "
+                           "0 says why)")
 
     def wait_for_every_rank(self, dist: Dist) -> None:
         """Collective, once this rank's script has finished: wait, asleep, until every rank's has. Under in-job

@@ -42,6 +42,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from mpiddp.elastic.api import Manager, ScriptRecovery, State
+from mpiddp.elastic.grow import Regrown
 from mpiddp.globalbatch import GlobalBatchError, balanced, share, split, uneven_split
 from mpiddp.elastic.latecommit import LateCommit, late_refusal
 from mpiddp.elastic.membership import MembersLost
@@ -82,7 +83,11 @@ class DistributedDataParallel(nn.Module):
             kwargs, self._watched_buffers = _forward_sync_off(kwargs, _ddp_parameters())
         self._sync_next = True  # DDP's rule: after a forward with gradients to reduce (not under no_sync or no_grad)
         self._args, self._kwargs = args, kwargs
-        self.ddp = self._wrap(module)
+        # a rank a grow spawned (or woke) runs the script alone up to the loop's first optimizer step, where it takes
+        # the survivors' state (StepLoop.join): until then torch's wrapper, whose construction is a collective the
+        # survivors make at their take-in, waits
+        joining = self._recovery is not None and self._recovery.awaiting_join
+        self.ddp: nn.Module = Unjoined(module) if joining else self._wrap(module)
         manager.track_model(self)
 
     def __getstate__(self) -> dict[str, object]:
@@ -101,6 +106,8 @@ class DistributedDataParallel(nn.Module):
         return ddp
 
     def forward(self, *args: object, **kwargs: object) -> Any:
+        if isinstance(self.ddp, Unjoined):  # a new rank's warm-up iteration: local, its gradients dropped at the join
+            return self.ddp(*args, **kwargs)
         if self._watched_buffers and self._sync_next and self.watch is not None and tdist.get_world_size() > 1:
             ignored = set(getattr(self.ddp, "parameters_to_ignore", ()))
             buffers = [buffer for name, buffer in self.ddp.module.named_buffers() if name not in ignored]
@@ -152,8 +159,39 @@ class DistributedDataParallel(nn.Module):
     def rewrap(self, module: nn.Module) -> None:
         """Collective over the survivors, once their process group is up: torch's wrapper again, over it."""
         self.ddp = self._wrap(module, replicas_agree=True)
+        self._sync_next = True
         if self.watch is not None:
             self.watch.new_step()
+
+    def join(self) -> None:
+        """A new rank, collective over the merged job with the survivors' rewrap (StepLoop.join): torch's wrapper,
+        now that this rank holds the survivors' weights."""
+        unjoined = self.ddp
+        assert isinstance(unjoined, Unjoined)
+        self.rewrap(unjoined.release())
+        self.ddp.require_backward_grad_sync = unjoined.require_backward_grad_sync
+
+
+class Unjoined(nn.Module):
+    """A new rank's stand-in for torch's DDP wrapper until it joins the survivors (DistributedDataParallel.join):
+    the module itself, run locally (the warm-up iteration before the loop's first optimizer step: the kernels and
+    any compilation warm, its gradients dropped at the join); `no_sync` and `require_backward_grad_sync` as DDP's."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.require_backward_grad_sync = True
+
+    def forward(self, *args: object, **kwargs: object) -> Any:
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def release(self) -> nn.Module:
+        module = self.module
+        del self._modules["module"]
+        return module
 
 
 def _forward_sync_off(kwargs: dict[str, object], parameters: Mapping[str, inspect.Parameter]
@@ -191,7 +229,7 @@ class Optimizer(torch.optim.Optimizer):
     "auto" is late on GPUs, strict on CPU. Without in-job recovery every mode is the plain optimizer."""
 
     _OWN = frozenset({"optimizer", "model", "steps", "skipped", "_state", "_started", "_wrappers", "_generation",
-                      "_late", "_strict_next"})
+                      "_late", "_strict_next", "_loop"})
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: DistributedDataParallel,
                  commit: str = "strict") -> None:  # noqa: D107
@@ -210,7 +248,7 @@ class Optimizer(torch.optim.Optimizer):
         self._late = self._arm_late_commit(commit)
         self._strict_next = True  # the first step, and the first after a recovery: DDP's first over a process group
         model.manager.track_optimizer(self)
-        model.manager.release_spares_of_step_loop()  # this loop never grows back: its hot spares go now
+        self._loop = StepLoop.attach(model.manager, self)  # growing back: the first optimizer is the loop's clock
 
     def _arm_late_commit(self, mode: str) -> LateCommit | None:
         """`commit="late"`: each step committed one step late (mpiddp.elastic.latecommit), where in-job recovery is
@@ -272,6 +310,15 @@ class Optimizer(torch.optim.Optimizer):
         wrappers = [w for ref in self._wrappers if (w := ref()) is not None and w.watch is not None]
         if recovery is None or not wrappers:
             return self._take(*args, **kwargs)
+        loop = self._loop
+        if loop is not None and loop.is_clock(self):
+            if recovery.awaiting_join:  # a new rank's first step: it takes the survivors' state instead (collective)
+                loop.join()
+                return None
+            loop.first_step()
+        elif recovery.awaiting_join:  # another optimizer's step in a new rank's warm-up iteration: nothing to take
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         generation = self.model.manager.generation
         if self._generation != generation:  # its gradients were made before a recovery: on every survivor
             self._generation = generation
@@ -330,9 +377,38 @@ class Optimizer(torch.optim.Optimizer):
     def _take(self, *args: object, **kwargs: object) -> object:
         result = self.optimizer.step(*args, **kwargs)
         self.steps += 1
-        self._state.commit()
+        try:
+            self._state.commit()
+        except Regrown:  # new ranks joined at this step (StepLoop.rewrap_grown): the loop goes on, the job grown
+            pass
         self._started = time.time()
         return result
+
+    def grows_at_steps(self, recovery: ScriptRecovery) -> None:
+        """This optimizer is the loop's clock (StepLoop): a grow is taken in at its steps, once committed."""
+        self._state.at_each_commit(recovery.at_commit)
+
+    def handover(self) -> TorchDict:
+        """Rank 0's at a grow (StepLoop.handover): the optimizer's state and this wrapper's counts."""
+        return {"state": self.optimizer.state_dict(), "steps": self.steps, "skipped": self.skipped,
+                "commits": self._state.commits}
+
+    def take_over(self, handed: TorchDict) -> None:
+        """A new rank, as it joins: rank 0's `handover`; this rank's own warm-up gradients dropped."""
+        self.optimizer.load_state_dict(handed["state"])
+        self.steps, self.skipped = handed["steps"], handed["skipped"]
+        self._state.load({"objects": {}, "values": {}, "commits": handed["commits"]})
+        self.after_grow()
+
+    @property
+    def commits(self) -> int:
+        return self._state.commits
+
+    def after_grow(self) -> None:
+        """Every rank of a grown job: no gradient left from before it, and the next step, DDP's first over the new
+        process group, waits for its all-reduces (strict)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._strict_next = True
 
     def _skip(self) -> None:
         self.skipped += 1
@@ -376,16 +452,116 @@ class Optimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def __getstate__(self) -> dict[str, object]:  # the wrappers it watches, its late commit: this process's
-        return {name: value for name, value in self.__dict__.items() if name not in ("_wrappers", "_late")}
+        return {name: value for name, value in self.__dict__.items() if name not in ("_wrappers", "_late", "_loop")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self.__dict__["_wrappers"] = [weakref.ref(self.model)]  # the model loaded with it
         self.__dict__["_late"] = None  # a loaded copy waits for each step's all-reduces
+        self.__dict__["_loop"] = None  # and never grows the job back
         self.__dict__.setdefault("_strict_next", True)
 
     def __repr__(self) -> str:
         return f"mpiddp.Optimizer({self.optimizer!r}, steps={self.steps}, skipped={self.skipped})"
+
+
+class StepLoop:
+    """Growing back for a torchrun-style loop under mpiddp.Optimizer (outside run_recoverable), one per process, made
+    by the loop's first optimizer, its clock. The survivors take new ranks in at a step of the clock, once taken
+    (its commit, where run_recoverable's State commits). A new rank runs the script from the top: its wrappers wait
+    (Unjoined), it runs the loop's first iteration alone (warm), and at its first step of the clock it takes every
+    model's and optimizer's state, their counts and the loop's own variables the script declared (mpiddp.keep) from
+    rank 0: it then stands where the survivors stand, inside that step, and the loop goes on alike everywhere."""
+
+    def __init__(self, manager: Manager, recovery: ScriptRecovery, clock: Optimizer) -> None:
+        self.manager, self.recovery = manager, recovery
+        self.clock = weakref.ref(clock)
+        self.started = False  # the clock took its first step: whether the spares are of use was decided
+
+    @classmethod
+    def attach(cls, manager: Manager, optimizer: Optimizer) -> StepLoop | None:
+        """The process's step loop (made with `optimizer` as its clock where there is none, or its clock is gone);
+        None without in-job recovery, or inside run_recoverable (whose State grows back)."""
+        recovery = manager.active()
+        if recovery is None or manager.running:
+            return None
+        if not isinstance(recovery.loop, StepLoop):
+            recovery.loop = cls(manager, recovery, optimizer)
+            optimizer.grows_at_steps(recovery)
+        return recovery.loop
+
+    @property
+    def grows(self) -> bool:
+        return self.manager.kept is not None
+
+    def is_clock(self, optimizer: Optimizer) -> bool:
+        """Whether `optimizer` is the loop's clock; it becomes the clock where the first is gone (a script that
+        replaced its first optimizer by one over more parameters)."""
+        if self.clock() is None:
+            self.clock = weakref.ref(optimizer)
+            optimizer.grows_at_steps(self.recovery)
+        return self.clock() is optimizer
+
+    def first_step(self) -> None:
+        """Every rank, at the clock's steps (not collective): at the first, the spares go where the loop cannot
+        grow back (Manager.release_spares_of_step_loop)."""
+        if not self.started:
+            self.started = True
+            self.manager.release_spares_of_step_loop()
+
+    # -- the survivors' side (ScriptRecovery's hooks: mpiddp.elastic.api.StepLoopHooks) --
+
+    def handover(self) -> dict[str, object]:
+        kept = self.manager.kept
+        return {"models": [wrapper.module.state_dict() for wrapper in _live_wrappers(self.manager)],
+                "optimizers": [optimizer.handover() for optimizer in _live_optimizers(self.manager)],
+                "kept": kept.values() if kept is not None else {}}
+
+    def settle_for_grow(self) -> bool:
+        generation = self.manager.generation
+        for optimizer in _live_optimizers(self.manager):
+            optimizer.settle()
+        return self.manager.generation == generation
+
+    def rewrap_grown(self) -> None:
+        wrappers = _live_wrappers(self.manager)
+        modules = [wrapper.release() for wrapper in wrappers]
+        self.manager.drop_old_wrappers()
+        for wrapper, module in zip(wrappers, modules):
+            wrapper.rewrap(module)
+        for optimizer in _live_optimizers(self.manager):
+            optimizer.after_grow()
+
+    # -- the new rank's side --
+
+    def join(self) -> None:
+        """A new rank's first step of the clock, collective over the merged job with the survivors' take-in."""
+        self.recovery.join_step_loop(self._take_over)
+        self.started = True
+
+    def _take_over(self, handed: dict[str, Any]) -> int:
+        """Rank 0's `handover` into this rank's models, optimizers and kept variables, then torch's wrappers over
+        the merged job (as the survivors' rewrap_grown). Returns the clock's commits (the job's step)."""
+        wrappers, optimizers = _live_wrappers(self.manager), _live_optimizers(self.manager)
+        if len(wrappers) != len(handed["models"]) or len(optimizers) != len(handed["optimizers"]):
+            raise RuntimeError(f"growing back: this rank's script built {len(wrappers)} mpiddp.DistributedDataParallel "
+                               f"and {len(optimizers)} mpiddp.Optimizer before its first step, the survivors "
+                               f"{len(handed['models'])} and {len(handed['optimizers'])}: build every one before "
+                               "the loop")
+        kept = self.manager.kept
+        if handed["kept"] and kept is None:
+            raise RuntimeError("growing back: the survivors keep the loop's variables (mpiddp.keep), which this "
+                               "rank's script did not declare before its first optimizer step")
+        for wrapper, state in zip(wrappers, handed["models"]):
+            wrapper.module.load_state_dict(state)
+        for optimizer, entry in zip(optimizers, handed["optimizers"]):
+            optimizer.take_over(entry)
+        if kept is not None:
+            kept.load(handed["kept"])
+        for wrapper in wrappers:
+            wrapper.join()
+        clock = self.clock()
+        return clock.commits if clock is not None else 0
 
 
 def _live_optimizers(manager: Manager) -> list[Optimizer]:

@@ -6,8 +6,9 @@ is); elastic/ itself holds none, so a test hands its own to elastic's classes. L
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+import sys
+from collections.abc import Callable, MutableMapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mpiddp.elastic.api import Manager, MembershipChange, ScriptRecovery, State
 
@@ -65,6 +66,26 @@ def run_recoverable(train: Callable[[State], T], state: State, min_world_size: i
     return manager().run_recoverable(train, state, min_world_size)
 
 
+def keep(where: MutableMapping[str, Any] | object, *names: str) -> None:
+    """Declare which of the loop's own variables hold its position, for a loop under mpiddp.Optimizer to grow back
+    (`where`: the module's `globals()`, or an object whose attributes they are), e.g.
+    `mpiddp.keep(globals(), "iter_num", "best_val_loss")` before the loop. A new rank a grow brings in runs the script
+    from the top and, at its first `optimizer.step()`, takes rank 0's values of these names (an object with
+    `state_dict`, such as a GradScaler or an LR scheduler, is loaded in place), with every model and optimizer:
+    it then stands where the survivors stand. `mpiddp.keep(globals())` where `optimizer.steps` is the position.
+    Without it such a loop recovers but does not grow back (its spares are released at its first step)."""
+    caller = sys._getframe(1)
+    bad = [name for name in names if not isinstance(name, str) or not name.isidentifier()]
+    if bad:
+        raise ValueError(f"mpiddp.keep(where, *names): names are the variables' names as strings, got {bad!r}")
+    if where is not caller.f_globals and isinstance(where, dict) and names and all(
+            name in caller.f_code.co_varnames + caller.f_code.co_cellvars for name in names):
+        raise ValueError("mpiddp.keep(locals(), ...): a function's local variables cannot be written back: keep the "
+                         "loop's position in the module's globals() or in an object's attributes "
+                         "(mpiddp.keep(progress, \"step\")), or hand the loop to mpiddp.run_recoverable")
+    manager().keep(where, tuple(names))
+
+
 def watch_gradients(ddp: TorchDDP, compression: str = "none") -> TorchDDP:
     """Collective-free: under in-job recovery, DDP's gradient all-reduce runs on the process group as DDP's own
     does (`compression`: "none", "fp16" or "bf16" sends half the bytes) but is waited for under MPI's failure
@@ -79,4 +100,5 @@ def wait(work: Work) -> None:
     manager().wait(work)
 
 
-__all__ = ["MembershipChange", "State", "manager", "on_membership_change", "run_recoverable", "wait", "watch_gradients"]
+__all__ = ["MembershipChange", "State", "keep", "manager", "on_membership_change", "run_recoverable", "wait",
+           "watch_gradients"]

@@ -49,3 +49,21 @@ def test_inside_run_recoverable_or_without_recovery_the_spares_wait(released, ca
     without = api.Manager()  # no in-job recovery here (no ULFM): a spare could never be used, nor end early
     without.release_spares_of_step_loop()
     assert released == [] and not caplog.records and manager.recovery.grower.offered
+
+
+def test_a_loop_that_declared_its_position_keeps_its_spares(released, caplog):
+    manager = recovering_manager()
+    manager.keep({"iter_num": 0}, ("iter_num",))  # mpiddp.keep before the loop: a new rank can enter it
+    manager.release_spares_of_step_loop()
+    assert released == [] and not caplog.records and manager.recovery.grower.offered
+
+
+def test_spare_hosts_to_spawn_onto_are_given_up_with_one_line_too(monkeypatch, caplog):
+    monkeypatch.setattr(api, "spare_world", lambda: None)  # MPIDDP_SPARE_HOSTS: no hot spare waits
+    manager = recovering_manager()
+    manager.recovery.grower.hot = False
+    with caplog.at_level(logging.WARNING, logger="mpiddp"):
+        manager.release_spares_of_step_loop()
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert line.startswith("not growing back: this loop") and "the spare hosts are not used" in line
+    assert not manager.recovery.grower.offered

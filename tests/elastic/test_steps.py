@@ -101,7 +101,9 @@ class RecoveringManager(Manager):
 
     def __init__(self) -> None:
         super().__init__()
-        self.recovery = SimpleNamespace(members=SimpleNamespace(wait=lambda work: work.wait()))  # type: ignore
+        self.recovery = SimpleNamespace(members=SimpleNamespace(wait=lambda work: work.wait()),
+                                        awaiting_join=False, loop=None, at_commit=lambda state: None,
+                                        grower=SimpleNamespace(offered=False))  # type: ignore
 
     def enabled(self, min_world_size=None):  # type: ignore[no-untyped-def]
         return self.recovery

@@ -1,7 +1,8 @@
-"""A step-wrapper script (mpiddp.DistributedDataParallel + mpiddp.Optimizer, no run_recoverable) in a job with a hot
-spare, under `mpirun --with-ft ulfm ... python -m mpiddp run`: such a loop never grows back, so rank 0 says so once
-as the optimizer is built and the spare is released then and ends, while the job trains on; the job ends with
-status 0 (also after a rank is lost: it recovers in the job at reduced size) and nothing is left running."""
+"""A step-wrapper script (mpiddp.DistributedDataParallel + mpiddp.Optimizer, no run_recoverable) that does not declare
+its loop's position (mpiddp.keep) in a job with a hot spare, under `mpirun --with-ft ulfm ... python -m mpiddp run`:
+such a loop cannot grow back, so rank 0 says so once at its first step and the spare is released then and ends,
+while the job trains on; the job ends with status 0 (also after a rank is lost: it recovers in the job at reduced
+size) and nothing is left running. A loop that declares it grows back: tests/script/test_steps_grow_e2e.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from test_recovery_e2e import _ulfm_missing
 pytestmark = pytest.mark.mpi
 PROGRAM = REPO / "tests" / "programs" / "steps_gated.py"
 WORKERS, ITERATIONS, GATE = 3, 10, 3
-SAID = "hot spares released at start-up: a loop under mpiddp.Optimizer recovers from a lost rank but does not grow back"
+SAID = ("hot spares released at start-up: this loop under mpiddp.Optimizer recovers from a lost rank but cannot "
+        "grow back")
 SPARE_ENDS = re.compile(r"mpiddp: this hot spare \(pid (\d+) on \S+\) ends: released at start-up")
 
 
@@ -79,7 +81,7 @@ def test_a_step_wrapper_loop_releases_its_hot_spare_at_start_up_and_the_job_trai
     output = log.read_text()
     assert status == 0, output[-5000:]
     assert output.count(SAID) == 1, output[-5000:]  # once, by rank 0, at start-up
-    assert "to grow back, hand the loop to mpiddp.run_recoverable" in output
+    assert "to grow back, declare them before the loop (mpiddp.keep(globals(), " in output
     assert "not growing back" not in output and "growing back:" not in output, output[-5000:]  # not said again
     assert len(SPARE_ENDS.findall(output)) == 1
     victim = int(kill.split(":")[0]) if kill else None

@@ -55,7 +55,8 @@ def lines_of(out: Path, rank: int) -> list[dict]:
 def test_the_survivors_skip_the_failed_step_alike_and_finish_with_the_same_model(tmp_path, kill, extra):
     out = tmp_path / "out"
     out.mkdir()
-    # a spare named: the loop's position is its own, so the job says once why it does not grow back
+    # a spare named: the loop did not declare its position (mpiddp.keep), so the job says once why it does not
+    # grow back
     job = run_job([str(PROGRAM), str(out), str(ITERATIONS), "--kill", kill, *extra], tmp_path,
                   MPIDDP_SPARE_HOSTS="sparehost")
     output = job.stdout + job.stderr
@@ -78,8 +79,11 @@ def test_the_survivors_skip_the_failed_step_alike_and_finish_with_the_same_model
                      r"survivor", output), output[-3000:]
     assert "in-job recovery: on for a script that uses mpiddp.DistributedDataParallel" in output
     assert output.count("in-job recovery: on for a script") == 1  # said once, by rank 0
-    assert output.count("not growing back: a loop under mpiddp.Optimizer keeps its position in its own "
-                        "variables") == 1, output[-3000:]
+    # said once, at the loop's first step (not first at the loss): the loop did not declare its position
+    assert output.count("not growing back: this loop under mpiddp.Optimizer recovers from a lost rank but cannot grow "
+                        "back, as it did not say which of its own variables hold its position") == 1, output[-3000:]
+    assert output.index("not growing back: this loop") < output.index("in-job recovery: ranks")
+    assert "keeps its position in its own variables, which it did not declare" not in output  # not again
 
 
 def test_without_fault_tolerance_the_wrappers_say_why_and_a_kill_ends_the_job(tmp_path):

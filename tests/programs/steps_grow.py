@@ -1,0 +1,109 @@
+"""nanoGPT's loop, as a user makes it recoverable with mpiddp's wrappers and grows it back: the loop keeps its position
+in its own module-level variables (`iter_num`, and `best_val_loss`, which only rank 0 updates), sets the learning rate
+from `iter_num` each iteration, accumulates gradients, and declares both variables with mpiddp.keep. For
+tests/script/test_steps_grow_e2e.py, under `mpirun --with-ft ulfm ... -x MPIDDP_SPARE_RANKS=1`.
+
+argv: OUT_DIR MAX_ITERS [--kill RANK:ITER] [--init] [--no-keep] [--commit late] [--until-full N]
+--init: `mpiddp.init()` starts the job (a plain mpirun), else torch's init_process_group under `python -m mpiddp run`.
+--until-full N: after MAX_ITERS the loop goes on until the job has N ranks again (every rank decides alike: a grow
+changes the size at the same step everywhere), at most 20000 iterations.
+The victim SIGKILLs itself in that iteration after its forward. Each process appends to OUT_DIR/pid<PID>.jsonl one
+line per iteration {iter, world, rank, steps, skipped} and at the end {done, iter, world, rank, checksum,
+best_val_loss} (checksum: the parameters' and the optimizer's moments' sum: equal on every rank).
+"""
+
+import argparse
+import json
+import math
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mpiddp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out_dir")
+parser.add_argument("max_iters", type=int)
+parser.add_argument("--kill", default="")
+parser.add_argument("--init", action="store_true")
+parser.add_argument("--no-keep", action="store_true")
+parser.add_argument("--commit", default="strict")
+parser.add_argument("--until-full", type=int, default=0)
+args = parser.parse_args()
+
+if args.init:
+    mpiddp.init(device="cpu")
+else:
+    dist.init_process_group("gloo")
+start_rank, started_world = dist.get_rank(), dist.get_world_size()
+victim, kill_at = map(int, args.kill.split(":")) if args.kill else (-1, -1)
+master_process = start_rank == 0
+gradient_accumulation_steps, eval_interval, learning_rate, warmup_iters = 2, 7, 1e-2, 4
+iter_num = 0
+best_val_loss = 1e9
+
+torch.manual_seed(1337)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.1)
+model = mpiddp.DistributedDataParallel(model)
+optimizer = mpiddp.Optimizer(optimizer, model, commit=args.commit)
+if not args.no_keep:
+    mpiddp.keep(globals(), "iter_num", "best_val_loss")
+mpiddp.on_membership_change(lambda change: globals().update(master_process=change.rank == 0))
+out = open(os.path.join(args.out_dir, f"pid{os.getpid()}.jsonl"), "a")
+val_data = torch.randn(64, 32, generator=torch.Generator().manual_seed(7))
+
+
+def get_lr(it):  # nanoGPT's: warmup, then cosine
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / warmup_iters
+    return learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(1.0, (it - warmup_iters) / 200)))
+
+
+def get_batch():  # this rank's data of this iteration: the same on a new rank that took iter_num
+    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + iter_num)
+    return torch.randn(16, 32, generator=generator)
+
+
+def note(**record):
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+
+
+@torch.no_grad()
+def checksum():
+    moments = [value.double().sum() for state in optimizer.state.values() for value in state.values()
+               if torch.is_tensor(value) and value.dim() > 0]
+    return float(sum(p.double().sum() for p in model.parameters()) + sum(moments))
+
+
+while True:
+    lr = get_lr(iter_num)
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = lr
+    if iter_num % eval_interval == 0 and master_process:
+        with torch.no_grad():
+            val = model.module(val_data).pow(2).mean().item()
+        best_val_loss = min(best_val_loss, val)
+    X = get_batch()
+    for micro_step in range(gradient_accumulation_steps):
+        model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
+        loss = model(X).pow(2).mean() / gradient_accumulation_steps
+        if start_rank == victim and iter_num == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    note(iter=iter_num, world=dist.get_world_size(), rank=dist.get_rank(), steps=optimizer.steps,
+         skipped=optimizer.skipped)
+    iter_num += 1
+    if iter_num >= args.max_iters and (dist.get_world_size() >= args.until_full or iter_num >= 20000):
+        break
+
+optimizer.settle()
+note(done=True, iter=iter_num, world=dist.get_world_size(), rank=dist.get_rank(), checksum=checksum(),
+     best_val_loss=best_val_loss, steps=optimizer.steps, skipped=optimizer.skipped)
+dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""Growing back for a loop under mpiddp's step wrappers (no run_recoverable): tests/programs/steps_grow.py is
+nanoGPT's loop shape (its position in module-level variables, declared with mpiddp.keep; the learning rate set from
+`iter_num` each iteration; gradient accumulation) under `mpirun --with-ft ulfm -np 4 -x MPIDDP_SPARE_RANKS=1`:
+rank 1 is SIGKILLed, the survivors recover, the hot spare runs the script from the top and joins at its first
+optimizer step with every rank's state and the loop's variables, the job finishes at full size with the same
+parameters and optimizer state on every rank, status 0, nothing left running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, find_mpirun
+from test_leftovers import assert_nothing_left, marked_env
+from test_recovery_e2e import _ulfm_missing
+
+pytestmark = pytest.mark.mpi
+PROGRAM = REPO / "tests" / "programs" / "steps_grow.py"
+WORKERS, ITERATIONS, KILL = 3, 30, "1:5"
+
+
+@pytest.fixture(autouse=True)
+def ulfm():
+    missing = _ulfm_missing()
+    if missing:
+        pytest.skip(missing)
+
+
+def records(out: Path) -> dict[int, list[dict]]:
+    """Each process's lines, by pid (a new rank's rank is not one it started with)."""
+    return {int(path.stem[3:]): [json.loads(line) for line in path.read_text().splitlines()]
+            for path in out.glob("pid*.jsonl")}
+
+
+@pytest.mark.parametrize("runner, commit", [("run", "strict"), ("init", "strict"), ("run", "late")],
+                         ids=["mpiddp-run", "plain-mpirun-init", "late-commit"])
+def test_a_step_wrapper_loop_that_keeps_its_position_grows_back_and_every_rank_ends_alike(tmp_path, runner, commit):
+    out, log = tmp_path / "out", tmp_path / "job.log"
+    out.mkdir()
+    env, mark = marked_env(MPIDDP_SPARE_RANKS="1")
+    started = ["-m", "mpiddp", "run", str(PROGRAM)] if runner == "run" else [str(PROGRAM), "--init"]
+    command = [find_mpirun(), "--with-ft", "ulfm", "-np", str(WORKERS + 1), "-x", "MPIDDP_SPARE_RANKS",
+               sys.executable, *started, str(out), str(ITERATIONS), "--kill", KILL, "--until-full", str(WORKERS),
+               "--commit", commit]
+    try:
+        with log.open("w") as sink:
+            status = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=sink,
+                                    stderr=subprocess.STDOUT, timeout=300).returncode
+    finally:
+        assert_nothing_left(mark)
+    output = log.read_text()
+    assert status == 0, output[-6000:]
+    assert "grew back: ranks [2] joined" in output and "running at full size again: 3 ranks" in output, output[-5000:]
+    by_pid = records(out)
+    finals = {pid: lines[-1] for pid, lines in by_pid.items() if lines[-1].get("done")}
+    assert len(finals) == WORKERS and len(by_pid) == WORKERS + 1, output[-5000:]  # the victim wrote no end
+    (new,) = [pid for pid, lines in by_pid.items() if lines[0]["iter"] > 0]  # the spare: it joined mid-run
+    joined_at = by_pid[new][0]
+    # it entered at the very step the survivors stood at: the same iteration, steps and skipped, at full size
+    survivors = [pid for pid in finals if pid != new]
+    for pid in survivors:
+        (same,) = [line for line in by_pid[pid] if line.get("iter") == joined_at["iter"] and "done" not in line]
+        assert (same["steps"], same["skipped"], same["world"]) == (joined_at["steps"], joined_at["skipped"], 3)
+        assert same["world"] == 3 and by_pid[pid][by_pid[pid].index(same) - 1]["world"] == 2  # the grow's step
+    # the same parameters and Adam moments everywhere (a learning rate off by one step on the new rank would differ)
+    assert len({(f["checksum"], f["iter"], f["steps"], f["skipped"], f["world"]) for f in finals.values()}) == 1, finals
+    assert finals[new]["best_val_loss"] < 1e9  # rank 0's value, which only rank 0 tracks, handed over
+    assert "hot spares released" not in output and "not growing back" not in output, output[-5000:]
