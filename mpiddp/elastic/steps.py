@@ -21,6 +21,10 @@ take the furthest survivor's state.
 DDP's broadcast of the module's buffers (BatchNorm's running statistics) before each forward is done by the
 wrapper, watched the same way: a peer lost there marks the step failed, and the step is skipped alike.
 
+Growing back onto a spare (StepLoop): the script declares the loop's own variables that hold its position
+(`mpiddp.keep(globals(), "iter_num")`); a new rank runs the script from the top and joins at its first
+`optimizer.step()` with rank 0's models, optimizers and those variables, where the survivors stand.
+
 Without in-job recovery (no ULFM, torchrun, one line on rank 0 says why) both wrappers are plain: torch's DDP and
 the optimizer itself. Failures outside these (a collective of the script's own, or after the loop: the job ends
 with one line) are not recovered: the job ends as without the wrappers.
