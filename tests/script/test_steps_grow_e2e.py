@@ -70,3 +70,40 @@ def test_a_step_wrapper_loop_that_keeps_its_position_grows_back_and_every_rank_e
     assert len({(f["checksum"], f["iter"], f["steps"], f["skipped"], f["world"]) for f in finals.values()}) == 1, finals
     assert finals[new]["best_val_loss"] < 1e9  # rank 0's value, which only rank 0 tracks, handed over
     assert "hot spares released" not in output and "not growing back" not in output, output[-5000:]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    from fakehosts import FakeHosts, running_fake_hosts
+
+    with running_fake_hosts(FakeHosts(["nodea", "nodeb", "nodec", "noded"], tmp_path_factory.mktemp("stepgrow-hosts"),
+                                      tag="s")) as cluster:
+        yield cluster
+
+
+def test_under_launch_on_fake_hosts_a_step_loop_grows_back_onto_the_spare_host(hosts, tmp_path):
+    """`mpiddp launch -H nodea:1,...,noded:1 -np 3 ... -- run steps_grow.py`: launch runs a hot spare on noded, the
+    rank on nodeb is killed, the job grows back onto noded within the one attempt, and launch records both."""
+    out, log, run_dir = tmp_path / "out", tmp_path / "job.log", tmp_path / "run"
+    out.mkdir()
+    env, mark = marked_env(PYTHONPATH=str(REPO))
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+    command = hosts.command_on("nodea", [
+        sys.executable, "-m", "mpiddp", "launch", "-H", "nodea:1,nodeb:1,nodec:1,noded:1", "-np", "3",
+        "--max-restarts", "0", "--run-dir", str(run_dir), "--launcher-args",
+        " ".join(["--with-ft", "ulfm", *hosts.transport_args()]), "--", "run", str(PROGRAM), str(out),
+        str(ITERATIONS), "--kill", KILL, "--until-full", str(WORKERS)])
+    try:
+        with log.open("w") as sink:
+            status = subprocess.run(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=sink,
+                                    stderr=subprocess.STDOUT, timeout=300).returncode
+    finally:
+        assert_nothing_left(mark)
+    output = log.read_text(errors="replace")
+    assert status == 0 and (run_dir / "finished").exists(), output[-6000:]
+    finals = [lines[-1] for lines in records(out).values() if lines[-1].get("done")]
+    assert len(finals) == WORKERS, output[-5000:]
+    assert len({(f["checksum"], f["iter"], f["world"]) for f in finals}) == 1, finals
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]  # no relaunch
+    assert [r["cause"] for r in attempt["recoveries"]] == ["process_failed", "grew"], attempt["recoveries"]
+    assert attempt["recoveries"][1]["hosts_added"] == ["noded"], attempt["recoveries"]
