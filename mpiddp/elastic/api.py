@@ -77,7 +77,8 @@ class MembershipChange:
     ranks_lost: tuple[int, ...]  # ranks of the world before
     hosts_lost: tuple[str, ...]
     synced_from: int | None  # the new rank whose state the others took, None when every survivor held the same
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: detect, agree_and_shrink, process_group, state
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: detect, agree_and_shrink, process_group, state;
+    # a grow: spawn, merge, process_group, state_transfer, ddp; then first_step, and a grow's stand_still (to its end)
     ranks_added: tuple[int, ...] = ()  # a grow: the new ranks (the last ones), on these hosts
     hosts_added: tuple[str, ...] = ()
 
@@ -332,6 +333,7 @@ class ScriptRecovery(Policy):
         self.regrowable = False  # run_recoverable's State holds the position new ranks start from
         self.loop: StepLoopHooks | None = None  # a loop under mpiddp.Optimizer outside run_recoverable
         self._changed_at: float | None = None  # monotonic end of the last change of size, until the next commit
+        self._stalled_from: float | None = None  # a grow's: when the survivors stopped for it (its stand-still)
 
     @classmethod
     def enable(cls, manager: Manager, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
@@ -393,9 +395,12 @@ class ScriptRecovery(Policy):
         """Collective, at each commit (a step boundary): the first step after a change of size ends its
         `first_step` phase; afterwards, grow back when due (Regrown: new ranks joined, `train` runs again)."""
         if self._changed_at is not None:
+            now = time.monotonic()
             if self.changes:
-                self.changes[-1].phases["first_step"] = time.monotonic() - self._changed_at
-            self._changed_at = None
+                self.changes[-1].phases["first_step"] = now - self._changed_at
+                if self._stalled_from is not None:  # the survivors' stand-still: from the grow's stop to this step
+                    self.changes[-1].phases["stand_still"] = now - self._stalled_from
+            self._changed_at = self._stalled_from = None
             return
         self.state = state
         self.grower.at_boundary(self)
@@ -545,6 +550,7 @@ class ScriptRecovery(Policy):
                   "callbacks)")
         self._changed(MembershipChange(dist.rank, dist.world_size, record["world_before"], (), (), 0,
                                        record["phases"], tuple(record["ranks_added"]), tuple(record["hosts_added"])))
+        self._stalled_from = stalled_from
 
     def regrown(self) -> None:
         self.manager.drop_old_wrappers()  # the wrapper of the call that grew is gone with its frames

@@ -4,12 +4,15 @@ from `iter_num` each iteration, accumulates gradients, and declares both variabl
 tests/script/test_steps_grow_e2e.py, under `mpirun --with-ft ulfm ... -x MPIDDP_SPARE_RANKS=1`.
 
 argv: OUT_DIR MAX_ITERS [--kill RANK:ITER] [--init] [--no-keep] [--commit late] [--until-full N]
+      [--after-full K]
 --init: `mpiddp.init()` starts the job (a plain mpirun), else torch's init_process_group under `python -m mpiddp run`.
 --until-full N: after MAX_ITERS the loop goes on until the job has N ranks again (every rank decides alike: a grow
-changes the size at the same step everywhere), at most 20000 iterations.
+changes the size at the same step everywhere), at most 20000 iterations, and then --after-full more (a benchmark
+reads the grow's first step).
 The victim SIGKILLs itself in that iteration after its forward. Each process appends to OUT_DIR/pid<PID>.jsonl one
-line per iteration {iter, world, rank, steps, skipped} and at the end {done, iter, world, rank, checksum,
-best_val_loss} (checksum: the parameters' and the optimizer's moments' sum: equal on every rank).
+line per iteration {iter, world, rank, steps, skipped, time} and at the end {done, iter, world, rank, checksum,
+best_val_loss, changes} (checksum: the parameters' and the optimizer's moments' sum: equal on every rank;
+changes: each change of size this process went through, with mpiddp's phases in seconds).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import json
 import math
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +36,7 @@ parser.add_argument("--init", action="store_true")
 parser.add_argument("--no-keep", action="store_true")
 parser.add_argument("--commit", default="strict")
 parser.add_argument("--until-full", type=int, default=0)
+parser.add_argument("--after-full", type=int, default=0)
 args = parser.parse_args()
 
 if args.init:
@@ -53,7 +58,10 @@ optimizer = mpiddp.Optimizer(optimizer, model, commit=args.commit)
 if not args.no_keep:
     mpiddp.keep(globals(), "iter_num", "best_val_loss")
 mpiddp.on_membership_change(lambda change: globals().update(master_process=change.rank == 0))
+changes = []  # what each change of size cost, as mpiddp measured it (its phases fill in at the next step)
+mpiddp.on_membership_change(changes.append)
 out = open(os.path.join(args.out_dir, f"pid{os.getpid()}.jsonl"), "a")
+full_at = None  # the iteration since which the job has had --until-full ranks
 val_data = torch.randn(64, 32, generator=torch.Generator().manual_seed(7))
 
 
@@ -98,12 +106,18 @@ while True:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     note(iter=iter_num, world=dist.get_world_size(), rank=dist.get_rank(), steps=optimizer.steps,
-         skipped=optimizer.skipped)
+         skipped=optimizer.skipped, time=time.monotonic())
     iter_num += 1
-    if iter_num >= args.max_iters and (dist.get_world_size() >= args.until_full or iter_num >= 20000):
+    if dist.get_world_size() < args.until_full:
+        full_at = None
+    elif full_at is None:
+        full_at = iter_num
+    if iter_num >= args.max_iters and (full_at is not None and iter_num >= full_at + args.after_full
+                                       or iter_num >= 20000):
         break
 
 optimizer.settle()
 note(done=True, iter=iter_num, world=dist.get_world_size(), rank=dist.get_rank(), checksum=checksum(),
-     best_val_loss=best_val_loss, steps=optimizer.steps, skipped=optimizer.skipped)
+     best_val_loss=best_val_loss, steps=optimizer.steps, skipped=optimizer.skipped,
+     changes=[{"grew": change.grew, "phases": change.phases} for change in changes])
 dist.destroy_process_group()
