@@ -206,6 +206,52 @@ def default_start_method(method: str) -> Iterator[str | None]:
         default._default_context = before
 
 
+@contextmanager
+def stashed_objects_released(deadline_s: float = 10.0) -> Iterator[None]:
+    """While the script runs, keep a reference to each Python object torch stashes in its thread-local state (each
+    backward's contextvars.Context, torch >= 2.12); once the script has returned, wait until no thread holds a copy.
+    A collective issued during a backward (DDP's all-reduce) copies that state, and the gloo worker thread that
+    drops the finished work last needs the GIL to let the object go. A worker late to it (a loaded host) does so
+    while the interpreter exits, where Python ends the thread inside a noexcept destructor: "terminate called
+    without an active exception", SIGABRT, status 134 for a script that succeeded (seen in CI). destroy_process_group
+    does not help: DDP keeps the group, and its worker threads, to the end of the process. Not where the script
+    failed: its report goes first."""
+    import torch
+
+    stash = getattr(torch._C, "_stash_obj_in_tls", None)
+    if stash is None or not hasattr(torch._C, "_is_key_in_tls"):  # a torch that stashes nothing for other threads
+        yield
+        return
+    kept: list[tuple[str, object]] = []
+
+    def stash_and_keep(key: str, value: object) -> None:
+        stash(key, value)
+        if value is not None:
+            kept[:] = [*held_by_others(kept), (key, value)]  # the released ones let go: a long run keeps few
+
+    torch._C._stash_obj_in_tls = stash_and_keep
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls = stash
+    deadline = time.monotonic() + deadline_s
+    while held_by_others(kept) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling with a deadline: the GIL goes to the worker threads meanwhile
+    if held_by_others(kept):  # a collective of the script's own still in flight, say
+        log.debug("objects torch stashed for other threads are still held %.0f s after the script", deadline_s)
+
+
+def held_by_others(kept: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Those of `kept` that a C++ copy of torch's thread-local state still holds (this thread's own copy aside: it
+    outlives the interpreter, and a copy dropped by a worker thread is then never the last)."""
+    import torch
+
+    alone = [object()]
+    references = sys.getrefcount(alone[0])  # a list's, and the argument's: an object that nothing else holds
+    return [kept[i] for i in range(len(kept)) if sys.getrefcount(kept[i][1]) > references
+            and not (torch._C._is_key_in_tls(kept[i][0]) and torch._C._get_obj_in_tls(kept[i][0]) is kept[i][1])]
+
+
 def _from_the_script(tb: TracebackType | None) -> TracebackType | None:
     """Skip the frames of mpiddp and runpy in front of the script's own, so the report starts in the user's code."""
     package = Path(__file__).resolve().parent
@@ -286,7 +332,8 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
     offer_in_job_recovery(dist, guard, watch, cfg.dist.collective_timeout_s,
                           [sys.executable, "-m", "mpiddp", RUN, *argv], joining)
-    with default_start_method(cfg.start_method) as start_method, joined_process_group(joining is not None):
+    with default_start_method(cfg.start_method) as start_method, joined_process_group(joining is not None), \
+            stashed_objects_released():
         # The script's loader helpers die with this rank: a forkserver that outlived a SIGKILLed rank held mpirun's
         # output open and the job never ended (its workers follow their forkserver, torch's own watch ends them).
         mark_helper_parent()

@@ -131,6 +131,28 @@ def hot_job(hosts, tmp_path, *flags: str, spares: int = 1, workers: str = "nodea
     return HotJob()
 
 
+def test_a_job_whose_launcher_never_started_is_launched_once_more_even_where_only_its_end_is_awaited(tmp_path):
+    """HotJob's (and GrowJob's) Job: Open MPI's start-up race on the fake hosts ("A daemon failed to report back",
+    status 213, nothing of mpiddp ran; seen in CI under load) launches the job once more also in `finish`, which a
+    job nobody waits on before its end goes straight to; a second such end, or one where a rank ran, stays."""
+    from test_recovery_e2e import Job
+
+    race = "echo 'A daemon failed to report back after being spawned.'; exit 213"
+
+    def finished(*launches: str) -> int:
+        job, scripts = Job.__new__(Job), iter(launches)
+        env, job.mark = marked_env()
+        job.log, job.restarted = tmp_path / "job.log", False
+        job.start = lambda: job._start(["sh", "-c", next(scripts)], env)
+        job.start()
+        return job.finish(timeout=60)
+
+    assert finished(race, "echo trained; exit 0") == 0
+    assert finished(race, race) == 213  # once only
+    assert finished(f"echo 'mpiddp: rank 0 ...'; {race}", "exit 0") == 213  # a rank ran: not the launcher's race
+    assert finished("exit 3", "exit 0") == 3
+
+
 @pytest.mark.mpi
 def test_the_trainer_grows_back_onto_a_hot_spare_without_a_spawn(hosts, tmp_path):
     """Rank 1 (nodeb) killed at step 5: the survivors recover, wake the spare waiting on noded (no process started,

@@ -68,16 +68,22 @@ class Job:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def launched_again(self) -> bool:
+        """Whether the launcher ended in Open MPI's start-up race before any rank ran (conftest's
+        launcher_never_started), and so was launched again: once a job, by whichever of wait_for and finish sees it."""
+        if self.restarted or self.process.poll() in (None, 0) or not launcher_never_started(self.output()):
+            return False
+        self.restarted = True
+        self.start()
+        return True
+
     def wait_for(self, what: str, predicate, deadline_s: float = 180):
         deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline and self.process.poll() is None:
+        while time.monotonic() < deadline and (self.process.poll() is None or self.launched_again()):
             found = predicate()
             if found:
                 return found
             time.sleep(0.1)  # polling a condition with a deadline, not synchronising
-            if self.process.poll() is not None and launcher_never_started(self.output()) and not self.restarted:
-                self.restarted = True  # Open MPI's start-up race, before any rank ran: launched again once
-                self.start()
         self.process.kill()
         assert_nothing_left(self.mark)
         pytest.fail(f"never saw {what}:\n{self.output()[-5000:]}")
@@ -93,7 +99,8 @@ class Job:
 
     def finish(self, timeout: float = 240) -> int:
         try:
-            return self.process.wait(timeout=timeout)
+            status = self.process.wait(timeout=timeout)
+            return self.process.wait(timeout=timeout) if self.launched_again() else status
         except subprocess.TimeoutExpired:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=30)
