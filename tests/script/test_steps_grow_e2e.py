@@ -36,6 +36,17 @@ def records(out: Path) -> dict[int, list[dict]]:
             for path in out.glob("pid*.jsonl")}
 
 
+def run_job(command: list[str], env: dict[str, str], mark: str, log: Path, cwd: Path) -> tuple[int, str]:
+    """The job run to its end (its status and output); nothing of it may be left running."""
+    try:
+        with log.open("w") as sink:
+            status = subprocess.run(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=sink,
+                                    stderr=subprocess.STDOUT, timeout=300).returncode
+    finally:
+        assert_nothing_left(mark)
+    return status, log.read_text(errors="replace")
+
+
 @pytest.mark.parametrize("runner, commit", [("run", "strict"), ("init", "strict"), ("run", "late")],
                          ids=["mpiddp-run", "plain-mpirun-init", "late-commit"])
 def test_a_step_wrapper_loop_that_keeps_its_position_grows_back_and_every_rank_ends_alike(tmp_path, runner, commit):
@@ -46,13 +57,7 @@ def test_a_step_wrapper_loop_that_keeps_its_position_grows_back_and_every_rank_e
     command = [find_mpirun(), "--with-ft", "ulfm", "-np", str(WORKERS + 1), "-x", "MPIDDP_SPARE_RANKS",
                sys.executable, *started, str(out), str(ITERATIONS), "--kill", KILL, "--until-full", str(WORKERS),
                "--commit", commit]
-    try:
-        with log.open("w") as sink:
-            status = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=sink,
-                                    stderr=subprocess.STDOUT, timeout=300).returncode
-    finally:
-        assert_nothing_left(mark)
-    output = log.read_text()
+    status, output = run_job(command, env, mark, log, tmp_path)
     assert status == 0, output[-6000:]
     assert "grew back: ranks [2] joined" in output and "running at full size again: 3 ranks" in output, output[-5000:]
     by_pid = records(out)
@@ -93,13 +98,7 @@ def test_under_launch_on_fake_hosts_a_step_loop_grows_back_onto_the_spare_host(h
         "--max-restarts", "0", "--run-dir", str(run_dir), "--launcher-args",
         " ".join(["--with-ft", "ulfm", *hosts.transport_args()]), "--", "run", str(PROGRAM), str(out),
         str(ITERATIONS), "--kill", KILL, "--until-full", str(WORKERS)])
-    try:
-        with log.open("w") as sink:
-            status = subprocess.run(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=sink,
-                                    stderr=subprocess.STDOUT, timeout=300).returncode
-    finally:
-        assert_nothing_left(mark)
-    output = log.read_text(errors="replace")
+    status, output = run_job(command, env, mark, log, REPO)
     assert status == 0 and (run_dir / "finished").exists(), output[-6000:]
     finals = [lines[-1] for lines in records(out).values() if lines[-1].get("done")]
     assert len(finals) == WORKERS, output[-5000:]
