@@ -217,9 +217,11 @@ def stashed_objects_released(deadline_s: float = 10.0) -> Iterator[None]:
     does not help: DDP keeps the group, and its worker threads, to the end of the process. Not where the script
     failed: its report goes first."""
     import torch
+    from torch.torch_version import TorchVersion
 
     stash = getattr(torch._C, "_stash_obj_in_tls", None)
-    if stash is None or not hasattr(torch._C, "_is_key_in_tls"):  # a torch that stashes nothing for other threads
+    # before torch 2.12 a backward stashes nothing for other threads (and its stash holds no reference of its own)
+    if stash is None or not hasattr(torch._C, "_is_key_in_tls") or TorchVersion(torch.__version__) < "2.12":
         yield
         return
     kept: list[tuple[str, object]] = []

@@ -11,6 +11,11 @@ import torch.distributed as tdist
 
 from mpiddp.script.run import stashed_objects_released
 
+# torch 2.12 began to stash each backward's contextvars.Context for the threads its collectives run on; before it
+# nothing is stashed so (the runner waits for nothing), and stashing None crashes torch 2.4's interpreter
+pytestmark = pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.12",
+                                reason="torch < 2.12 stashes nothing for other threads")
+
 
 class Probe:
     """Says which thread let it go, and when."""

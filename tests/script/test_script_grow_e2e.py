@@ -81,8 +81,12 @@ def test_a_script_grows_back_onto_the_spare_and_every_rank_ends_with_the_same_mo
     assert finals["2"]["changes"] == finals["0"]["changes"] or len(finals["2"]["changes"]) == 2
     (joined,) = finals["joined.2"]["changes"]  # the new rank: told of its own arrival, as the survivors were
     assert (joined["ranks_added"], joined["world_before"], joined["world_size"]) == ([2], 2, 3), joined
-    assert set(grew["phases"]) == {"spawn", "merge", "process_group", "state_transfer", "ddp", "first_step"}, grew
+    # a survivor's: the grow's phases, then its first step and its whole stand-still (from its stop, the wake
+    # included, to that step's end)
+    assert set(grew["phases"]) == {"spawn", "merge", "process_group", "state_transfer", "ddp", "first_step",
+                                   "stand_still"}, grew
     assert all(isinstance(v, float) and v >= 0 for v in grew["phases"].values()), grew
+    assert grew["phases"]["stand_still"] > grew["phases"]["first_step"] + grew["phases"]["process_group"], grew
     assert "grow: this process" in output and "joins as rank 2 of 3" in output, output[-3000:]
     assert "grew back: ranks [2] joined on noded after warming up" in output and "; 3 ranks go on" in output, \
         output[-3000:]
