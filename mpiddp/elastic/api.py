@@ -45,7 +45,7 @@ from mpiddp.elastic.decide import furthest, grow_record, script_refusal
 from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, refused
 from mpiddp.elastic.grow import GrowBack, say_grown
 from mpiddp.elastic.membership import MembersLost, check_ulfm, nccl_abort_available
-from mpiddp.elastic.survivors import hosts_of
+from mpiddp.elastic.survivors import bind_topology, hosts_of
 from mpiddp import recoveries
 from mpiddp.failure import records_dir
 from mpiddp.job.collective import Dist, current
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mpiddp.job.failfast import FailFast
-    from mpiddp.elastic.grow import Joining
+    from mpiddp.elastic.grow import Joining, LateJoin
     from mpiddp.job.finishwatch import FinishWatch
     from mpiddp.job.topology import Topology
 
@@ -294,7 +294,7 @@ class OwnJob:
     watch: FinishWatch | None
     collective_timeout_s: float
     command: list[str]  # what started this process (`python -m mpiddp run ...`, `python train.py ...`): a grow's
-    joining: Joining | None = None  # this process was spawned by a grow and joined the job (mpiddp.elastic.grow)
+    joining: LateJoin | None = None  # this process grows the job back and joins at its first step (elastic.grow)
 
 
 class StepLoopHooks(Protocol):
@@ -313,6 +313,27 @@ class StepLoopHooks(Protocol):
 
     def rewrap_grown(self) -> None:
         """Collective over the merged job: every model wrapped again over it."""
+
+
+class CurrentMembers:
+    """The job's failure watch as it is when asked (latecommit.Agreement): a rank growing a job back builds its
+    wrappers before it has a Membership, which comes at its first step (ScriptRecovery._enter)."""
+
+    def __init__(self, recovery: ScriptRecovery) -> None:
+        self._recovery = recovery
+
+    def wait(self, work: Work) -> None:
+        self._recovery.members.wait(work)
+
+    def all_completed(self, completed: bool) -> bool:
+        return self._recovery.members.all_completed(completed)
+
+    def failed(self) -> tuple[int, ...] | None:
+        return self._recovery.members.failed()
+
+    @property
+    def lost_at(self) -> float | None:
+        return self._recovery.members.lost_at
 
 
 class ScriptRecovery(Policy):
@@ -334,6 +355,7 @@ class ScriptRecovery(Policy):
         self.loop: StepLoopHooks | None = None  # a loop under mpiddp.Optimizer outside run_recoverable
         self._changed_at: float | None = None  # monotonic end of the last change of size, until the next commit
         self._stalled_from: float | None = None  # a grow's: when the survivors stopped for it (its stand-still)
+        self.current_members = CurrentMembers(self)  # for the wrappers, built before a new rank's Membership
 
     @classmethod
     def enable(cls, manager: Manager, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
@@ -357,13 +379,25 @@ class ScriptRecovery(Policy):
 
     @classmethod
     def joined(cls, manager: Manager, job: OwnJob) -> ScriptRecovery:
-        """The policy of a rank that joined a grown job: the engine over the merged job; the state comes in `run`."""
+        """The policy of a rank that grows a job back: the engine over the merged job once it joined (`_enter`, at its
+        first step); the state comes then."""
         assert job.joining is not None
         policy = cls(manager, job)
-        engine = Engine(job.joining.members, job.dists, job.joining.hello["min_size"], policy)
-        engine.initial_world = job.joining.hello["initial_world"]
-        policy.grower.joined(job.joining.hello["grower"])
+        policy.dists = job.dists
+        policy.grower.joined(job.joining.arrival.hello["grower"])
         return policy
+
+    def _enter(self) -> Joining:
+        """A new rank's first step: it joins the job (grow.LateJoin.enter: ready, rank 0's word, the process
+        group), every Dist of the script follows it onto the merged job, and the engine watches it from now on."""
+        late = self.job.joining
+        assert late is not None
+        joining = late.enter()
+        bind_topology(self.job.dists, joining.members, joining.topology, self.guard, None, "joins")
+        engine = Engine(joining.members, self.job.dists, joining.hello["min_size"], self)
+        engine.initial_world = joining.hello["initial_world"]
+        self.after_rebind(self.job.dists[0])  # the finish watch, on the survivors' store
+        return joining
 
     def run(self, train: Callable[[State], T], state: State) -> T:
         """Collective: `train(state)`, run again on the survivors after each recovery and after each grow."""
@@ -420,8 +454,7 @@ class ScriptRecovery(Policy):
         then the callbacks, as on the survivors."""
         from mpiddp.elastic.grow import receive
 
-        assert self.job.joining is not None
-        payload = receive(self.job.joining)
+        payload = receive(self._enter())
         state.load(payload["state"])
         state.drop_gradients()
         self._joined(state.commits)
@@ -432,13 +465,12 @@ class ScriptRecovery(Policy):
         models again over the merged job and returns the steps the job stands at), then the callbacks."""
         from mpiddp.elastic.grow import receive
 
-        assert self.job.joining is not None
-        self._joined(load(receive(self.job.joining)["loop"]))
+        self._joined(load(receive(self._enter())["loop"]))
 
     def _joined(self, commits: int) -> None:
         """A new rank has the survivors' state: it is one of them from now on; the grow on record, the callbacks."""
-        joining = self.job.joining
-        assert joining is not None
+        assert self.job.joining is not None and self.job.joining.joining is not None
+        joining = self.job.joining.joining
         self.job = dataclasses.replace(self.job, joining=None)
         ranks, hosts, before, _ = joining.added
         record = grow_record(commits, ranks, hosts, before, self.dists[0].world_size, joining.phases)

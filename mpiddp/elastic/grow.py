@@ -43,14 +43,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypedDict, TypeVar, cast
 
 from mpiddp import failure
 from mpiddp.elastic import spawning as mpigrow  # MPI's side of growing back: spawn, merge, the parent
 from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, regrow_refusal, spare_hosts_in
 from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
+from mpiddp.elastic.standin import StandInGroup, StandInTransport
 from mpiddp.elastic.survivors import end_without_finalize, mark_recovered, recovered_in_this_process, topology_over
-from mpiddp.errors import EXIT_HANG
+from mpiddp.errors import EXIT_HANG, ScriptError, ScriptExit
 from mpiddp.job.spares import spare_world
 
 if TYPE_CHECKING:
@@ -621,11 +622,11 @@ def warm_torch() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def cannot_warm_up(arrival: Arrival, exc: BaseException) -> None:
-    """A new rank whose warm-up failed (its data missing on the spare host, an import, its GPU): it says why to rank 0
-    (the survivors go on at reduced size and say it once) and frees what it shares with them, so that it can end
-    (status 0: the job is not failed by a spare that could not join)."""
-    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+def cannot_warm_up(arrival: Arrival, exc: BaseException | str) -> None:
+    """A new rank whose warm-up failed (its data missing on the spare host, an import, its GPU; `exc`, or why in
+    words): it says why to rank 0 (the survivors go on at reduced size and say it once) and frees what it shares
+    with them, so that it can end (status 0: the job is not failed by a spare that could not join)."""
+    reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     log.error("grow: this rank could not warm up (%s); the job goes on without it", reason)
     try:
         arrival.merged.send(("failed", reason), dest=0, tag=READY_TAG)
@@ -634,16 +635,83 @@ def cannot_warm_up(arrival: Arrival, exc: BaseException) -> None:
     mpigrow.leave(arrival.merged)
 
 
-def join() -> Joining:
-    """Both steps at once (a script's new rank under plain mpirun: its own code imported torch before
-    mpiddp.init, and builds its model after it): `arrive`, then `enter`, again for a hot spare whose grow was given
-    up (wait_again). Abandoned as `enter`."""
+def arrive_waiting() -> Arrival:
+    """`arrive`, again for a hot spare whose grow was given up as it started (wait_again). Abandoned otherwise."""
     while True:
         try:
-            return enter(arrive())
+            return arrive()
         except GivenUp as exc:
             if not wait_again(exc):
                 raise
+
+
+class LateJoin:
+    """A script's new rank from its arrival to its first step (mpiddp.script): the script's own start (imports,
+    data, the model, a compile, its first iteration alone) runs while the survivors train, and only its first
+    step (the step loop's clock, or run_recoverable) says ready and joins (`enter`), so the survivors stand still
+    for the take-in alone, never for the script. Until then torch's default group and the Dist are stand-ins at
+    this rank's place in the grown job (mpiddp.elastic.standin). A script that fails or ends before its first step
+    ends this rank alone (`end`): rank 0 hears why and the job goes on without it."""
+
+    def __init__(self, arrival: Arrival) -> None:
+        self.arrival = arrival
+        self.joining: Joining | None = None  # once it joined
+        self._group = StandInGroup()
+
+    @property
+    def joined(self) -> bool:
+        return self.joining is not None
+
+    def stand_in(self, num_threads: int) -> Dist:
+        """The Dist the script holds: this rank's place in the grown job, its collectives stand-ins until the join
+        rebinds it (survivors.bind_topology); torch's default group the stand-in, torchrun's variables exported
+        (the store's address follows at the join)."""
+        from mpiddp.job.bootstrap import export_environment
+        from mpiddp.job.collective import Dist, Rendezvous
+
+        hello, topology, device = self.arrival.hello, self.arrival.topology, self.arrival.device
+        transport = StandInTransport(topology.rank, topology.world_size, self._end_now)
+        dist = Dist(topology, transport, device.type, device.index, hello["backend"],
+                    Rendezvous("", 0, hello["interface_per_host"]), num_threads)
+        self._group.install(topology.rank, topology.world_size)
+        export_environment(topology, "", 0)
+        return dist
+
+    def enter(self) -> Joining:
+        """This rank's first step: the stand-ins go, then `enter` (ready, rank 0's word, the process group)."""
+        if self.joining is None:
+            self._group.remove()
+            self.joining = enter(self.arrival)
+        return self.joining
+
+    def end(self, exc: BaseException | None) -> NoReturn:
+        """The script raised (`exc`) or ended before its first step, or its grow was given up (Abandoned): one
+        line, rank 0 hears why, and this process ends (status 0: the job is not failed by a spare that could not
+        join), as a spawned rank must (MPI_Finalize) or a hot spare taken in (without it)."""
+        if isinstance(exc, ScriptError) and exc.__context__ is not None:
+            exc = exc.__context__  # the script's own exception, which `mpiddp run` reports as a ScriptError
+        if isinstance(exc, Abandoned):
+            say_abandoned(exc)
+        elif exc is None or isinstance(exc, (SystemExit, ScriptExit)):
+            status = exc.code if isinstance(exc, SystemExit) else exc.status if exc is not None else 0
+            ended = f"the script ended before its first step{f' (status {status})' if status else ''}"
+            cannot_warm_up(self.arrival, ended)
+        else:
+            cannot_warm_up(self.arrival, exc)
+        self._end_now(0)
+
+    def _end_now(self, status: int) -> NoReturn:
+        from mpiddp.job.log import flush_logs
+
+        end_if_taken_in(status)
+        flush_logs()
+        mpigrow.finalize()
+        os._exit(status)
+
+    def release(self) -> None:
+        """Before MPI_Finalize, once it joined: the communicators it shares with the survivors (Membership.release)."""
+        if self.joining is not None:
+            self.joining.members.release()
 
 
 def wait_again(exc: Abandoned) -> bool:

@@ -122,6 +122,14 @@ def leave(merged: MPI.Intracomm) -> None:
         pass
 
 
+def finalize() -> None:
+    """A spawned rank that leaves before it joined (its merged communicator freed: `leave`): MPI_Finalize now, as
+    it ends with os._exit (mpirun counts a spawned process that ends without it as failed)."""
+    MPI = mpi()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
 def joining() -> bool:
     """Whether this process joins a job growing back: spawned by it (it has an MPI parent), or a hot spare
     (mpiddp.job.spares). Initialises MPI."""

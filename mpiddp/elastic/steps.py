@@ -78,8 +78,9 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.manager = manager
         self._recovery = manager.enabled() if current() is not None else None  # torchrun: torch's DDP, nothing more
+        recovery = self._recovery
         self.watch: WatchedAllReduce[MembersLost] | None = (
-            WatchedAllReduce(self._recovery.members.wait, absorb=MembersLost) if self._recovery is not None else None)
+            WatchedAllReduce(recovery.current_members.wait, absorb=MembersLost) if recovery is not None else None)
         # DDP's buffer broadcast before each forward is a collective a failed peer would end the job in: under
         # in-job recovery this wrapper does it, watched (see WatchedAllReduce.broadcast_buffers)
         self._watched_buffers = False
@@ -273,7 +274,7 @@ class Optimizer(torch.optim.Optimizer):
             elif mode != "strict":
                 log.warning("in-job recovery: not committing late (%s): each step waits for its all-reduces",
                             refusal)
-        return None if refusal is not None else LateCommit(self.model._recovery.members, undo)
+        return None if refusal is not None else LateCommit(self.model._recovery.current_members, undo)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in self._OWN or hasattr(type(self), name):

@@ -24,7 +24,7 @@ from mpiddp.job.finishwatch import FinishWatch
 from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV, DistSettings
 
 if TYPE_CHECKING:
-    from mpiddp.elastic.grow import Joining
+    from mpiddp.elastic.grow import LateJoin
     from mpiddp.job.bootstrap import _Store
 
 
@@ -38,7 +38,7 @@ class Session:
     num_threads: int
     guard: FailFast | None = None  # set when mpiddp.init() bootstrapped the job itself (plain mpirun)
     watch: FinishWatch | None = None
-    joining: Joining | None = None  # spawned by a grow: joined the job, its process group up (mpiddp.elastic.grow)
+    joining: LateJoin | None = None  # grows the job back: joins at its first step (mpiddp.elastic.grow.LateJoin)
 
 
 @dataclass(frozen=True)
@@ -118,40 +118,31 @@ def _bootstrap(settings: InitSettings) -> Session:
     """Plain `mpirun python script.py`: mpiddp's bootstrap, an exception hook that ends the whole job, and an
     exit handler that ends it the way `mpiddp run` does."""
     from mpiddp.elastic import grow
-    from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
+    from mpiddp.job.bootstrap import _Store, connect, open_rendezvous, set_threads
 
     guard = FailFast()
-    _abort_on_unhandled_exception(guard)
     try:
-        joining = grow.join() if grow.joining() else None  # spawned by a job growing back after a recovery
+        arrival = grow.arrive_waiting() if grow.joining() else None  # a spare for a job growing back
     except grow.Abandoned as exc:  # given up before it joined: this process was never part of the job
         grow.say_abandoned(exc)
         raise SystemExit(0) from None
-    if joining is not None:
-        dist = grow.joined_dist(joining, set_threads(settings.dist, joining.topology))
-        guard.dist = dist
-        num_threads, (rendezvous, store) = dist.num_threads, joined_rendezvous(dist)
-        atexit.register(joining.members.release)  # after the exit handler below (atexit runs in reverse)
+    late = grow.LateJoin(arrival) if arrival is not None else None
+    _abort_on_unhandled_exception(guard, late)
+    if late is not None:
+        dist = guard.dist = late.stand_in(set_threads(settings.dist, late.arrival.topology))
+        assert dist.rendezvous is not None
+        num_threads, rendezvous, store = dist.num_threads, dist.rendezvous, _Store()
+        atexit.register(late.release)  # after the exit handler below (atexit runs in reverse)
     else:
         dist = connect(guard)
         num_threads = set_threads(settings.dist, dist.topology)
         rendezvous, store = open_rendezvous(settings.dist, dist, guard)
-    watch = FinishWatch.for_job(settings.finish_timeout_s, dist, rendezvous,
-                                setting="mpiddp.init(finish_timeout_s={})").start()
+    setting = "mpiddp.init(finish_timeout_s={})"  # a rank growing the job back: its watch starts as it joins
+    watch = (FinishWatch.for_job(settings.finish_timeout_s, dist, rendezvous, setting=setting) if late is None else
+             FinishWatch(settings.finish_timeout_s, dist, None, setting)).start()
     exit_status = _ExitStatus().install()
-    atexit.register(_at_exit, guard, dist, store, watch, exit_status)
-    return Session(dist, rendezvous, store, num_threads, guard, watch, joining)
-
-
-def joined_rendezvous(dist: Dist) -> tuple[Rendezvous, _Store]:
-    """A rank that joined a grown job: its rendezvous and store are the survivors' (opened by their rank 0)."""
-    from mpiddp.job.bootstrap import _Store
-
-    rendezvous = dist.rendezvous
-    assert rendezvous is not None
-    store = _Store()
-    store.store = rendezvous.client()
-    return rendezvous, store
+    atexit.register(_at_exit, guard, dist, store, watch, exit_status, late)
+    return Session(dist, rendezvous, store, num_threads, guard, watch, late)
 
 
 class _ExitStatus:
@@ -183,13 +174,18 @@ def _as_exit_code(status: object) -> int:
     return int(status) if isinstance(status, int) else 1
 
 
-def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exit_status: _ExitStatus) -> None:
+def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exit_status: _ExitStatus,
+             late: LateJoin | None = None) -> None:
     """The script ended on this rank. A non-zero sys.exit ends every rank now (the others may wait for this one
     in a collective); otherwise this rank waits, asleep and never in a blocking collective, until every rank
-    ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status."""
+    ended, and the finish watches end the job when some rank does not: then the teardown, and Python's status.
+    A rank growing the job back whose script ended before its first step ends alone (`late`: it never joined)."""
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.job.bootstrap import teardown
     from mpiddp.script import recovery
+
+    if late is not None and not late.joined:
+        late.end(SystemExit(exit_status.status) if exit_status.status else None)
 
     if exit_status.status != 0 and dist.world_size > 1:
         script = sys.argv[0] if sys.argv and sys.argv[0] else "the script"
@@ -207,13 +203,16 @@ def _at_exit(guard: FailFast, dist: Dist, store: _Store, watch: FinishWatch, exi
         end_without_finalize(0)
 
 
-def _abort_on_unhandled_exception(guard: FailFast) -> None:
-    """Like `python -m mpi4py`: an exception that reaches the top on any rank ends every rank."""
+def _abort_on_unhandled_exception(guard: FailFast, late: LateJoin | None = None) -> None:
+    """Like `python -m mpi4py`: an exception that reaches the top on any rank ends every rank; on a rank growing the
+    job back before its first step (`late`), this rank alone (it never joined)."""
     # torch's init_process_group wraps the hook and points sys.stderr at a buffer while the wrapped hook runs,
     # printing the buffer afterwards; this hook never returns, so it writes where stderr pointed before.
     stream = sys.stderr
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if late is not None and not late.joined:
+            late.end(exc)
         code, text = guard.decide(exc)
         if text:
             flush_logs()

@@ -36,7 +36,7 @@ from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, DistSe
 from mpiddp.job.topology import Topology
 
 if TYPE_CHECKING:
-    from mpiddp.elastic.grow import Arrival, Joining
+    from mpiddp.elastic.grow import Arrival, LateJoin
     from mpiddp.job.collective import Dist
 
 log = logging.getLogger(__name__)
@@ -318,9 +318,9 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     started = start_or_join(argv, guard)
     if started is None:  # given up before it joined: this process was never part of the job
         return 0
-    dist, cfg, target, (rendezvous, store, num_threads), joining = started
+    dist, cfg, target, (rendezvous, store, num_threads), late = started
     os.environ["MPIDDP_LOCAL_RANK"] = str(dist.local_rank)  # the host's local rank, even where LOCAL_RANK is 0
-    gpus_per_rank = dist.allgather(visible_gpus()) if joining is None else [visible_gpus()]
+    gpus_per_rank = dist.allgather(visible_gpus()) if late is None else [visible_gpus()]
     if any(gpus_per_rank):  # the script will use NCCL: torch's flight recorder on, unless the user chose
         failure_file = dist.topology.failure_file  # under `launch`, in its run dir: the dumps go beside it
         enable_flight_recorder(Path(failure_file).parent if failure_file else None)
@@ -329,12 +329,14 @@ def run_script(argv: list[str], guard: FailFast) -> int:
         if any(len(ranks) > 1 for _, ranks in dist.topology.hosts):  # else LOCAL_RANK is 0 anyway
             log.info("every rank sees one GPU: LOCAL_RANK is 0 on every rank (torchrun's --virtual-local-rank); "
                      "the host's local rank is in MPIDDP_LOCAL_RANK")
-    api.attach(api.Session(dist, rendezvous, store, num_threads, joining=joining))
+    api.attach(api.Session(dist, rendezvous, store, num_threads, joining=late))
     guard.progress = script_progress
-    watch = FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous).start()
+    # a rank growing the job back has no store before it joins: its watch starts then (FinishWatch.follow)
+    watch = (FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous) if late is None else
+             FinishWatch(cfg.finish_timeout_s, dist, None)).start()
     offer_in_job_recovery(dist, guard, watch, cfg.dist.collective_timeout_s,
-                          [sys.executable, "-m", "mpiddp", RUN, *argv], joining)
-    with default_start_method(cfg.start_method) as start_method, joined_process_group(joining is not None), \
+                          [sys.executable, "-m", "mpiddp", RUN, *argv], late)
+    with default_start_method(cfg.start_method) as start_method, joined_process_group(late is not None), \
             stashed_objects_released():
         # The script's loader helpers die with this rank: a forkserver that outlived a SIGKILLed rank held mpirun's
         # output open and the job never ended (its workers follow their forkserver, torch's own watch ends them).
@@ -346,7 +348,8 @@ def run_script(argv: list[str], guard: FailFast) -> int:
                  dist.topology.num_hosts, rendezvous.master_addr, rendezvous.master_port,
                  start_method or f"{multiprocessing.get_start_method(allow_none=True)} (chosen before mpiddp)")
         started = time.monotonic()
-        execute(target, target.source())
+        with alone_until_joined(late):
+            execute(target, target.source())
     watch.finished()
     log.info("the script finished on rank 0 after %.1f s; waiting for every rank", time.monotonic() - started)
     recovery.wait_for_every_rank(dist)
@@ -356,14 +359,14 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     teardown(dist, store)
     api.detach()
     log.info("every rank finished")
-    if joining is not None:
-        joining.members.release()  # before MPI_Finalize, which would wait for the survivors (gone by then)
+    if late is not None:
+        late.release()  # before MPI_Finalize, which would wait for the survivors (gone by then)
     if recovered_in_this_process():  # MPI_Finalize can wait for the failed ranks: every survivor passed the barrier
         end_without_finalize(0)
     return 0
 
 
-def start_or_join(argv: list[str], guard: FailFast) -> tuple[Dist, RunConfig, Target, tuple, Joining | None] | None:
+def start_or_join(argv: list[str], guard: FailFast) -> tuple[Dist, RunConfig, Target, tuple, LateJoin | None] | None:
     """Collective: start_job, after the arrival of a rank that joins a grown job (spawned by it, or a hot spare;
     again for a hot spare whose grow was given up). None when this process was given up before it joined."""
     from mpiddp.elastic import grow
@@ -383,17 +386,15 @@ def start_or_join(argv: list[str], guard: FailFast) -> tuple[Dist, RunConfig, Ta
 
 
 def start_job(argv: list[str], guard: FailFast, arrival: Arrival | None,
-              ) -> tuple[Dist, RunConfig, Target, tuple, Joining | None]:
+              ) -> tuple[Dist, RunConfig, Target, tuple, LateJoin | None]:
     """Collective: the job's Dist, `run`'s options, the target, (rendezvous, store, thread share), and how this
-    rank joined a grown job. A rank spawned by a grow (`arrival`: mpiddp.elastic.grow) runs the command line the
-    survivors checked at start-up: it checks nothing with them, warms up (its options, logging, torch) while they
-    train, joins when they take it in (grow.enter: Abandoned when they gave it up), and takes their rendezvous."""
+    rank joins a grown job. A rank spawned by a grow (`arrival`: mpiddp.elastic.grow) runs the command line the
+    survivors checked at start-up: it checks nothing with them, and runs the script while they train on stand-ins
+    at its place in the grown job, joining them at its first step (grow.LateJoin), their rendezvous with it."""
     from mpiddp.elastic import grow
-    from mpiddp.script import api
-    from mpiddp.job.bootstrap import connect, open_rendezvous, set_threads
+    from mpiddp.job.bootstrap import _Store, connect, open_rendezvous, set_threads
     from mpiddp.job.log import setup_logging
 
-    joining = None
     if arrival is None:
         dist = connect(guard)
         own, target = dist.agree(lambda: split_argv(argv))
@@ -413,14 +414,15 @@ def start_job(argv: list[str], guard: FailFast, arrival: Arrival | None,
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # the user's own value wins
     if arrival is not None:
-        joining = grow.enter(arrival)
-        dist = guard.dist = grow.joined_dist(joining, num_threads)
-        return dist, cfg, target, (*api.joined_rendezvous(dist), num_threads), joining
-    return dist, cfg, target, (*open_rendezvous(cfg.dist, dist, guard), num_threads), joining
+        late = grow.LateJoin(arrival)
+        dist = guard.dist = late.stand_in(num_threads)
+        assert dist.rendezvous is not None
+        return dist, cfg, target, (dist.rendezvous, _Store(), num_threads), late
+    return dist, cfg, target, (*open_rendezvous(cfg.dist, dist, guard), num_threads), None
 
 
 def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, collective_timeout_s: float,
-                          command: list[str], joining: Joining | None = None) -> None:
+                          command: list[str], joining: LateJoin | None = None) -> None:
     """A script that uses mpiddp's wrappers (or run_recoverable) recovers in the job: the runner's guard and
     finish watch follow the survivors (`command` starts a rank that grows the job back; `joining`: this rank is
     one). Rank 0 says in one line whether that is on here, and if not, why."""
@@ -431,6 +433,20 @@ def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, colle
     recovery.adopt(OwnJob([dist], guard, watch, collective_timeout_s, command, joining))
     if dist.is_main:  # a local log line, no collective
         log.info("%s", in_job_recovery_line(check_ulfm()))
+
+
+@contextmanager
+def alone_until_joined(late: LateJoin | None) -> Iterator[None]:
+    """A rank growing the job back whose script raises or ends before its first step (it never joined) ends alone:
+    rank 0 hears why and the job goes on without it (grow.LateJoin.end)."""
+    try:
+        yield
+    except BaseException as exc:
+        if late is not None and not late.joined:
+            late.end(exc)
+        raise
+    if late is not None and not late.joined:
+        late.end(None)
 
 
 @contextmanager

@@ -264,6 +264,44 @@ def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch):
     assert freed == [True]
 
 
+@pytest.mark.parametrize("ended, said", [
+    ("raised", "ValueError: no data at /data/train.bin"),
+    ("exited", "the script ended before its first step (status 2)"),
+    ("returned", "the script ended before its first step"),
+])
+def test_a_script_that_fails_or_ends_before_its_first_step_tells_rank_0_and_ends_this_rank_alone(monkeypatch, ended,
+                                                                                                said):
+    """A new rank runs the script's start before it joins (grow.LateJoin): where that raises (as `mpiddp run`
+    reports it: a ScriptError over the script's own exception), exits or returns, rank 0 hears the script's own
+    reason, the merged communicator is freed and the process ends with status 0 (the job goes on without it)."""
+    from mpiddp.elastic import grow
+    from mpiddp.errors import ScriptError, ScriptExit
+
+    sent, freed, ended_with = [], [], []
+
+    class Merged:
+        def send(self, value, dest, tag):
+            sent.append((value, dest, tag))
+
+        def Free(self):
+            freed.append(True)
+
+    late = grow.LateJoin(grow.Arrival(Merged(), {}, None, ["a", "b", "c"], None, 0.0))
+    monkeypatch.setattr(late, "_end_now", ended_with.append)
+    if ended == "raised":
+        try:
+            try:
+                raise ValueError("no data at /data/train.bin")
+            except ValueError:
+                raise ScriptError("train.py", "Traceback ...", "ValueError: no data at /data/train.bin") from None
+        except ScriptError as exc:
+            late.end(exc)
+    else:
+        late.end(ScriptExit("train.py", 2) if ended == "exited" else None)
+    assert sent == [(("failed", said), 0, grow.READY_TAG)] and freed == [True] and ended_with == [0]
+    assert not late.joined
+
+
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkeypatch, backend):
     """The survivors adopt the merged job on their own backend: a new rank on gloo beside NCCL survivors would
@@ -309,7 +347,7 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as far as the binding asks
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    joined = grow.join()
+    joined = grow.enter(grow.arrive())
     expected = torch.device("cuda", 0) if backend == "nccl" else None
     assert built == [(backend, expected)]
     assert joined.device == (expected or torch.device("cpu"))

@@ -18,7 +18,8 @@ class AgreeingManager(Manager):
         super().__init__()
         members = SimpleNamespace(wait=lambda work: work.wait(), all_completed=lambda completed: completed,
                                   failed=lambda: None, lost_at=None)
-        self.recovery = SimpleNamespace(members=members, awaiting_join=False, loop=None, at_commit=lambda state: None,
+        self.recovery = SimpleNamespace(members=members, current_members=members, awaiting_join=False, loop=None,
+                                        at_commit=lambda state: None,
                                         grower=SimpleNamespace(offered=False))  # type: ignore[assignment]
 
     def enabled(self, min_world_size=None):  # type: ignore[no-untyped-def]

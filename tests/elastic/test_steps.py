@@ -101,7 +101,8 @@ class RecoveringManager(Manager):
 
     def __init__(self) -> None:
         super().__init__()
-        self.recovery = SimpleNamespace(members=SimpleNamespace(wait=lambda work: work.wait()),
+        members = SimpleNamespace(wait=lambda work: work.wait())
+        self.recovery = SimpleNamespace(members=members, current_members=members,
                                         awaiting_join=False, loop=None, at_commit=lambda state: None,
                                         grower=SimpleNamespace(offered=False))  # type: ignore
 

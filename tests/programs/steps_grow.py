@@ -4,11 +4,15 @@ from `iter_num` each iteration, accumulates gradients, and declares both variabl
 tests/script/test_steps_grow_e2e.py, under `mpirun --with-ft ulfm ... -x MPIDDP_SPARE_RANKS=1`.
 
 argv: OUT_DIR MAX_ITERS [--kill RANK:ITER] [--init] [--no-keep] [--commit late] [--until-full N]
-      [--after-full K]
+      [--after-full K] [--prelude STEPS] [--prelude-broadcast]
 --init: `mpiddp.init()` starts the job (a plain mpirun), else torch's init_process_group under `python -m mpiddp run`.
 --until-full N: after MAX_ITERS the loop goes on until the job has N ranks again (every rank decides alike: a grow
 changes the size at the same step everywhere), at most 20000 iterations, and then --after-full more (a benchmark
 reads the grow's first step).
+Every rank passes a barrier of its own before the loop (a new rank's returns at once). --prelude STEPS: a new rank's
+start waits until rank 0 has trained STEPS more steps (OUT_DIR/progress) and raises if it does not within 120 s (the
+survivors train while it starts). --prelude-broadcast: every rank broadcasts from rank 0 before the loop (a new rank
+cannot: it leaves, and the job goes on without it).
 The victim SIGKILLs itself in that iteration after its forward. Each process appends to OUT_DIR/pid<PID>.jsonl one
 line per iteration {iter, world, rank, steps, skipped, time} and at the end {done, iter, world, rank, checksum,
 best_val_loss, changes} (checksum: the parameters' and the optimizer's moments' sum: equal on every rank;
@@ -37,6 +41,8 @@ parser.add_argument("--no-keep", action="store_true")
 parser.add_argument("--commit", default="strict")
 parser.add_argument("--until-full", type=int, default=0)
 parser.add_argument("--after-full", type=int, default=0)
+parser.add_argument("--prelude", type=int, default=0)
+parser.add_argument("--prelude-broadcast", action="store_true")
 args = parser.parse_args()
 
 if args.init:
@@ -44,6 +50,17 @@ if args.init:
 else:
     dist.init_process_group("gloo")
 start_rank, started_world = dist.get_rank(), dist.get_world_size()
+progress = os.path.join(args.out_dir, "progress")  # rank 0's iteration, with --prelude
+started_late = os.path.exists(progress)  # read before the barrier: rank 0 writes it only in the loop
+dist.barrier()
+if args.prelude_broadcast:
+    dist.broadcast(torch.zeros(1), 0)
+if started_late and args.prelude:
+    seen, deadline = int(open(progress).read()), time.monotonic() + 120
+    while int(open(progress).read()) < seen + args.prelude:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the survivors did not train while this new rank ran the script's start")
+        time.sleep(0.02)
 victim, kill_at = map(int, args.kill.split(":")) if args.kill else (-1, -1)
 master_process = start_rank == 0
 gradient_accumulation_steps, eval_interval, learning_rate, warmup_iters = 2, 7, 1e-2, 4
@@ -107,6 +124,10 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     note(iter=iter_num, world=dist.get_world_size(), rank=dist.get_rank(), steps=optimizer.steps,
          skipped=optimizer.skipped, time=time.monotonic())
+    if args.prelude and master_process:
+        with open(progress + ".tmp", "w") as sink:
+            sink.write(str(iter_num))
+        os.replace(progress + ".tmp", progress)
     iter_num += 1
     if dist.get_world_size() < args.until_full:
         full_at = None

@@ -87,7 +87,7 @@ def test_a_script_grows_back_onto_the_spare_and_every_rank_ends_with_the_same_mo
                                    "stand_still"}, grew
     assert all(isinstance(v, float) and v >= 0 for v in grew["phases"].values()), grew
     assert grew["phases"]["stand_still"] > grew["phases"]["first_step"] + grew["phases"]["process_group"], grew
-    assert "grow: this process" in output and "joins as rank 2 of 3" in output, output[-3000:]
+    assert "this process (pid" in output and "joins as rank 2 of 3" in output, output[-3000:]
     assert "grew back: ranks [2] joined on noded after warming up" in output and "; 3 ranks go on" in output, \
         output[-3000:]
     assert "running at full size again: 3 ranks" in output

@@ -56,7 +56,7 @@ def test_a_step_wrapper_loop_that_keeps_its_position_grows_back_and_every_rank_e
     started = ["-m", "mpiddp", "run", str(PROGRAM)] if runner == "run" else [str(PROGRAM), "--init"]
     command = [find_mpirun(), "--with-ft", "ulfm", "-np", str(WORKERS + 1), "-x", "MPIDDP_SPARE_RANKS",
                sys.executable, *started, str(out), str(ITERATIONS), "--kill", KILL, "--until-full", str(WORKERS),
-               "--commit", commit]
+               "--commit", commit, "--prelude", "3"]  # the new rank's start waits for 3 steps of the survivors
     status, output = run_job(command, env, mark, log, tmp_path)
     assert status == 0, output[-6000:]
     assert "grew back: ranks [2] joined" in output and "running at full size again: 3 ranks" in output, output[-5000:]
@@ -75,6 +75,25 @@ def test_a_step_wrapper_loop_that_keeps_its_position_grows_back_and_every_rank_e
     assert len({(f["checksum"], f["iter"], f["steps"], f["skipped"], f["world"]) for f in finals.values()}) == 1, finals
     assert finals[new]["best_val_loss"] < 1e9  # rank 0's value, which only rank 0 tracks, handed over
     assert "hot spares released" not in output and "not growing back" not in output, output[-5000:]
+
+
+def test_a_new_rank_whose_start_calls_a_collective_leaves_with_one_line_and_the_job_goes_on(tmp_path):
+    """The script broadcasts from rank 0 before its loop: the new rank's broadcast would meet no survivor (they are
+    past it), so it raises at once, saying what to do, tells rank 0 (which says why once, if the job still runs),
+    ends (status 0), and the job finishes at reduced size. Its barrier before that returned at once."""
+    out, log = tmp_path / "out", tmp_path / "job.log"
+    out.mkdir()
+    env, mark = marked_env(MPIDDP_SPARE_RANKS="1")
+    command = [find_mpirun(), "--with-ft", "ulfm", "-np", str(WORKERS + 1), "-x", "MPIDDP_SPARE_RANKS",
+               sys.executable, "-m", "mpiddp", "run", str(PROGRAM), str(out), "20", "--kill", KILL,
+               "--prelude-broadcast"]
+    status, output = run_job(command, env, mark, log, tmp_path)
+    assert status == 0, output[-6000:]
+    assert ("grow: this rank could not warm up (BeforeJoining: torch.distributed.broadcast() before the first "
+            "training step" in output), output[-5000:]
+    assert "grew back" not in output, output[-5000:]
+    finals = [lines[-1] for lines in records(out).values() if lines[-1].get("done")]
+    assert [f["world"] for f in finals] == [WORKERS - 1] * (WORKERS - 1), finals
 
 
 @pytest.fixture(scope="module")
