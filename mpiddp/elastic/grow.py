@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypedDict, TypeVar, c
 from mpiddp import failure
 from mpiddp.elastic import spawning as mpigrow  # MPI's side of growing back: spawn, merge, the parent
 from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, regrow_refusal, spare_hosts_in
-from mpiddp.elastic.membership import MembersLost, Membership, mpi_error_of
+from mpiddp.elastic.membership import MembersLost, Membership, PreparedDups, mpi_error_of
 from mpiddp.elastic.standin import StandInGroup, StandInTransport
 from mpiddp.elastic.survivors import end_without_finalize, mark_recovered, recovered_in_this_process, topology_over
 from mpiddp.errors import EXIT_HANG, ScriptError, ScriptExit
@@ -158,6 +158,7 @@ class Warming:
     ready: list[MPI.Request]  # rank 0's receives of each new rank's Word
     lost: list[MPI.Request]  # rank 0's receives that complete (in error) only when a new rank fails (LOST_TAG)
     records: Path | None = None  # rank 0's failures directory, where the spawn's mark stands until the grow ends
+    dups: PreparedDups | None = None  # the merged job's Membership's duplicates, made while the new ranks warm up
     said: dict[int, Word] = field(default_factory=dict)  # rank 0: each new rank's word, once it came
 
     def poll(self) -> str:
@@ -347,6 +348,7 @@ class GrowBack:
         try:
             hello = merged.bcast(self.hello(dist, recovery, plan) if dist.is_main else None, root=0)
             hostnames = merged.allgather(dist.topology.hostname)
+            dups = PreparedDups.start(merged)  # done by the take-in: the calls of the steps between complete them
         except mpi_error as exc:  # a new rank died at once: nothing else changed (a survivor lost: recovered next)
             failure.spawned(records)
             mpigrow.revoke(merged)
@@ -361,7 +363,7 @@ class GrowBack:
         # the spawn mark stays until the new ranks joined or were given up: Open MPI 5.0.11's prterun also crashes
         # after MPI_Comm_spawn returned (seen: "free(): invalid pointer" while the new rank warmed up)
         self.warming = Warming(merged, plan, hello["topology"], hostnames, phases, now - stalled_from, ready, lost,
-                               records)
+                               records, dups)
         for host in plan.hosts:  # taken while it warms up: a grow given up frees it again
             self.used[host] = self.used.get(host, 0) + 1
         recovery.follow_watch(dist)
@@ -455,13 +457,15 @@ class GrowBack:
             failure.spawned(warming.records)
         warming.stop_watching()
         mpigrow.revoke(warming.merged)
+        if warming.dups is not None:
+            warming.dups.free()
 
     @staticmethod
     def _join(recovery: GrowHooks[SplitT], warming: Warming, split: SplitT, phases: dict[str, float]) -> None:
         """Collective over the merged job (the survivors' half of `join`'s step 2): the process group, the state,
         the topology, the wrapper again."""
         members, dist = recovery.members, recovery.dists[0]
-        phases["process_group"] = members.adopt(warming.merged)
+        phases["process_group"] = members.adopt(warming.merged, warming.dups)
         started = time.monotonic()
         members.bcast_large(recovery.handover(split) if dist.is_main else None)
         phases["state_transfer"] = time.monotonic() - started
@@ -553,6 +557,14 @@ class Arrival:
     hostnames: list[str]
     device: torch.device  # this rank's (joining_device)
     since: float  # monotonic time step 1 ended: this rank's warm-up runs from here
+    dups: PreparedDups | None = None  # its Membership's duplicates of `merged`, made as it arrived
+
+    def leave(self) -> None:
+        """Its grow given up before it joined: every communicator it shares with the survivors freed (a spawned
+        rank's MPI_Finalize would wait on them)."""
+        if self.dups is not None:
+            self.dups.free()
+        mpigrow.leave(self.merged)
 
 
 def arrive() -> Arrival:
@@ -572,13 +584,17 @@ def arrive() -> Arrival:
     try:
         hello = merged.bcast(None, root=0)
         hostnames = merged.allgather(own_host())
+        # its Membership's duplicates, started now: they progress in every MPI call on each side (the survivors'
+        # steps, this rank's word that it is ready and its wait for rank 0's), and are done, or nearly, by the
+        # take-in. Not waited for here: the survivors may be stopped (SIGSTOP) or in a long step meanwhile
+        dups = PreparedDups.start(merged)
     except mpigrow.mpi_exception() as exc:  # the survivors gave the start up (revoked), or one of them failed
         mpigrow.leave(merged)
         raise GivenUp(f"the job gave up this rank's grow as it started ({str(exc).splitlines()[0]})") from None
     point_gloo_at(hello["interface_per_host"], hello["topology"].hostname)
     topology = topology_over(hello["topology"], hostnames, merged.Get_rank())
     device = joining_device(hello["backend"], topology)
-    return Arrival(merged, hello, topology, hostnames, device, time.monotonic())
+    return Arrival(merged, hello, topology, hostnames, device, time.monotonic(), dups)
 
 
 def enter(arrival: Arrival) -> Joining:
@@ -595,14 +611,14 @@ def enter(arrival: Arrival) -> Joining:
         merged.send(("ready", warm), dest=0, tag=READY_TAG)
         merged.recv(source=0, tag=JOIN_TAG)
     except mpigrow.mpi_exception() as exc:
-        mpigrow.leave(merged)
+        arrival.leave()
         raise GivenUp(f"the job gave up this rank's grow before it joined ({str(exc).splitlines()[0]}): a rank "
                         "failed, or the job ended, meanwhile") from None
     started = time.monotonic()
     # the survivors adopt the merged job on their own backend (Membership.adopt): NCCL on GPUs, so must this rank
     members = Membership(merged, hello["collective_timeout_s"], backend=hello["backend"],
                          device=device if device.type == "cuda" else None,
-                         spanning=mpigrow.spanning_of_joined(merged))
+                         spanning=mpigrow.spanning_of_joined(merged), prepared=arrival.dups)
     members.start_process_group()
     phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
     before = hello["topology"].world_size
@@ -632,7 +648,7 @@ def cannot_warm_up(arrival: Arrival, exc: BaseException | str) -> None:
         arrival.merged.send(("failed", reason), dest=0, tag=READY_TAG)
     except mpigrow.mpi_exception():
         pass  # the job ended or gave the grow up meanwhile
-    mpigrow.leave(arrival.merged)
+    arrival.leave()
 
 
 def arrive_waiting() -> Arrival:

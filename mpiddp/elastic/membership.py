@@ -97,13 +97,14 @@ class Membership:
 
     def __init__(self, comm: MPI.Intracomm, collective_timeout_s: float = 1800.0, poll_s: float = 0.0005,
                  address: Callable[[], str] | None = None, backend: str = "gloo",
-                 device: torch.device | None = None, spanning: SpanningComms | None = None) -> None:
+                 device: torch.device | None = None, spanning: SpanningComms | None = None,
+                 prepared: PreparedDups | None = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
         self.backend = backend  # of the process groups it builds: gloo, or nccl on `device` (a torch.device)
         self.device = device
-        self.comm = self._dup(comm)
+        self.comm = self._dup(comm, prepared.own if prepared else None)
         self.collective_timeout_s = collective_timeout_s
         self.poll_s = poll_s  # the longest sleep between polls (a collective that ends sooner is seen sooner)
         self._address = address or _default_address
@@ -117,15 +118,19 @@ class Membership:
         # the communicators this process holds that span the first job and a spawned one (mpiddp.elastic.spawning):
         # a joined rank's parent and merged ones, a survivor's spawn's; release frees them
         self.spanning = spanning if spanning is not None else SpanningComms()
-        self._arm()
+        self._arm(prepared.watch if prepared else None)
 
-    def _dup(self, comm: MPI.Intracomm) -> MPI.Intracomm:
-        dup = comm.Dup()
+    def _dup(self, comm: MPI.Intracomm, prepared: tuple[MPI.Intracomm, MPI.Request] | None = None) -> MPI.Intracomm:
+        if prepared is None:
+            dup = comm.Dup()
+        else:  # an MPI_Comm_idup started earlier (prepare_dups): done by now, or finished here
+            dup, request = prepared
+            request.Wait()
         dup.Set_errhandler(self._mpi.ERRORS_RETURN)
         return dup
 
-    def _arm(self) -> None:
-        self._watch_comm = self._dup(self.comm)
+    def _arm(self, prepared: tuple[MPI.Intracomm, MPI.Request] | None = None) -> None:
+        self._watch_comm = self._dup(self.comm if prepared is None else prepared[0], prepared)
         self._watch = self._watch_comm.Irecv(bytearray(1), source=self._mpi.ANY_SOURCE, tag=WATCH_TAG)
         self._lost = None
 
@@ -281,7 +286,7 @@ class Membership:
             except self._mpi.Exception:
                 pass  # a revoked communicator may refuse: it is dropped either way
 
-    def adopt(self, comm: MPI.Intracomm) -> float:
+    def adopt(self, comm: MPI.Intracomm, prepared: PreparedDups | None = None) -> float:
         """Collective over `comm` (the survivors and the ranks that joined them, mpiddp.elastic.grow): watch and
         recover over it from now on, with torch's default group rebuilt over it. Returns the process group's
         seconds. A joining rank constructs a Membership on `comm` instead (the same collectives)."""
@@ -291,8 +296,8 @@ class Membership:
         except self._mpi.Exception:
             pass  # already completed with an error: nothing to cancel
         self._disarm()
-        self.comm = self._dup(comm)
-        self._arm()
+        self.comm = self._dup(comm, prepared.own if prepared else None)
+        self._arm(prepared.watch if prepared else None)
         started = time.monotonic()
         self._rebuild_process_group()
         return time.monotonic() - started
@@ -384,6 +389,31 @@ class Membership:
         except self._mpi.Exception:
             pass
         self._disarm()
+
+
+@dataclass
+class PreparedDups:
+    """The two duplicates a Membership over a communicator needs (its own, the failure watch's), started with
+    MPI_Comm_idup as a grow merges the new ranks in, so that the take-in does not pay for them in full: both sides
+    then go on (the survivors train), and the MPI calls each makes meanwhile progress them; the Membership built
+    over them waits for what is left (Membership._dup)."""
+
+    own: tuple[MPI.Intracomm, MPI.Request]
+    watch: tuple[MPI.Intracomm, MPI.Request]
+
+    @classmethod
+    def start(cls, comm: MPI.Intracomm) -> PreparedDups:
+        """Collective over `comm`, nonblocking: every member starts both, in the same order."""
+        return cls(comm.Idup(), comm.Idup())
+
+    def free(self) -> None:
+        """A grow given up: the duplicates that were made are freed (nothing else holds them)."""
+        for dup, request in (self.own, self.watch):
+            try:
+                if request.Test():
+                    dup.Free()
+            except Exception:  # noqa: BLE001 - failed with the grow (revoked): nothing was made
+                pass
 
 
 def nccl_abort_available() -> bool:

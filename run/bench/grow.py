@@ -57,12 +57,17 @@ def start_job(hosts, work: Path, mode: str, transport: str, kill_at: int, extra:
 
 
 def one_run(hosts, work: Path, mode: str, transport: str, kill_at: int = KILL_AT, extra: tuple[str, ...] = ()) -> dict:
+    from test_leftovers import processes_of
+
     job = start_job(hosts, work, mode, transport, kill_at, extra)
     status = job.finish(timeout=400)
+    deadline = time.monotonic() + 30
+    while processes_of(job.mark) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling a condition with a deadline: the job's processes end after mpirun
     output = job.output()
     tail = [line for line in output.splitlines() if "hostname of the client" not in line][-25:]
     launcher = {"mode": mode, "transport": transport, "status": status, "pmix_errors": output.count("PMIX ERROR"),
-                "launcher_failed": status != 0}
+                "launcher_failed": status != 0, "left_running": len(processes_of(job.mark))}
     if not (job.run_dir / "summary.json").exists():
         return {**launcher, "failed": True, "output_tail": tail}
     summary = json.loads((job.run_dir / "summary.json").read_text())
@@ -154,7 +159,8 @@ def summarise(runs: list[dict]) -> dict:
     ratios = [r["after_vs_before"] for r in grown if r["after_vs_before"] is not None]
     table = {"runs": len(runs), "grew": len(grown), "exit_0": sum(1 for r in runs if r["status"] == 0),
              "launcher_failed": sum(1 for r in runs if r["launcher_failed"]),
-             "runs_with_pmix_error": sum(1 for r in runs if r["pmix_errors"])}
+             "runs_with_pmix_error": sum(1 for r in runs if r["pmix_errors"]),
+             "left_running": sum(r.get("left_running", 0) for r in runs)}
     stalls = [r["survivors_stall_s"] for r in grown if r.get("survivors_stall_s") is not None]
     ordinary = [r["ordinary_step_s"] for r in grown if r.get("ordinary_step_s") is not None]
     if grown and grown[0]["mode"] == "control":

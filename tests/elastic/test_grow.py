@@ -331,10 +331,14 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
         def recv(self, source, tag):
             return "join"
 
+        def Idup(self):  # the Membership's duplicates, made as it arrives
+            return object(), SimpleNamespace(Wait=lambda: None)
+
     built = []
 
     class Members:
-        def __init__(self, comm, timeout, backend="gloo", device=None, spanning=None):
+        def __init__(self, comm, timeout, backend="gloo", device=None, spanning=None, prepared=None):
+            assert prepared is not None  # made as it arrived, not at the take-in
             built.append((backend, device))
 
         def start_process_group(self):
