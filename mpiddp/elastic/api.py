@@ -613,6 +613,7 @@ class Manager:
         self.generation = 0  # recoveries this process went through: gradients from before the last one are stale
         self.kept: Kept | None = None  # the step loop's own variables that hold its position (mpiddp.keep)
         self.running = 0  # run_recoverable calls under way (one, or none)
+        self.loop_stepped = False  # a loop under mpiddp.Optimizer took its first step (its keep is decided then)
 
     def on_membership_change(self, callback: Callable[[MembershipChange], None]) -> Callable[[MembershipChange], None]:
         """Run `callback(change)` on every survivor after each recovery, once the state is synced and before the
@@ -671,7 +672,14 @@ class Manager:
             self.running -= 1
 
     def keep(self, where: MutableMapping[str, Any] | object, names: tuple[str, ...]) -> None:
-        """The step loop's own variables that hold its position (mpiddp.keep): a grow hands them to new ranks."""
+        """The step loop's own variables that hold its position (mpiddp.keep): a grow hands them to new ranks.
+        Declared after the loop's first step they would come too late: whether the loop grows back (its spares
+        kept or released) was decided there, and a new rank takes them at its first step."""
+        if self.loop_stepped and (self.kept is None or self.kept.where is not where
+                                  or not set(names) <= set(self.kept.names)):
+            raise ValueError("mpiddp.keep after the loop's first optimizer.step(): whether the loop grows back was "
+                             "decided at that step, and a new rank takes the kept variables at its own first step: "
+                             "call mpiddp.keep before the loop")
         if self.kept is not None and self.kept.where is not where:
             raise ValueError("mpiddp.keep: the loop's variables are already kept in another namespace: keep them "
                              "all in one (the module's globals(), or one object)")
@@ -689,6 +697,7 @@ class Manager:
         spares waiting) is the same on every rank, so each worker sends every spare its word to leave without
         asking the others."""
         recovery, spares = self.recovery, spare_world()
+        self.loop_stepped = True
         # Known at the first step, and not earlier: a new rank enters a loop under mpiddp.Optimizer at its first
         # step, where it takes the loop's variables the script declared (mpiddp.keep, usually just before the
         # loop); a loop that declared none keeps its position where a new rank cannot start from. The DDP wrapper

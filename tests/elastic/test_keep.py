@@ -71,3 +71,19 @@ def test_a_functions_locals_cannot_be_kept(monkeypatch):
         recovery.keep(globals(), iter_num)
     recovery.keep(globals(), "Progress")  # a module's globals are written back
     assert recovery.manager().kept.names == ("Progress",)
+
+
+def test_keep_after_the_loops_first_step_is_a_value_error_unless_it_repeats_what_is_kept():
+    """Whether a loop grows back is decided at its first step (its spares kept or released), and a new rank takes
+    the kept variables at its own first step: a name declared later would come too late, so it is refused in one
+    line; the same keep again (a keep inside the loop) changes nothing and passes."""
+    manager, namespace = Manager(), {"iter_num": 0, "best": 1.0}
+    manager.keep(namespace, ("iter_num",))
+    manager.release_spares_of_step_loop()  # the loop's first step (no recovery here: nothing else happens)
+    manager.keep(namespace, ("iter_num",))
+    with pytest.raises(ValueError, match=r"after the loop's first optimizer.step\(\).*call mpiddp.keep before the loop"):
+        manager.keep(namespace, ("best",))
+    late = Manager()
+    late.release_spares_of_step_loop()
+    with pytest.raises(ValueError, match="after the loop's first optimizer.step"):
+        late.keep(namespace, ("iter_num",))
