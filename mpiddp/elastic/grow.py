@@ -216,6 +216,7 @@ class GrowBack:
         # hot: the spares of a grow given up ((spares' world rank, host)), until each waits again or has failed
         self.returning: list[tuple[int, str]] = []
         self.said_returning = False  # rank 0 said once that growing back waits for them
+        self.pinged: mpigrow.Pings | None = None  # hot, rank 0: the spares asked to answer a step before a grow
 
     @classmethod
     def from_env(cls) -> GrowBack:
@@ -234,7 +235,9 @@ class GrowBack:
         if self.warming is not None:
             return self._take_in_when_ready(recovery)
         if not grow_due(recovery.stepped_since_change, dist.world_size, recovery.engine.initial_world, self.said_off):
+            self._ping_ahead(dist, recovery.engine.initial_world)
             return
+        stopped = time.monotonic()  # the survivors' stand-still starts here: the plan (its ping) is part of it
         if self.off is not None:  # the spare hosts could not be read: said once, when it matters
             return self.stop_growing(dist, self.off)
         if self.returning and self.settle_returning(dist):  # a wake now would wait for them in the world's shrink
@@ -247,7 +250,15 @@ class GrowBack:
         split = recovery.grow_split(dist.world_size, dist.world_size + decision.count)
         if isinstance(split, str):
             return self.stop_growing(dist, split)
-        self.start(recovery, decision)  # where the split is None here, the new ranks warm up while the job reaches one
+        self.start(recovery, decision, stopped)  # where the split is None, they warm up while the job reaches one
+
+    def _ping_ahead(self, dist: Dist, full: int) -> None:
+        """Rank 0, not collective, at the boundary before a grow is due (a recovery left the job below full size and
+        it has not stepped since): ask the hot spares to answer now, so that the plan at the next boundary finds
+        their answers there instead of waiting a round trip with every survivor."""
+        if self.hot and dist.is_main and self.pinged is None and dist.world_size < full and not self.said_off \
+                and self.off is None and self.warming is None:
+            self.pinged = mpigrow.ping_spares()
 
     def settle_returning(self, dist: Dist) -> bool:
         """Collective over the survivors, while hot spares of a grow given up are on their way back: rank 0 says
@@ -279,7 +290,7 @@ class GrowBack:
             live = mpigrow.live_spare_hosts()
             if not live and dist.world_size < full:
                 return "no hot spare is left (each was taken in, or has failed)"
-            silent = mpigrow.silent_spares()
+            silent, self.pinged = mpigrow.silent_spares(asked=self.pinged), None
             if silent:  # a wake would wait for it in MPI, up to the grow's bound, which ends the job
                 return (f"the hot spare on {', '.join(sorted(set(silent)))} does not answer within "
                         f"{mpigrow.PING_S:g} s (stopped, or its host silent)")
@@ -317,12 +328,12 @@ class GrowBack:
             log.warning("not growing back: %s; the job goes on with %d ranks", reason, dist.world_size)
         self.off = "said"
 
-    def start(self, recovery: GrowHooks[SplitT], plan: GrowPlan) -> None:
+    def start(self, recovery: GrowHooks[SplitT], plan: GrowPlan, stopped: float | None = None) -> None:
         """Collective over the survivors, step 1: spawn, merge and hello; the new ranks then warm up while the
         survivors train. When the spawn fails, one line on rank 0 and the job goes on at reduced size."""
         members, dist = recovery.members, recovery.dists[0]
         mpi_error = mpi_error_of(members)
-        step, stalled_from = recovery.steps_done(), time.monotonic()
+        step, stalled_from = recovery.steps_done(), stopped if stopped is not None else time.monotonic()
         recovery.pause_watch()
         # launch's evidence that a launcher failing now failed during the spawn (Open MPI 5.0.11's prterun can
         # crash in MPI_Comm_spawn), which says nothing against the hosts spawned onto

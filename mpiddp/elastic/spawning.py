@@ -24,9 +24,12 @@ from mpiddp.job.spares import BACK_TAG, PONG_TAG, WAKE_TAG, SpareWorld, is_hot_s
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-# A waiting spare answers a ping within its 10 ms poll; one that has not in this long is stopped, or its host is
+# A waiting spare answers a ping within its poll (SPARE_POLL_S); one that has not in this long is stopped, or its host is
 # silent: a wake would wait for it in the spares' world's shrink (up to the grow's bound, which ends the job).
 PING_S = 5.0
+# A waiting spare's wake-ups: a wake or a ping waits half of it on average (the survivors stand still for both);
+# 500 tests a second of a request are nothing beside a rank's work
+SPARE_POLL_S = 0.002
 SPARE_JOIN_TIMEOUT_S = 90.0  # past the survivors' own bound on a grow (grow.SPAWN_TIMEOUT_S, 60 s)
 
 
@@ -230,23 +233,50 @@ def live_spare_hosts() -> list[tuple[str, int]]:
     return list(counts.items())
 
 
-def silent_spares(timeout_s: float = PING_S) -> list[str]:
-    """Rank 0, before a grow onto hot spares: every live waiting spare is asked to answer (a ping on the spares'
-    world); the hosts of those that have not within `timeout_s` (stopped, or their host silent). Every live process
-    of the spares' world takes part in a wake's shrink, so a wake would wait for a silent one."""
+Pings = dict[int, tuple[str, "MPI.Request"]]  # a waiting spare's world rank: its host and rank 0's receive of its pong
+
+
+def ping_spares(asked: Pings | None = None) -> Pings:
+    """Rank 0: ask every live waiting spare not asked yet (in `asked`) to answer (a ping on the spares' world), no
+    wait; its receives of their answers, by world rank (a spare no longer waiting dropped)."""
     MPI = mpi()
     spares = spare_world()
     assert spares is not None
     dead, me = _failed_in(spares.world), spares.world.Get_rank()
-    asked = []
+    pings: Pings = {}
     for rank, host in zip(spares.waiting, spares.hosts):
         if rank in dead:
+            continue
+        if asked and rank in asked:
+            pings[rank] = asked[rank]
             continue
         try:
             spares.world.send(("ping", me), dest=rank, tag=WAKE_TAG)
         except MPI.Exception:  # failed meanwhile: the next plan leaves it out
             continue
-        asked.append((host, spares.world.irecv(source=rank, tag=PONG_TAG)))
+        pings[rank] = (host, spares.world.irecv(source=rank, tag=PONG_TAG))
+    for rank, (_, request) in (asked or {}).items():
+        if rank not in pings:  # taken in or failed since: its answer, should it come, is never received
+            _cancel(request)
+    return pings
+
+
+def _cancel(request: MPI.Request) -> None:
+    try:
+        request.Cancel()
+    except mpi().Exception:
+        pass
+
+
+def silent_spares(timeout_s: float = PING_S, asked: Pings | None = None) -> list[str]:
+    """Rank 0, before a grow onto hot spares: every live waiting spare is asked to answer (ping_spares; those in
+    `asked`, pinged a step earlier, are not asked again); the hosts of those that have not within `timeout_s`
+    (stopped, or their host silent). Every live process of the spares' world takes part in a wake's shrink, so a
+    wake would wait for a silent one."""
+    MPI = mpi()
+    spares = spare_world()
+    assert spares is not None
+    asked = list(ping_spares(asked).values())
     deadline = time.monotonic() + timeout_s
     while asked and time.monotonic() < deadline:
         still = []
@@ -261,10 +291,7 @@ def silent_spares(timeout_s: float = PING_S) -> list[str]:
         if asked:
             time.sleep(0.001)
     for _, request in asked:  # its answer, should it come late, is never received
-        try:
-            request.Cancel()
-        except MPI.Exception:
-            pass
+        _cancel(request)
     spares.silent = [host for host, _ in asked]  # the job's end must end them (spares.end_silent_spares)
     return spares.silent
 
@@ -381,7 +408,7 @@ def wait_to_join() -> MPI.Intracomm:
                     raise SpareReleased("every rank of the job ended") from None
                 continue
             if not done:
-                time.sleep(0.01)  # a spare has nothing else to do: one wake-up every 10 ms
+                time.sleep(SPARE_POLL_S)  # a spare has nothing else to do
         if word[0] == "ping":  # rank 0 asks whether this spare answers before it plans a grow onto the spares
             try:
                 spares.world.send(("pong",), dest=word[1], tag=PONG_TAG)
