@@ -3,13 +3,14 @@ graceful stops are never relaunched."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, job_env, mpich_env, rank_pid, run_command
+from conftest import REPO, job_env, launcher_never_started, mpich_env, rank_pid, run_command
 from fakehosts import FakeHosts, running_fake_hosts
 
 pytestmark = pytest.mark.mpi
@@ -30,6 +31,16 @@ LAUNCHER_NEVER_STARTED_STATUS = 213
 def never_started(attempt):
     return (attempt.get("status") == LAUNCHER_NEVER_STARTED_STATUS and attempt.get("cause") == "exit"
             and not attempt.get("failed_hosts") and not attempt.get("failed_ranks"))
+
+
+def first_attempt_raced(run_dir):
+    """Whether the first attempt died in Open MPI's start-up race before any rank ran: a fake host's daemon that
+    "failed to report back" (status 213, seen in CI under load), which launch rightly reads as that host unreachable
+    and leaves out. A test that needs every host launches again then."""
+    record = json.loads((run_dir / "attempts.json").read_text())["attempts"][0]
+    output = "".join((run_dir / f"attempt0.{kind}").read_text(errors="replace") for kind in ("out", "err")
+                     if (run_dir / f"attempt0.{kind}").exists())
+    return record["status"] == LAUNCHER_NEVER_STARTED_STATUS and launcher_never_started(output)
 
 
 def attempts(run_dir):
@@ -244,7 +255,11 @@ def test_with_min_np_a_killed_rank_without_a_spare_finishes_on_one_rank_at_the_s
                                  "--no-in-job-recovery",  # the relaunch path (in-job: elastic/test_recovery_e2e.py)
                                  "--launcher-args", " ".join(two_hosts.transport_args()), "--",
                                  "--run-dir", str(run_dir), "--epochs", "3", *FAST, *fault)
-        return run_command(two_hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+        result = run_command(two_hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+        if first_attempt_raced(run_dir):  # nodeb left out before anything ran: not the run this test compares
+            shutil.rmtree(run_dir)
+            result = run_command(two_hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+        return result
 
     # 22 steps of 64 samples per epoch; rank 1 (on nodeb) dies by SIGKILL in epoch 2, after the first snapshot
     shrunk = launch(tmp_path / "shrunk", "--inject-fault", "kill:1:30")
