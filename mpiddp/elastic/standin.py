@@ -12,6 +12,7 @@ says what to do; the new rank then leaves and the job goes on without it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -35,45 +36,55 @@ class BeforeJoining(RuntimeError):
 
     def __init__(self, operation: str) -> None:
         super().__init__(
-            f"{operation}() before the first training step on a rank that grows the job back: the other ranks "
+            f"{operation} before the first training step on a rank that grows the job back: the other ranks "
             f"are past it and never meet it: take what it would bring from the survivors instead (mpiddp.keep, or "
             f"run_recoverable's State), or do it after the first step")
 
 
-def refuse(operation: str) -> Callable[..., NoReturn]:
-    def refused(*args: object, **kwargs: object) -> NoReturn:
-        raise BeforeJoining(operation)
-
-    refused.__name__ = operation
-    return refused
-
-
-def answered(*args: object, **kwargs: object) -> None:
-    """A barrier before the join: the others passed it long ago."""
-
-
 class StandInGroup:
     """torch's default group until the join: the fake backend (it reaches nobody) at this rank's place, and
-    torch.distributed's collectives replaced by name while it stands (put back by `remove`)."""
+    torch.distributed's collectives replaced by name while it stands (put back by `remove`).
+
+    A script may take a collective by name during its start (`from torch.distributed import all_reduce` at its
+    top, `reduce = dist.all_reduce`): what it took must work after the join, so each replacement forwards to
+    torch's own once the group is removed. torch's own calls between its collectives go through
+    distributed_c10d's names (all_gather_object calls all_gather there): both modules are covered."""
 
     def __init__(self) -> None:
-        self._replaced: dict[str, Any] = {}
+        self._replaced: list[tuple[Any, str, Any]] = []  # (module, name, torch's own function)
+        self.standing = False
 
     def install(self, rank: int, world_size: int) -> None:
         import torch.distributed as tdist
+        from torch.distributed import distributed_c10d
         from torch.testing._internal.distributed import fake_pg  # registers the "fake" backend (torch 2.4 to 2.14)
 
         tdist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
-        for name in COLLECTIVES + BARRIERS:
-            if hasattr(tdist, name):
-                self._replaced[name] = getattr(tdist, name)
-                setattr(tdist, name, answered if name in BARRIERS else refuse(f"torch.distributed.{name}"))
+        self.standing = True
+        for module in (tdist, distributed_c10d):
+            for name in COLLECTIVES + BARRIERS:
+                if hasattr(module, name):
+                    original = getattr(module, name)
+                    self._replaced.append((module, name, original))
+                    setattr(module, name, self._stand_in_for(name, original))
+
+    def _stand_in_for(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def stand_in(*args: object, **kwargs: object) -> Any:
+            if not self.standing:  # taken by name before the join, called after it
+                return original(*args, **kwargs)
+            if name in BARRIERS:
+                return None  # the others passed it long ago
+            raise BeforeJoining(f"torch.distributed.{name}()")
+
+        return stand_in
 
     def remove(self) -> None:
         import torch.distributed as tdist
 
-        for name, original in self._replaced.items():
-            setattr(tdist, name, original)
+        self.standing = False
+        for module, name, original in self._replaced:
+            setattr(module, name, original)
         self._replaced.clear()
         if tdist.is_initialized():
             tdist.destroy_process_group()
@@ -88,19 +99,19 @@ class StandInTransport:
         self._end = end  # how this process ends at once (it never joined: nothing of the job goes with it)
 
     def allgather(self, value: T) -> list[T]:
-        raise BeforeJoining("mpiddp's allgather")
+        raise BeforeJoining("mpiddp's allgather()")
 
     def gather(self, value: T) -> list[T] | None:
-        raise BeforeJoining("mpiddp's gather")
+        raise BeforeJoining("mpiddp's gather()")
 
     def bcast(self, value: T) -> T:
-        raise BeforeJoining("mpiddp's broadcast (from_main, agree)")
+        raise BeforeJoining("mpiddp's broadcast (from_main or agree)")
 
     def scatter(self, values: list[T] | None) -> T:
-        raise BeforeJoining("mpiddp's scatter")
+        raise BeforeJoining("mpiddp's scatter()")
 
     def allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
-        raise BeforeJoining("mpiddp's reduce")
+        raise BeforeJoining("mpiddp's reduce()")
 
     def barrier(self) -> None:
         pass
@@ -115,7 +126,7 @@ class StandInTransport:
         return ()
 
     def pingpong(self, peer: int, nbytes: int, repeats: int) -> float:
-        raise BeforeJoining("mpiddp's pingpong")
+        raise BeforeJoining("mpiddp's pingpong()")
 
     def allreduce_inplace(self, values: object, sum_as: HalfFloat | None = None) -> None:
         raise BeforeJoining("mpiddp's gradient all-reduce")

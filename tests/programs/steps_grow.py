@@ -15,7 +15,8 @@ survivors train while it starts). --prelude-broadcast: every rank broadcasts fro
 cannot: it leaves, and the job goes on without it).
 The victim SIGKILLs itself in that iteration after its forward. Each process appends to OUT_DIR/pid<PID>.jsonl one
 line per iteration {iter, world, rank, steps, skipped, time} and at the end {done, iter, world, rank, checksum,
-best_val_loss, changes} (checksum: the parameters' and the optimizer's moments' sum: equal on every rank;
+best_val_loss, mean_checksum, changes} (checksum: the parameters' and the optimizer's moments' sum: equal on every
+rank; mean_checksum: its mean over the ranks, by an all_reduce the script took by name before its loop;
 changes: each change of size this process went through, with mpiddp's phases in seconds).
 """
 
@@ -53,6 +54,7 @@ start_rank, started_world = dist.get_rank(), dist.get_world_size()
 progress = os.path.join(args.out_dir, "progress")  # rank 0's iteration, with --prelude
 started_late = os.path.exists(progress)  # read before the barrier: rank 0 writes it only in the loop
 dist.barrier()
+all_reduce = dist.all_reduce  # taken by name in the start (a new rank's is the stand-in's): used after the loop
 if args.prelude_broadcast:
     dist.broadcast(torch.zeros(1), 0)
 if started_late and args.prelude:
@@ -138,7 +140,10 @@ while True:
         break
 
 optimizer.settle()
+summed = torch.tensor([checksum()], dtype=torch.float64)
+all_reduce(summed)
 note(done=True, iter=iter_num, world=dist.get_world_size(), rank=dist.get_rank(), checksum=checksum(),
+     mean_checksum=summed.item() / dist.get_world_size(),
      best_val_loss=best_val_loss, steps=optimizer.steps, skipped=optimizer.skipped,
      changes=[{"grew": change.grew, "phases": change.phases} for change in changes])
 dist.destroy_process_group()
