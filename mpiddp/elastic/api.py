@@ -393,6 +393,7 @@ class ScriptRecovery(Policy):
         late = self.job.joining
         assert late is not None
         joining = late.enter()
+        self.grower.joined(joining.hello["grower"])  # the grow that took it in (a hot spare may have waited again)
         bind_topology(self.job.dists, joining.members, joining.topology, self.guard, None, "joins")
         engine = Engine(joining.members, self.job.dists, joining.hello["min_size"], self)
         engine.initial_world = joining.hello["initial_world"]

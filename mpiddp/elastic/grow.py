@@ -705,10 +705,20 @@ class LateJoin:
         return dist
 
     def enter(self) -> Joining:
-        """This rank's first step: the stand-ins go, then `enter` (ready, rank 0's word, the process group)."""
+        """This rank's first step: the stand-ins go, then `enter` (ready, rank 0's word, the process group).
+        A hot spare whose grow was given up meanwhile (a rank failed while it ran the script's start) is healthy
+        and warm: it waits again among the spares, its start done, and joins at the grow that wakes it next, at
+        the place that grow gives it (the membership change says it). A script cannot run twice in one process:
+        ending here would lose the spare for the rest of the job."""
         if self.joining is None:
             self._group.remove()
-            self.joining = enter(self.arrival)
+        while self.joining is None:
+            try:
+                self.joining = enter(self.arrival)
+            except GivenUp as exc:
+                if not wait_again(exc):
+                    raise
+                self.arrival = arrive_waiting()  # Abandoned when the job ended meanwhile: this rank ends (`end`)
         return self.joining
 
     def end(self, exc: BaseException | None) -> NoReturn:

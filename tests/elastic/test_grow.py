@@ -302,6 +302,40 @@ def test_a_script_that_fails_or_ends_before_its_first_step_tells_rank_0_and_ends
     assert not late.joined
 
 
+@pytest.mark.parametrize("hot_spare", [True, False])
+def test_a_hot_spare_whose_grow_was_given_up_during_the_scripts_start_waits_again_and_joins_the_next_grow(
+        monkeypatch, hot_spare):
+    """A rank failed while the new rank ran the script's start: the survivors gave that grow up, and the new rank
+    learns it at its first step. A hot spare is healthy and warm (its script cannot run twice): it waits again with
+    its start done and joins at the next grow, at the place that grow gives it. It ended there before, and the job
+    never grew again. A spawned rank ends, as before (GivenUp raised, for LateJoin.end)."""
+    from mpiddp.elastic import grow
+
+    first, second = (grow.Arrival(f"merged{n}", {}, None, [], None, 0.0) for n in (1, 2))
+    entered, waited = [], []
+
+    def enter(arrival):
+        entered.append(arrival)
+        if arrival is first:
+            raise grow.GivenUp("the job gave up this rank's grow before it joined")
+        return "joined over merged2"
+
+    monkeypatch.setattr(grow, "enter", enter)
+    monkeypatch.setattr(grow.mpigrow, "is_hot_spare", lambda: hot_spare)
+    monkeypatch.setattr(grow.mpigrow, "back_to_waiting", lambda: waited.append("back"))
+    monkeypatch.setattr(grow, "arrive", lambda: (waited.append("woken"), second)[1])
+    late = grow.LateJoin(first)
+    monkeypatch.setattr(late._group, "remove", lambda: None)
+    if not hot_spare:
+        with pytest.raises(grow.GivenUp):
+            late.enter()
+        assert entered == [first] and waited == [] and not late.joined
+        return
+    assert late.enter() == "joined over merged2" and late.joined
+    assert entered == [first, second] and waited == ["back", "woken"] and late.arrival is second
+    assert late.enter() == "joined over merged2" and len(entered) == 2  # once joined, a step enters nothing
+
+
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkeypatch, backend):
     """The survivors adopt the merged job on their own backend: a new rank on gloo beside NCCL survivors would

@@ -4,7 +4,7 @@ from `iter_num` each iteration, accumulates gradients, and declares both variabl
 tests/script/test_steps_grow_e2e.py, under `mpirun --with-ft ulfm ... -x MPIDDP_SPARE_RANKS=1`.
 
 argv: OUT_DIR MAX_ITERS [--kill RANK:ITER] [--init] [--no-keep] [--commit late] [--until-full N]
-      [--after-full K] [--prelude STEPS] [--prelude-broadcast]
+      [--after-full K] [--prelude STEPS] [--prelude-broadcast] [--kill-in-late-start RANK]
 --init: `mpiddp.init()` starts the job (a plain mpirun), else torch's init_process_group under `python -m mpiddp run`.
 --until-full N: after MAX_ITERS the loop goes on until the job has N ranks again (every rank decides alike: a grow
 changes the size at the same step everywhere), at most 20000 iterations, and then --after-full more (a benchmark
@@ -12,7 +12,9 @@ reads the grow's first step).
 Every rank passes a barrier of its own before the loop (a new rank's returns at once). --prelude STEPS: a new rank's
 start waits until rank 0 has trained STEPS more steps (OUT_DIR/progress) and raises if it does not within 120 s (the
 survivors train while it starts). --prelude-broadcast: every rank broadcasts from rank 0 before the loop (a new rank
-cannot: it leaves, and the job goes on without it).
+cannot: it leaves, and the job goes on without it). --kill-in-late-start RANK: the rank that started as RANK SIGKILLs
+itself once a new rank is in its script's start (OUT_DIR/late-start), and that start goes on only after rank 0 has
+trained 3 more steps since (the survivors recovered, giving that grow up); the loop does not end before that kill.
 The victim SIGKILLs itself in that iteration after its forward. Each process appends to OUT_DIR/pid<PID>.jsonl one
 line per iteration {iter, world, rank, steps, skipped, time} and at the end {done, iter, world, rank, checksum,
 best_val_loss, mean_checksum, changes} (checksum: the parameters' and the optimizer's moments' sum: equal on every
@@ -44,6 +46,7 @@ parser.add_argument("--until-full", type=int, default=0)
 parser.add_argument("--after-full", type=int, default=0)
 parser.add_argument("--prelude", type=int, default=0)
 parser.add_argument("--prelude-broadcast", action="store_true")
+parser.add_argument("--kill-in-late-start", type=int, default=-1)
 args = parser.parse_args()
 
 if args.init:
@@ -57,12 +60,28 @@ dist.barrier()
 all_reduce = dist.all_reduce  # taken by name in the start (a new rank's is the stand-in's): used after the loop
 if args.prelude_broadcast:
     dist.broadcast(torch.zeros(1), 0)
-if started_late and args.prelude:
-    seen, deadline = int(open(progress).read()), time.monotonic() + 120
-    while int(open(progress).read()) < seen + args.prelude:
+late_start, killing = os.path.join(args.out_dir, "late-start"), os.path.join(args.out_dir, "killing")
+
+
+def wait_for(condition, what):
+    deadline = time.monotonic() + 120
+    while not condition():
         if time.monotonic() > deadline:
-            raise RuntimeError("the survivors did not train while this new rank ran the script's start")
+            raise RuntimeError(f"{what} did not happen within 120 s while this new rank ran the script's start")
         time.sleep(0.02)
+
+
+def trained_on(steps):
+    seen = int(open(progress).read())
+    wait_for(lambda: int(open(progress).read()) >= seen + steps, f"the survivors' {steps} more steps")
+
+
+if started_late and args.kill_in_late_start >= 0 and not os.path.exists(late_start):
+    open(late_start, "w").close()
+    wait_for(lambda: os.path.exists(killing), "the second victim's kill")
+    trained_on(3)
+if started_late and args.prelude:
+    trained_on(args.prelude)
 victim, kill_at = map(int, args.kill.split(":")) if args.kill else (-1, -1)
 master_process = start_rank == 0
 gradient_accumulation_steps, eval_interval, learning_rate, warmup_iters = 2, 7, 1e-2, 4
@@ -121,12 +140,15 @@ while True:
         loss = model(X).pow(2).mean() / gradient_accumulation_steps
         if start_rank == victim and iter_num == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if start_rank == args.kill_in_late_start and not started_late and os.path.exists(late_start):
+            open(killing, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     note(iter=iter_num, world=dist.get_world_size(), rank=dist.get_rank(), steps=optimizer.steps,
          skipped=optimizer.skipped, time=time.monotonic())
-    if args.prelude and master_process:
+    if (args.prelude or args.kill_in_late_start >= 0) and master_process:
         with open(progress + ".tmp", "w") as sink:
             sink.write(str(iter_num))
         os.replace(progress + ".tmp", progress)
@@ -135,8 +157,9 @@ while True:
         full_at = None
     elif full_at is None:
         full_at = iter_num
+    second_kill_due = args.kill_in_late_start >= 0 and not os.path.exists(killing)
     if iter_num >= args.max_iters and (full_at is not None and iter_num >= full_at + args.after_full
-                                       or iter_num >= 20000):
+                                       and not second_kill_due or iter_num >= 20000):
         break
 
 optimizer.settle()

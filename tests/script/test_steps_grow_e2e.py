@@ -98,6 +98,28 @@ def test_a_new_rank_whose_start_calls_a_collective_leaves_with_one_line_and_the_
     assert [f["world"] for f in finals] == [WORKERS - 1] * (WORKERS - 1), finals
 
 
+def test_a_hot_spare_whose_grow_is_given_up_during_the_scripts_start_waits_again_and_is_taken_in(tmp_path):
+    """Rank 1 is killed, the hot spare runs the script's start, and a second rank is killed meanwhile: the survivors
+    give that grow up. The spare learns it at its first step; it waits again with its start done (a script cannot
+    run twice in one process), and the next grow takes it in at the place that grow gives it. It ended there
+    before, the survivors waiting for it to come back, and the job never grew again."""
+    out, log = tmp_path / "out", tmp_path / "job.log"
+    out.mkdir()
+    env, mark = marked_env(MPIDDP_SPARE_RANKS="1")
+    command = [find_mpirun(), "--with-ft", "ulfm", "-np", str(WORKERS + 1), "-x", "MPIDDP_SPARE_RANKS",
+               sys.executable, "-m", "mpiddp", "run", str(PROGRAM), str(out), "20", "--kill", KILL,
+               "--kill-in-late-start", "2", "--until-full", str(WORKERS - 1)]
+    status, output = run_job(command, env, mark, log, tmp_path)
+    assert status == 0, output[-6000:]
+    assert "growing back given up" in output and "this hot spare waits again" in output, output[-5000:]
+    assert "grew back: ranks [1] joined" in output, output[-5000:]
+    by_pid = records(out)
+    finals = {pid: lines[-1] for pid, lines in by_pid.items() if lines[-1].get("done")}
+    (new,) = [pid for pid, lines in by_pid.items() if lines[0]["iter"] > 0]  # the spare: it joined mid-run
+    assert new in finals and [f["world"] for f in finals.values()] == [WORKERS - 1] * 2, finals
+    assert len({(f["checksum"], f["iter"], f["steps"], f["world"]) for f in finals.values()}) == 1, finals
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     from fakehosts import FakeHosts, running_fake_hosts
