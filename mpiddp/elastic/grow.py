@@ -39,16 +39,18 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypedDict, TypeVar, cast
 
 from mpiddp import failure
 from mpiddp.elastic import spawning as mpigrow  # MPI's side of growing back: spawn, merge, the parent
 from mpiddp.elastic.decide import GrowPlan, grow_due, grow_record, plan_growth, regrow_refusal, spare_hosts_in
-from mpiddp.elastic.membership import MembersLost, Membership, PreparedDups, mpi_error_of
+from mpiddp.elastic.membership import JoinedStore, MembersLost, Membership, PreparedDups, mpi_error_of
 from mpiddp.elastic.standin import StandInGroup, StandInTransport
 from mpiddp.elastic.survivors import end_without_finalize, mark_recovered, recovered_in_this_process, topology_over
 from mpiddp.errors import EXIT_HANG, ScriptError, ScriptExit
@@ -57,6 +59,7 @@ from mpiddp.job.spares import spare_world
 if TYPE_CHECKING:
     import torch
     from mpi4py import MPI
+    from torch.distributed import Store
 
     from mpiddp.elastic.hooks import GrowHooks
     from mpiddp.job.collective import Dist
@@ -79,7 +82,8 @@ SPAWN_MARK_HOLD_S = 30.0
 
 # the merged communicator's tags between rank 0 and a new rank warming up (its only point-to-point messages)
 # (LOST_TAG: never sent; under ULFM a receive on it completes, with an error, only when that rank fails)
-READY_TAG, JOIN_TAG, LOST_TAG = 7701, 7702, 7703
+READY_TAG, JOIN_TAG, LOST_TAG, HELLO_TAG = 7701, 7702, 7703, 7707
+CONNECT_BOUND_S = 10.0  # a new rank's connect to rank 0's store: unreachable, the take-in builds a new store
 
 
 class GrowerView(TypedDict):
@@ -99,10 +103,13 @@ class Hello(TypedDict):
     min_size: int
     collective_timeout_s: float
     grower: GrowerView  # this job's view of growing once they joined
+    store: tuple[str, int] | None  # rank 0's store, which the new ranks connect to before the take-in (None: none yet)
+    hostnames: list[str]  # every rank's host in the merged job, to hot spares (empty: a spawned rank gathers them)
 
 
-# a new rank's word to rank 0 while it warms up: ("ready", its warm-up seconds) or ("failed", why)
-Word = tuple[str, "float | str"]
+# a new rank's word to rank 0 while it warms up: ("ready", its warm-up seconds, whether it holds a connection to rank
+# 0's store) or ("failed", why)
+Word = tuple[Any, ...]
 
 
 class Speaker(Protocol):
@@ -186,6 +193,11 @@ class Warming:
         """The slowest new rank's own warm-up seconds, as it said when ready."""
         seconds = [float(word[1]) for word in self.said.values() if isinstance(word, tuple) and word[0] == "ready"]
         return max(seconds) if seconds else None
+
+    def on_store(self) -> bool:
+        """Rank 0: whether every new rank said it connected to rank 0's store (then the grown job's group is built
+        on it, under a prefix; otherwise on a fresh store, as at a recovery)."""
+        return all(isinstance(word, tuple) and len(word) > 2 and word[2] for word in self.said.values())
 
     def stop_watching(self) -> None:
         for request in self.lost:
@@ -357,8 +369,7 @@ class GrowBack:
             self.stop_growing(dist, f"{self.how(plan)} failed ({str(exc).splitlines()[0]})")
             return
         try:
-            hello = merged.bcast(self.hello(dist, recovery, plan) if dist.is_main else None, root=0)
-            hostnames = merged.allgather(dist.topology.hostname)
+            hostnames, template = self._say_hello(dist, recovery, plan, merged)
             dups = PreparedDups.start(merged)  # done by the take-in: the calls of the steps between complete them
         except mpi_error as exc:  # a new rank died at once: nothing else changed (a survivor lost: recovered next)
             failure.spawned(records)
@@ -373,8 +384,8 @@ class GrowBack:
         now = time.monotonic()
         # the spawn mark stays until the new ranks joined or were given up: Open MPI 5.0.11's prterun also crashes
         # after MPI_Comm_spawn returned (seen: "free(): invalid pointer" while the new rank warmed up)
-        self.warming = Warming(merged, plan, hello["topology"], hostnames, phases, now - stalled_from, ready, lost,
-                               records, dups)
+        self.warming = Warming(merged, plan, template, hostnames, phases, now - stalled_from, ready, lost, records,
+                               dups)
         for host in plan.hosts:  # taken while it warms up: a grow given up frees it again
             self.used[host] = self.used.get(host, 0) + 1
         recovery.follow_watch(dist)
@@ -384,13 +395,32 @@ class GrowBack:
                         "trains on %d ranks", list(new_ranks), started[0], ", ".join(plan.hosts), started[1],
                         phases["spawn"], phases["merge"], dist.world_size)
 
+    def _say_hello(self, dist: Dist, recovery: GrowHooks[SplitT], plan: GrowPlan, merged: MPI.Intracomm,
+                   ) -> tuple[list[str], Topology]:
+        """Collective over the merged job, step 1's last part: rank 0's hello to the new ranks; every host of the
+        merged job and a topology of the job (the launcher's settings) for the take-in. A hot spare's host is the
+        one the job planned for: every survivor knows every host, and rank 0 alone tells the new ranks (a
+        broadcast and a gather over the merged job were 0.01-0.03 s of the survivors' stand-still). A spawned
+        rank's host is its own word (the launcher's name for a host may not be the host's)."""
+        if self.hot:
+            hostnames = [dist.topology.host_of(rank) for rank in range(dist.world_size)] + list(plan.hosts)
+            if dist.is_main:
+                hello = {**self.hello(dist, recovery, plan), "hostnames": hostnames}
+                for rank in range(dist.world_size, dist.world_size + plan.count):
+                    merged.send(hello, dest=rank, tag=HELLO_TAG)
+            return hostnames, dist.topology
+        hello = merged.bcast(self.hello(dist, recovery, plan) if dist.is_main else None, root=0)
+        return merged.allgather(dist.topology.hostname), hello["topology"]
+
     def _take_in_when_ready(self, recovery: GrowHooks[SplitT]) -> None:
         """Collective over the survivors, step 2: rank 0 looks whether every new rank is ready (no wait) and says
         so in one small broadcast; Regrown once they joined. A new rank that ended meanwhile is given up."""
         warming, dist = self.warming, recovery.dists[0]
         assert warming is not None
-        word, warm_up = cast("tuple[str, float | None]",
-                             dist.transport.bcast((warming.poll(), warming.warm_up()) if dist.is_main else None))
+        word, warm_up, store_prefix = cast(
+            "tuple[str, float | None, str | None]",
+            dist.transport.bcast((warming.poll(), warming.warm_up(), self._store_prefix(recovery, warming))
+                                 if dist.is_main else None))
         if word == "warming":
             return
         if word != "ready":
@@ -402,13 +432,23 @@ class GrowBack:
             return self.stop_growing(dist, split)
         if split is None:  # not at this position (the trainer's: at the next epoch's start it is)
             return
-        self.take_in(recovery, split, warm_up)
+        self.take_in(recovery, split, warm_up, store_prefix)
         raise Regrown()
 
-    def take_in(self, recovery: GrowHooks[SplitT], split: SplitT, warm_up: float | None = None) -> None:
-        """Collective over the merged job, step 2: tell the new ranks to join, then the process group, the state
-        and the wrapper. A new rank that fails while joining ends the job (fall_back: one line, then fail fast;
-        `launch` relaunches)."""
+    @staticmethod
+    def _store_prefix(recovery: GrowHooks[SplitT], warming: Warming) -> str | None:
+        """Rank 0: where the grown job's process group keeps its keys in rank 0's store (unique to this take-in);
+        None where a new rank could not connect to it, or no store was built since the job started (then a new
+        one is, as at a recovery)."""
+        if recovery.members.endpoint is None or not warming.on_store():
+            return None
+        return f"grown-{uuid.uuid4().hex[:12]}/"
+
+    def take_in(self, recovery: GrowHooks[SplitT], split: SplitT, warm_up: float | None = None,
+                store_prefix: str | None = None) -> None:
+        """Collective over the merged job, step 2: tell the new ranks to join (and where the process group's keys
+        go in rank 0's store: `store_prefix`), then the process group, the state and the wrapper. A new rank that
+        fails while joining ends the job (fall_back: one line, then fail fast; `launch` relaunches)."""
         warming, members, dist = self.warming, recovery.members, recovery.dists[0]
         assert warming is not None
         self.warming = None
@@ -421,8 +461,8 @@ class GrowBack:
         try:
             if dist.is_main:
                 for rank in joining:
-                    warming.merged.send("join", dest=rank, tag=JOIN_TAG)
-            self._join(recovery, warming, split, phases)
+                    warming.merged.send(store_prefix, dest=rank, tag=JOIN_TAG)
+            self._join(recovery, warming, split, phases, store_prefix)
         except (mpi_error, MembersLost, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
             # a new rank died while joining: a reduction over the merged job can even return garbage (ULFM)
             recovery.fall_back(f"a new rank failed while joining on {', '.join(warming.plan.hosts)} "
@@ -472,11 +512,12 @@ class GrowBack:
             warming.dups.free()
 
     @staticmethod
-    def _join(recovery: GrowHooks[SplitT], warming: Warming, split: SplitT, phases: dict[str, float]) -> None:
+    def _join(recovery: GrowHooks[SplitT], warming: Warming, split: SplitT, phases: dict[str, float],
+              store_prefix: str | None) -> None:
         """Collective over the merged job (the survivors' half of `join`'s step 2): the process group, the state,
         the topology, the wrapper again."""
         members, dist = recovery.members, recovery.dists[0]
-        phases["process_group"] = members.adopt(warming.merged, warming.dups)
+        phases["process_group"] = members.adopt(warming.merged, warming.dups, store_prefix)
         started = time.monotonic()
         members.bcast_large(recovery.handover(split) if dist.is_main else None)
         phases["state_transfer"] = time.monotonic() - started
@@ -536,7 +577,7 @@ def hello_of(dist: Dist, recovery: GrowHooks[SplitT], grower: GrowerView) -> Hel
     return {"topology": dist.topology, "backend": recovery.members.backend, "initial_world": recovery.engine.initial_world,
             "interface_per_host": dict(rendezvous.interface_per_host) if rendezvous else {},
             "min_size": recovery.engine.min_size, "collective_timeout_s": recovery.members.collective_timeout_s,
-            "grower": grower}
+            "grower": grower, "store": recovery.members.endpoint, "hostnames": []}
 
 
 # ---- the joining rank's side ---------------------------------------------------------------------------------------
@@ -593,8 +634,12 @@ def arrive() -> Arrival:
     if mpigrow.is_hot_spare():  # of the job that lost a rank: it ends as the survivors do, without MPI_Finalize
         mark_recovered()
     try:
-        hello = merged.bcast(None, root=0)
-        hostnames = merged.allgather(own_host())
+        if mpigrow.is_hot_spare():  # rank 0's word alone (GrowBack._say_hello)
+            hello = merged.recv(source=0, tag=HELLO_TAG)
+            hostnames = hello["hostnames"]
+        else:
+            hello = merged.bcast(None, root=0)
+            hostnames = merged.allgather(own_host())
         # its Membership's duplicates, started now: they progress in every MPI call on each side (the survivors'
         # steps, this rank's word that it is ready and its wait for rank 0's), and are done, or nearly, by the
         # take-in. Not waited for here: the survivors may be stopped (SIGSTOP) or in a long step meanwhile
@@ -618,9 +663,12 @@ def enter(arrival: Arrival) -> Joining:
     warm = time.monotonic() - arrival.since
     # a warning, as every rank's recovery lines are: a new rank is never rank 0, whose lines alone show at info
     log.warning("grow: warm in %.3f s; the job takes this rank in at its next step boundary", warm)
+    # after the line above (a test's hold stops the survivors until it); not where the grow was given up meanwhile
+    # (a recovery replaced rank 0's store, or rank 0 ended): the send below says so at once
+    store = None if merged.Is_revoked() else connect_store(arrival)
     try:
-        merged.send(("ready", warm), dest=0, tag=READY_TAG)
-        merged.recv(source=0, tag=JOIN_TAG)
+        merged.send(("ready", warm, store is not None), dest=0, tag=READY_TAG)
+        store_prefix = merged.recv(source=0, tag=JOIN_TAG)
     except mpigrow.mpi_exception() as exc:
         arrival.leave()
         raise GivenUp(f"the job gave up this rank's grow before it joined ({str(exc).splitlines()[0]}): a rank "
@@ -630,12 +678,51 @@ def enter(arrival: Arrival) -> Joining:
     members = Membership(merged, hello["collective_timeout_s"], backend=hello["backend"],
                          device=device if device.type == "cuda" else None,
                          spanning=mpigrow.spanning_of_joined(merged), prepared=arrival.dups)
-    members.start_process_group()
+    joined = None
+    if store_prefix is not None:  # rank 0 chose its store: this rank said it connected (its ready word)
+        assert store is not None and hello["store"] is not None
+        joined = JoinedStore(store, hello["store"], store_prefix)
+    members.start_process_group(joined)
     phases: dict[str, float | None] = {"process_group": time.monotonic() - started}
     before = hello["topology"].world_size
     hostnames = arrival.hostnames
     added = (list(range(before, len(hostnames))), list(hostnames[before:]), before, len(hostnames))
     return Joining(members, hello, topology, device, added, phases)
+
+
+def connect_store(arrival: Arrival) -> Store | None:
+    """A new rank, warm, before it says so: its client of rank 0's store (the hello's), where the grown job's
+    process group will keep its keys; connected now, while the survivors train, not at the take-in. None where rank
+    0 had no store to offer or it cannot be reached within CONNECT_BOUND_S (a recovery since replaced it, or the
+    network): rank 0 then builds a fresh one at the take-in, as before."""
+    import torch.distributed as tdist
+
+    hello = arrival.hello
+    if hello.get("store") is None:
+        return None
+    address, port = hello["store"]
+    timeout = timedelta(seconds=hello["collective_timeout_s"])
+    made: list[Store | BaseException] = []
+
+    def connect() -> None:
+        try:
+            made.append(tdist.TCPStore(address, port, arrival.topology.world_size, False,
+                                       timeout=min(timeout, timedelta(seconds=CONNECT_BOUND_S))))
+        except Exception as exc:  # noqa: BLE001 - torch's DistStoreError, an OSError: said below
+            made.append(exc)
+
+    # on a thread, with a deadline: a client's handshake with a stopped rank 0 (SIGSTOP: its socket open) waits in
+    # recv whatever the store's timeout (measured); a thread left waiting there holds nothing of this rank's
+    connecting = threading.Thread(target=connect, name="mpiddp-grow-store", daemon=True)
+    connecting.start()
+    connecting.join(CONNECT_BOUND_S)
+    if not made or isinstance(made[0], BaseException):
+        why = f"no answer within {CONNECT_BOUND_S:g} s" if not made else str(made[0]).splitlines()[0]
+        log.warning("grow: rank 0's store at %s:%d cannot be reached (%s): the take-in builds a new one", address,
+                    port, why)
+        return None
+    made[0].set_timeout(timeout)
+    return made[0]
 
 
 def warm_torch() -> None:

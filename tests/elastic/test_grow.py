@@ -103,7 +103,7 @@ class Request:
         if isinstance(outcome, Exception):
             raise outcome
         if outcome == "ready" or outcome is True:
-            return True, ("ready", 1.5)
+            return True, ("ready", 1.5, True)  # warm in 1.5 s, connected to rank 0's store
         if isinstance(outcome, tuple):
             return True, outcome
         return False, None
@@ -136,7 +136,8 @@ def survivors(monkeypatch, said, grown):
     monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
     dist = SimpleNamespace(world_size=2, is_main=True, topology=SimpleNamespace(failure_file=""),
                            transport=SimpleNamespace(bcast=lambda value: value))
-    recovery = SimpleNamespace(members=SimpleNamespace(_mpi=SimpleNamespace(Exception=MpiError), comm=None),
+    recovery = SimpleNamespace(members=SimpleNamespace(_mpi=SimpleNamespace(Exception=MpiError), comm=None,
+                                                       endpoint=("10.0.0.1", 29500)),
                                dists=[dist], steps_done=lambda: 7, records_dir=lambda: None,
                                pause_watch=lambda: None, follow_watch=lambda dist: None,
                                spawn_command=lambda: ["python"], grown=lambda *args: grown.append(args),
@@ -193,13 +194,32 @@ def test_the_survivors_train_on_while_the_new_rank_warms_up_and_take_it_in_once_
     assert (joined, merged.sent, grower.warming is not None) == ([], [], True)  # warming: the survivors train on
     with pytest.raises(Regrown):
         grower.at_boundary(recovery)
-    assert merged.sent == [("join", 2)] and len(joined) == 1 and grower.warming is None
+    # the word to join says where the grown group's keys go in rank 0's store (its own, kept: no store is built)
+    ((prefix, dest),) = merged.sent
+    assert dest == 2 and prefix.startswith("grown-") and prefix.endswith("/")
+    assert len(joined) == 1 and joined[0][-1] == prefix and grower.warming is None
     ((record, split, stalled_from),) = grown
     assert record["ranks_added"] == [2] and record["hosts_added"] == ["noded"] and record["warm_up"] == 1.5
     assert record["phases"]["spawn"] == 0.1 and split == Resplit(16, 1, 5)
     import time
 
     assert time.monotonic() - stalled_from >= 0.15  # step 1's stand-still is the survivors' too
+
+
+def test_a_new_rank_that_could_not_reach_rank_0s_store_is_taken_in_on_a_new_store(monkeypatch):
+    """A new rank that said ready without a connection to rank 0's store (a recovery replaced it, or the network):
+    rank 0 tells it no prefix, and the take-in builds a new store, as at a recovery."""
+    from mpiddp.elastic.grow import GrowBack, Regrown
+
+    said, grown = [], []
+    dist, recovery = survivors(monkeypatch, said, grown)
+    joined = []
+    monkeypatch.setattr(GrowBack, "_join", staticmethod(lambda *args: joined.append(args)))
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.warming = warming([("ready", 1.5, False)], merged)
+    with pytest.raises(Regrown):
+        grower.at_boundary(recovery)
+    assert merged.sent == [(None, 2)] and joined[0][-1] is None
 
 
 def test_a_new_rank_that_ends_while_warming_up_leaves_the_survivors_as_they_were(monkeypatch, caplog):
@@ -239,29 +259,36 @@ def test_a_survivor_lost_while_the_new_rank_warms_up_gives_the_grow_up(monkeypat
         "growing back given up: ranks 1 of the job failed while they warmed up; the new ranks on noded leave"]
 
 
-def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch):
-    """The survivors revoked the merged communicator (or rank 0 ended) while the new rank warmed up: its word
-    that it is ready, or its wait for the word to join, ends with MPI's error; it frees the merged communicator
+@pytest.mark.parametrize("noticed", ["before connecting to rank 0's store", "waiting for the word to join"])
+def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch, noticed):
+    """The survivors revoked the merged communicator (or rank 0 ended) while the new rank warmed up: it connects to
+    no store (a recovery replaced rank 0's; a stopped rank 0 would hold the connect for its bound), its word that it
+    is ready, or its wait for the word to join, ends with MPI's error; it frees the merged communicator
     (MPI_Finalize then returns at once) and raises Abandoned, on which the process ends with status 0."""
     from mpiddp.elastic import grow
 
-    freed = []
+    freed, connected = [], []
+    revoked = MpiError("MPI_ERR_REVOKED: Communication Object Revoked")
 
     class Revoked:
+        def Is_revoked(self):
+            return noticed.startswith("before")
+
         def send(self, value, dest, tag):
             pass
 
         def recv(self, source, tag):
-            raise MpiError("MPI_ERR_REVOKED: Communication Object Revoked")
+            raise revoked
 
         def Free(self):
             freed.append(True)
 
     monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
+    monkeypatch.setattr(grow, "connect_store", lambda arrival: connected.append(True))
     arrival = grow.Arrival(Revoked(), {}, None, ["a", "b", "c"], None, 0.0)
     with pytest.raises(grow.Abandoned, match="gave up this rank's grow before it joined .MPI_ERR_REVOKED"):
         grow.enter(arrival)
-    assert freed == [True]
+    assert freed == [True] and connected == ([] if noticed.startswith("before") else [True])
 
 
 @pytest.mark.parametrize("ended, said", [
@@ -347,7 +374,10 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
 
     template = topology_over(SimpleNamespace(mpi_library="openmpi", mpi_settings={}, restarts=0, failure_file="",
                                              launch_id="", launch_run_dir="", job_record=""), ["a", "b"], 0)
-    hello = {"topology": template, "backend": backend, "interface_per_host": {}, "collective_timeout_s": 60.0}
+    server = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    server.set("survivors", "here")
+    hello = {"topology": template, "backend": backend, "interface_per_host": {}, "collective_timeout_s": 60.0,
+             "store": ("127.0.0.1", server.port)}
 
     class Merged:
         def bcast(self, value, root):
@@ -363,7 +393,10 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
             pass
 
         def recv(self, source, tag):
-            return "join"
+            return "grown-1a2b/"  # rank 0's word to join: where the group's keys go in its store
+
+        def Is_revoked(self):  # the grow still stands
+            return False
 
         def Idup(self):  # the Membership's duplicates, made as it arrives
             return object(), SimpleNamespace(Wait=lambda: None)
@@ -375,8 +408,8 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
             assert prepared is not None  # made as it arrived, not at the take-in
             built.append((backend, device))
 
-        def start_process_group(self):
-            pass
+        def start_process_group(self, joined=None):
+            built.append(joined)
 
     monkeypatch.setattr(grow.mpigrow, "merge_with_parent", Merged)
     monkeypatch.setattr(grow, "Membership", Members)
@@ -387,7 +420,11 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     joined = grow.enter(grow.arrive())
     expected = torch.device("cuda", 0) if backend == "nccl" else None
-    assert built == [(backend, expected)]
+    (made, joined_store) = built
+    assert made == (backend, expected)
+    # its process group goes on rank 0's store, which it connected to before saying ready, under rank 0's prefix
+    assert joined_store.prefix == "grown-1a2b/" and joined_store.endpoint == ("127.0.0.1", server.port)
+    assert joined_store.store.get("survivors") == b"here"
     assert joined.device == (expected or torch.device("cpu"))
     assert (joined.topology.rank, joined.topology.world_size, joined.added[0]) == (2, 3, [2])
 
@@ -510,7 +547,7 @@ def test_a_rank_that_joined_by_a_grow_follows_rank_0s_view_of_growing(monkeypatc
     survivors_side = GrowBack([("noded", 2)])
     survivors_side.used = {"noded": 1}
     hello = survivors_side.hello(SimpleNamespace(topology=None, rendezvous=None), SimpleNamespace(
-        members=SimpleNamespace(backend="gloo", collective_timeout_s=60.0), engine=SimpleNamespace(
+        members=SimpleNamespace(backend="gloo", collective_timeout_s=60.0, endpoint=None), engine=SimpleNamespace(
             initial_world=3, min_size=1)), GrowPlan(("noded",)))
     assert hello["grower"] == {"used": {"noded": 2}, "lost_after_grow": False}
     joined = GrowBack([("noded", 2)])
@@ -637,3 +674,23 @@ def test_only_a_healthy_hot_spare_whose_grow_was_given_up_waits_again(monkeypatc
     assert not grow.wait_again(grow.Abandoned("this hot spare was not needed: the job ended"))
     monkeypatch.setattr(grow.mpigrow, "is_hot_spare", lambda: False)  # a spawned rank is a job of its own: it ends
     assert not grow.wait_again(grow.GivenUp("the job gave up this rank's grow before it joined")) and back == [True]
+
+
+def test_a_new_rank_whose_connect_to_rank_0s_store_gets_no_answer_gives_it_up_at_its_bound(monkeypatch, caplog):
+    """Rank 0 stopped (SIGSTOP: its socket open, answering nothing): torch's client handshake would wait in recv
+    whatever its timeout (measured: still waiting after 30 s of a 3 s timeout). The new rank gives the connect up
+    at its bound, says so, and says ready without it (the take-in then builds a new store)."""
+    import socket
+
+    from mpiddp.elastic import grow
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # the kernel accepts; nobody answers
+    monkeypatch.setattr(grow, "CONNECT_BOUND_S", 0.5)
+    arrival = grow.Arrival(None, {"store": silent.getsockname(), "collective_timeout_s": 60.0},
+                           SimpleNamespace(world_size=3), [], None, 0.0)
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        assert grow.connect_store(arrival) is None
+    assert "cannot be reached (no answer within 0.5 s): the take-in builds a new one" in caplog.text
+    silent.close()
