@@ -519,7 +519,8 @@ class GrowBack:
         members, dist = recovery.members, recovery.dists[0]
         phases["process_group"] = members.adopt(warming.merged, warming.dups, store_prefix)
         started = time.monotonic()
-        members.bcast_large(recovery.handover(split) if dist.is_main else None)
+        if dist.is_main:  # to the new ranks alone: the other survivors would unpickle it for nothing, in the tree
+            members.send_large(recovery.handover(split), range(dist.world_size, members.comm.Get_size()))
         phases["state_transfer"] = time.monotonic() - started
         recovery.bind(topology_over(warming.template, warming.hostnames, members.comm.Get_rank()), "stays")
         started = time.monotonic()
@@ -915,7 +916,7 @@ def receive(joining: Joining) -> dict[str, Any]:
     """Collective over the merged job: the state rank 0 handed over (GrowBack._join, the policy's `handover`: its
     own keys, which its joining side reads), timed as state_transfer."""
     started = time.monotonic()
-    payload = joining.members.bcast_large(None)
+    payload = joining.members.recv_large(0)
     joining.phases["state_transfer"] = time.monotonic() - started
     return payload
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mpiddp.elastic.decide import old_group_plan, recovery_refusal, store_address, ulfm_refusal
 from mpiddp.elastic.spawning import SpanningComms
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+LARGE_TAG = 27_183  # send_large's messages (a grow's state, to the new ranks)
 WATCH_TAG = 27_182  # carried by no message: the watch receive completes only when a member fails
 GLOO_ERROR_GRACE_S = 30.0  # gloo saw a peer vanish: how long MPI gets to confirm it before the error is the answer
 CONFIRM_S = 2.0  # a torch error on a rank: how long MPI gets to report a failed peer before the error stands
@@ -387,11 +388,19 @@ class Membership:
             except self._mpi.Exception:
                 pass  # revoked or freed already
 
-    def bcast_large(self, value: T, root: int = 0) -> T:
-        """Collective over `comm`: `value` from `root` to every rank, pickles of any size (pkl5)."""
+    def send_large(self, value: object, dests: Iterable[int]) -> None:
+        """`value` to each of `dests` (ranks of `comm`, all at once), a pickle of any size (pkl5)."""
         from mpi4py.util import pkl5
 
-        return pkl5.Intracomm(self.comm).bcast(value, root=root)
+        comm = pkl5.Intracomm(self.comm)
+        requests = [comm.isend(value, dest=dest, tag=LARGE_TAG) for dest in dests]
+        pkl5.Request.waitall(requests)
+
+    def recv_large(self, source: int) -> Any:
+        """What `source` sent with send_large."""
+        from mpi4py.util import pkl5
+
+        return pkl5.Intracomm(self.comm).recv(source=source, tag=LARGE_TAG)
 
     def close(self) -> None:
         """Cancel the watch and free the duplicates (every rank; not collective)."""
