@@ -302,7 +302,9 @@ class Membership:
         self.comm = self._dup(comm, prepared.own if prepared else None)
         self._arm(prepared.watch if prepared else None)
         started = time.monotonic()
-        self._rebuild_process_group(store_prefix if self._store is not None else None)
+        if store_prefix is not None and self._store is None:  # every member holds rank 0's store after a rebuild
+            raise RuntimeError("a grow chose rank 0's store, and this survivor holds none")
+        self._rebuild_process_group(store_prefix)
         return time.monotonic() - started
 
     def start_process_group(self, joined: JoinedStore | None = None) -> None:
@@ -327,8 +329,7 @@ class Membership:
             else:
                 self._retire_default_group()
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
-        if store_prefix is not None:
-            assert self._store is not None
+        if store_prefix is not None and self._store is not None:
             store: Store = tdist.PrefixStore(store_prefix, self._store)
         else:
             endpoint = None
