@@ -1,5 +1,6 @@
 """Growing back after an in-job recovery: the decisions, in-process (no MPI, no spawn)."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -606,8 +607,9 @@ def test_the_ordinary_step_is_a_steps_own_time_at_that_size_never_a_first_step_o
 
 
 def test_a_new_ranks_rehearsal_step_leaves_nothing_the_take_in_does_not_replace():
-    """The warm-up's thrown-away step (mpiddp.trainer.join.rehearse) moves BatchNorm's running statistics and fills
-    gradients: the gradients are cleared, and rank 0's state loaded at the take-in puts every tensor back."""
+    """The warm-up's thrown-away step (mpiddp.trainer.join.rehearse) moves the weights, BatchNorm's running
+    statistics and the optimizer's state, and fills gradients: the gradients are cleared, and rank 0's state loaded
+    at the take-in puts every tensor back."""
     import torch
 
     from mpiddp.trainer.config import Config
@@ -619,12 +621,17 @@ def test_a_new_ranks_rehearsal_step_leaves_nothing_the_take_in_does_not_replace(
                     image_size=16, batch_size=4)
     datasets = load_datasets(cfg, lambda channels: input_channels(cfg.data.model_name, channels))
     model = build_model(cfg.data.model_name, datasets.num_classes, datasets.channels, cfg.data.input_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     survivors = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    rehearse(cfg, model, datasets, torch.device("cpu"))
+    survivors_optimizer = copy.deepcopy(optimizer.state_dict())  # rank 0's (no step taken: no momentum yet)
+    rehearse(cfg, model, optimizer, datasets, torch.device("cpu"))
     assert any(not torch.equal(survivors[name], tensor) for name, tensor in model.state_dict().items())  # it ran
+    assert optimizer.state  # the step ran: momentum buffers
     assert all(parameter.grad is None for parameter in model.parameters())
     model.load_state_dict(survivors)  # what restored_state does with rank 0's payload
+    optimizer.load_state_dict(survivors_optimizer)
     assert all(torch.equal(survivors[name], tensor) for name, tensor in model.state_dict().items())
+    assert not optimizer.state  # rank 0's state, whatever the rehearsal made
 
 
 def test_a_joined_rank_keeps_the_survivors_full_epoch_end():
