@@ -143,7 +143,10 @@ def ok(job):
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["none", "bf16"])
 def test_digits_through_mpi_still_reach_97_percent(run_job, kind):
-    job = run_job(2, "--grad-transport", "mpi", "--grad-compression", kind, "--bucket-cap-mb", "0.05", *FAST)
+    # 8 epochs, not the default 15: digits passes 97% by epoch 4 at either length (every one of the ~180 steps
+    # still goes through many small MPI buckets), and on a busy CI machine each epoch is seconds
+    job = run_job(2, "--grad-transport", "mpi", "--grad-compression", kind, "--bucket-cap-mb", "0.05", "--epochs", "8",
+                  *FAST)
     summary = ok(job)
     assert summary["eval_accuracy"] >= 0.97
     transport = summary["grad_transport"]
