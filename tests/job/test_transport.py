@@ -183,11 +183,22 @@ def test_a_raising_rank_ends_the_job_once(run_job):
 
 @pytest.mark.mpi
 def test_the_hang_watchdog_names_a_rank_stuck_while_the_other_waits_in_mpi(run_job):
+    """Also the hang explained in one file (once test_launch_e2e's own launch of this same job)."""
     job = run_job(3, "--grad-transport", "mpi", "--epochs", "3", "--inject-fault", "stall:1:4", "--hang-timeout", "8",
                   *FAST, timeout=120)
     assert job.returncode == 4, job.output[-3000:]
     assert "ranks behind: 1 at step 3" in job.output
     assert "in inject_fault" in job.output
+    # the one hang file: who is behind, every rank's stacks, the stalled rank's own stack where it is stuck
+    (hang_file,) = job.run_dir.glob("hang-*.txt")
+    text = hang_file.read_text()
+    assert "ranks behind: 1 on " in text
+    for rank in range(3):
+        assert f"==== Python stacks of rank {rank}/3 on " in text, text[-3000:]
+    assert "in inject_fault" in text
+    records = [json.loads(path.read_text()) for path in sorted((job.run_dir / "failures").glob("rank-*.json"))]
+    (record,) = [r for r in records if r["kind"] == "hang"]
+    assert record["ranks"] == [1] and hang_file.name in record["message"]
 
 
 def start(mpirun, run_dir, *flags):
