@@ -152,6 +152,8 @@ def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
 # With spawn the workers are the rank's children: one killed raises at once in the rank (torch's SIGCHLD
 # handler). A forkserver's workers are not, and the batches the rank still needs are usually prefetched; the
 # forkserver's own signal dispositions are checked in tests/trainer/test_loader_helpers.py.
+# One worker per loader: a stop that ends a worker fails the job with one as with two (torch raises for any of
+# them), and each spawned worker imports torch anew.
 PHASES = {
     "start-up": ("signal:all:0", "forkserver", "snapshot-epoch0000-batch000001.pt"),  # first batch loaded
     "mid-epoch": ("signal:all:2", "spawn", "snapshot-epoch0000-batch000002.pt"),
@@ -167,7 +169,7 @@ def test_a_stop_to_the_process_group_leaves_loader_helpers_alive(run_job, tmp_pa
     drill, start_method, snapshot = PHASES[phase]
     data_dir = write_cifar10(tmp_path / "data", per_batch=16, test=20)
     job = run_job(2, "--dataset", "cifar10", "--data-dir", str(data_dir), "--arch", "digits_cnn", "--epochs", "2",
-                  "--batch-size", "8", "--num-workers", "2", "--worker-start-method", start_method, "--no-progress",
+                  "--batch-size", "8", "--num-workers", "1", "--worker-start-method", start_method, "--no-progress",
                   "--wandb", "disabled", "--inject-fault", drill, timeout=120)
     assert job.returncode == 3, job.output[-3000:]
     assert "DataLoader worker" not in job.output and "BrokenPipeError" not in job.output
