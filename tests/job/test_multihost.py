@@ -59,14 +59,11 @@ def test_openmpi_hostfile_and_uneven_hosts(hosts, mpirun, tmp_path):
     assert_layout(job, {"nodea": [0], "nodeb": [1, 2, 3]})
 
 
-def test_three_hosts_round_robin(hosts, mpirun, tmp_path):
-    job = launch(hosts, mpirun, tmp_path, ["-np", "3", "-H", "nodea:1,nodeb:1,nodec:1"])
-    assert_layout(job, {"nodea": [0], "nodeb": [1], "nodec": [2]})
-
-
-def test_master_addr_override(hosts, mpirun, tmp_path):
-    job = launch(hosts, mpirun, tmp_path, ["-np", "2", "-H", "nodea:1,nodeb:1"], "--master-addr", "nodea")
-    summary = assert_layout(job, {"nodea": [0], "nodeb": [1]})
+def test_three_hosts_round_robin_with_a_master_addr_override(hosts, mpirun, tmp_path):
+    """One job for two checks (one start-up, not two): the ranks' placement comes from mpirun alone, the
+    rendezvous address from --master-addr alone (the automatic one: test_two_hosts_two_ranks_each)."""
+    job = launch(hosts, mpirun, tmp_path, ["-np", "3", "-H", "nodea:1,nodeb:1,nodec:1"], "--master-addr", "nodea")
+    summary = assert_layout(job, {"nodea": [0], "nodeb": [1], "nodec": [2]})
     # the name as the hosts resolve it: rank 0 binds the store there and every rank connects to that address
     assert summary["rendezvous"]["master_addr"] == hosts.address("nodea")
     assert "rendezvous on 10.77.0.1 (--master-addr nodea)" in job.output
