@@ -42,16 +42,6 @@ def assert_layout(job, expected_hosts):
     return summary
 
 
-def test_two_hosts_two_ranks_each(hosts, mpirun, tmp_path):
-    job = launch(hosts, mpirun, tmp_path, ["-np", "4", "-H", "nodea:2,nodeb:2"])
-    summary = assert_layout(job, {"nodea": [0, 1], "nodeb": [2, 3]})
-    # nodea's address on the shared link: not loopback, not the decoy docker0 that every host carries
-    assert summary["rendezvous"]["master_addr"] == hosts.address("nodea")
-    assert summary["rendezvous"]["interfaces"] == {"nodea": "eth0", "nodeb": "eth0"}
-    assert "rendezvous on 10.77.0.1" in job.output
-    assert summary["eval_accuracy"] is not None and summary["images_per_second"] > 0
-
-
 def test_openmpi_hostfile_and_uneven_hosts(hosts, mpirun, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# Open MPI syntax\nnodea slots=1\nnodeb slots=3\n")
@@ -59,14 +49,11 @@ def test_openmpi_hostfile_and_uneven_hosts(hosts, mpirun, tmp_path):
     assert_layout(job, {"nodea": [0], "nodeb": [1, 2, 3]})
 
 
-def test_three_hosts_round_robin(hosts, mpirun, tmp_path):
-    job = launch(hosts, mpirun, tmp_path, ["-np", "3", "-H", "nodea:1,nodeb:1,nodec:1"])
-    assert_layout(job, {"nodea": [0], "nodeb": [1], "nodec": [2]})
-
-
-def test_master_addr_override(hosts, mpirun, tmp_path):
-    job = launch(hosts, mpirun, tmp_path, ["-np", "2", "-H", "nodea:1,nodeb:1"], "--master-addr", "nodea")
-    summary = assert_layout(job, {"nodea": [0], "nodeb": [1]})
+def test_three_hosts_round_robin_with_a_master_addr_override(hosts, mpirun, tmp_path):
+    """One job for two checks (one start-up, not two): the ranks' placement comes from mpirun alone, the
+    rendezvous address from --master-addr alone (the automatic one: the multinode script's test)."""
+    job = launch(hosts, mpirun, tmp_path, ["-np", "3", "-H", "nodea:1,nodeb:1,nodec:1"], "--master-addr", "nodea")
+    summary = assert_layout(job, {"nodea": [0], "nodeb": [1], "nodec": [2]})
     # the name as the hosts resolve it: rank 0 binds the store there and every rank connects to that address
     assert summary["rendezvous"]["master_addr"] == hosts.address("nodea")
     assert "rendezvous on 10.77.0.1 (--master-addr nodea)" in job.output
@@ -154,15 +141,22 @@ def test_a_host_that_dies_ends_the_job(hosts, mpirun, tmp_path):
     assert (run_dir / "checkpoints" / "snapshot-epoch0001.pt").exists()  # what was saved survives
 
 
-def test_multinode_script_with_a_host_list(hosts, tmp_path):
+def test_two_hosts_two_ranks_each_through_the_multinode_script(hosts, tmp_path):
+    """run/multinode.sh with a host list: the mpirun line it builds, and what two hosts of two ranks each make
+    of the job (one job for both: a plain mpirun across hosts runs in the tests above)."""
     run_dir = tmp_path / "run"
     env = host_env()
     env["MPIRUN_ARGS"] = " ".join(hosts.transport_args())
     env["PYTHON"] = sys.executable
     command = [str(REPO / "run" / "multinode.sh"), "nodea:2,nodeb:2", "4", "--run-dir", str(run_dir), *FAST]
     job = run_command(hosts.command_on("nodea", command), run_dir, 240, env=env)
-    assert_layout(job, {"nodea": [0, 1], "nodeb": [2, 3]})
+    summary = assert_layout(job, {"nodea": [0, 1], "nodeb": [2, 3]})
     assert "mpirun -np 4 -H nodea:2,nodeb:2 --bind-to none --map-by slot -x PATH" in job.output
+    # nodea's address on the shared link: not loopback, not the decoy docker0 that every host carries
+    assert summary["rendezvous"]["master_addr"] == hosts.address("nodea")
+    assert summary["rendezvous"]["interfaces"] == {"nodea": "eth0", "nodeb": "eth0"}
+    assert "rendezvous on 10.77.0.1" in job.output
+    assert summary["eval_accuracy"] is not None and summary["images_per_second"] > 0
 
 
 def test_mpich_hydra_across_hosts(hosts, mpich, tmp_path):

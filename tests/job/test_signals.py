@@ -14,6 +14,7 @@ from conftest import REPO, JobResult, job_env, rank_pid, rank_pids
 
 pytestmark = pytest.mark.mpi
 FLAGS = ("--epochs", "3", "--batch-size", "8", "--deterministic", "--no-progress", "--wandb", "disabled")
+FINAL = ("--model-filename", "final.pt")  # the reference run's final model (training is the same without it)
 
 
 def start(mpirun, run_dir, *flags):
@@ -42,13 +43,20 @@ def final_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "snapshot-epoch0003.pt", weights_only=True)["model"]
 
 
+@pytest.fixture(scope="module")
+def straight(mpirun, tmp_path_factory) -> JobResult:
+    """One uninterrupted run of FLAGS (and a final model file), the reference every stop-and-resume here must equal:
+    the same job for each of them, so it runs once (a launch of 2 ranks is most of each test's time)."""
+    run_dir = tmp_path_factory.mktemp("signals") / "straight"
+    process = start(mpirun, run_dir, *FINAL)
+    output = finish(process, [])
+    assert process.returncode == 0, output[-3000:]
+    return JobResult(0, output, 0, run_dir)
+
+
 @pytest.mark.floor  # also run against the oldest supported torch in CI
 @pytest.mark.parametrize("target", ["mpirun-SIGUSR1", "rank1-SIGTERM"])
-def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_path, target):
-    straight = tmp_path / "straight"
-    reference = start(mpirun, straight)
-    assert finish(reference, []) and reference.returncode == 0
-
+def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_path, target, straight):
     run_dir = tmp_path / "stopped"
     process, seen = start(mpirun, run_dir), []
     wait_for(process, "epoch 1/3 |", seen)
@@ -68,7 +76,7 @@ def test_signal_stops_every_rank_at_one_step_and_resume_is_exact(mpirun, tmp_pat
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert JobResult(0, "", 0, run_dir).summary["resumed_from"].endswith(stopped[0])
-    expected, got = final_weights(straight), final_weights(run_dir)
+    expected, got = final_weights(straight.run_dir), final_weights(run_dir)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
 
@@ -144,6 +152,8 @@ def test_third_ctrl_c_ends_a_rank_at_once(mpirun, tmp_path):
 # With spawn the workers are the rank's children: one killed raises at once in the rank (torch's SIGCHLD
 # handler). A forkserver's workers are not, and the batches the rank still needs are usually prefetched; the
 # forkserver's own signal dispositions are checked in tests/trainer/test_loader_helpers.py.
+# One worker per loader: a stop that ends a worker fails the job with one as with two (torch raises for any of
+# them), and each spawned worker imports torch anew.
 PHASES = {
     "start-up": ("signal:all:0", "forkserver", "snapshot-epoch0000-batch000001.pt"),  # first batch loaded
     "mid-epoch": ("signal:all:2", "spawn", "snapshot-epoch0000-batch000002.pt"),
@@ -159,7 +169,7 @@ def test_a_stop_to_the_process_group_leaves_loader_helpers_alive(run_job, tmp_pa
     drill, start_method, snapshot = PHASES[phase]
     data_dir = write_cifar10(tmp_path / "data", per_batch=16, test=20)
     job = run_job(2, "--dataset", "cifar10", "--data-dir", str(data_dir), "--arch", "digits_cnn", "--epochs", "2",
-                  "--batch-size", "8", "--num-workers", "2", "--worker-start-method", start_method, "--no-progress",
+                  "--batch-size", "8", "--num-workers", "1", "--worker-start-method", start_method, "--no-progress",
                   "--wandb", "disabled", "--inject-fault", drill, timeout=120)
     assert job.returncode == 3, job.output[-3000:]
     assert "DataLoader worker" not in job.output and "BrokenPipeError" not in job.output
@@ -233,14 +243,11 @@ def test_ctrl_c_during_the_teardown_of_a_stop_keeps_exit_3(mpirun, tmp_path):
     assert process.returncode == 3, output[-3000:]
 
 
-def test_a_stop_during_the_last_evaluation_leaves_the_outputs_to_resume(run_job, tmp_path):
-    flags = ("--epochs", "2", "--batch-size", "8", "--deterministic", "--no-progress", "--wandb", "disabled",
-             "--model-filename", "final.pt")
-    straight = run_job(2, *flags, run_dir=tmp_path / "straight")
-    assert straight.returncode == 0, straight.output[-3000:]
+def test_a_stop_during_the_last_evaluation_leaves_the_outputs_to_resume(run_job, tmp_path, straight):
+    flags = (*FLAGS, *FINAL)
     expected = [r for r in straight.metrics if r["kind"] == "epoch"]
     run_dir = tmp_path / "stopped"
-    # The drill signals at the first batch of epoch 2's evaluation: its training is complete, its record not written.
+    # The drill signals at the first batch of epoch 3's evaluation: its training is complete, its record not written.
     stopped = run_job(2, *flags, "--inject-fault", f"signal-eval:0:{expected[-1]['step']}", run_dir=run_dir)
     assert stopped.returncode == 3, stopped.output[-3000:]
     assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints" / "final.pt").exists()
@@ -256,10 +263,10 @@ def test_a_stop_during_the_last_evaluation_leaves_the_outputs_to_resume(run_job,
     assert [summary[k] for k in ("epochs", "train_loss", "eval_loss", "eval_accuracy")] == \
         [reference[k] for k in ("epochs", "train_loss", "eval_loss", "eval_accuracy")]
     weights = torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
-    reference_weights = torch.load(tmp_path / "straight" / "checkpoints" / "final.pt", weights_only=True)
+    reference_weights = torch.load(straight.run_dir / "checkpoints" / "final.pt", weights_only=True)
     assert sorted(weights) == sorted(reference_weights)
     assert all(torch.equal(weights[name], reference_weights[name]) for name in weights)
 
     again = run_job(2, *flags, "--resume", run_dir=run_dir)  # the outputs are complete now: nothing is redone
     assert again.returncode == 0 and "nothing to do" in again.output, again.output[-3000:]
-    assert len([r for r in again.metrics if r["kind"] == "epoch"]) == 2
+    assert len([r for r in again.metrics if r["kind"] == "epoch"]) == 3
