@@ -665,7 +665,7 @@ def enter(arrival: Arrival) -> Joining:
     # a warning, as every rank's recovery lines are: a new rank is never rank 0, whose lines alone show at info
     log.warning("grow: warm in %.3f s; the job takes this rank in at its next step boundary", warm)
     # after the line above (a test's hold stops the survivors until it); not where the grow was given up meanwhile
-    # (a recovery replaced rank 0's store, or rank 0 ended): the send below says so at once
+    # (rank 0 ended, or a recovery gave the grow up): the send below then says so at once
     store = None if merged.Is_revoked() else connect_store(arrival)
     try:
         merged.send(("ready", warm, store is not None), dest=0, tag=READY_TAG)
@@ -694,8 +694,9 @@ def enter(arrival: Arrival) -> Joining:
 def connect_store(arrival: Arrival) -> Store | None:
     """A new rank, warm, before it says so: its client of rank 0's store (the hello's), where the grown job's
     process group will keep its keys; connected now, while the survivors train, not at the take-in. None where rank
-    0 had no store to offer or it cannot be reached within CONNECT_BOUND_S (a recovery since replaced it, or the
-    network): rank 0 then builds a fresh one at the take-in, as before."""
+    0 had no store to offer, the grow was given up meanwhile (MPI says so while it connects), or the store cannot
+    be reached within CONNECT_BOUND_S (rank 0 stopped, the network): rank 0 then builds a fresh one at the take-in,
+    as before."""
     import torch.distributed as tdist
 
     hello = arrival.hello
@@ -713,10 +714,20 @@ def connect_store(arrival: Arrival) -> Store | None:
             made.append(exc)
 
     # on a thread, with a deadline: a client's handshake with a stopped rank 0 (SIGSTOP: its socket open) waits in
-    # recv whatever the store's timeout (measured); a thread left waiting there holds nothing of this rank's
+    # recv whatever the store's timeout (measured); a thread left waiting there holds nothing of this rank's. And
+    # meanwhile MPI is asked whether the grow still stands: this rank made no MPI call during its warm-up, so a
+    # grow given up then (rank 0 dead, its store refusing: torch retries until its timeout) is learnt only now
     connecting = threading.Thread(target=connect, name="mpiddp-grow-store", daemon=True)
     connecting.start()
-    connecting.join(CONNECT_BOUND_S)
+    deadline = time.monotonic() + CONNECT_BOUND_S
+    while connecting.is_alive() and time.monotonic() < deadline:
+        try:
+            arrival.merged.Iprobe(source=0, tag=JOIN_TAG)  # progresses MPI: a failed rank 0, a revoke, raise here
+            if arrival.merged.Is_revoked():
+                return None  # given up: the ready word says so at once (GivenUp)
+        except mpigrow.mpi_exception():
+            return None
+        connecting.join(0.05)
     if not made or isinstance(made[0], BaseException):
         why = f"no answer within {CONNECT_BOUND_S:g} s" if not made else str(made[0]).splitlines()[0]
         log.warning("grow: rank 0's store at %s:%d cannot be reached (%s): the take-in builds a new one", address,

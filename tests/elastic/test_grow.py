@@ -399,6 +399,9 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
         def Is_revoked(self):  # the grow still stands
             return False
 
+        def Iprobe(self, source, tag):
+            return False
+
         def Idup(self):  # the Membership's duplicates, made as it arrives
             return object(), SimpleNamespace(Wait=lambda: None)
 
@@ -695,9 +698,50 @@ def test_a_new_rank_whose_connect_to_rank_0s_store_gets_no_answer_gives_it_up_at
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)  # the kernel accepts; nobody answers
     monkeypatch.setattr(grow, "CONNECT_BOUND_S", 0.5)
-    arrival = grow.Arrival(None, {"store": silent.getsockname(), "collective_timeout_s": 60.0},
+    monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
+    standing = SimpleNamespace(Iprobe=lambda source, tag: False, Is_revoked=lambda: False)
+    arrival = grow.Arrival(standing, {"store": silent.getsockname(), "collective_timeout_s": 1.0},
                            SimpleNamespace(world_size=3), [], None, 0.0)
     with caplog.at_level("WARNING", logger="mpiddp"):
         assert grow.connect_store(arrival) is None
     assert "cannot be reached (no answer within 0.5 s): the take-in builds a new one" in caplog.text
     silent.close()
+
+
+@pytest.mark.parametrize("mpi_says", ["rank 0 failed", "revoked"])
+def test_a_new_rank_that_learns_while_connecting_that_its_grow_was_given_up_stops_at_once(monkeypatch, caplog,
+                                                                                          mpi_says):
+    """Rank 0 died while the new rank ran its warm-up (no MPI call then: the revoke is unheard): its store refuses,
+    and torch would retry until the connect's bound (10 s of the job at reduced size, seen by a reviewer). MPI,
+    asked while it connects, says the grow is given up: the connect stops at once, without a line (the ready word
+    that follows says why)."""
+    import threading
+    import time
+
+    import torch
+
+    from mpiddp.elastic import grow
+
+    refused = threading.Event()
+
+    def retrying(*args, **kwargs):  # torch's client retrying a refused connect, until the test ends
+        refused.wait(30)
+        raise RuntimeError("connect refused")
+
+    def probe(source, tag):
+        if mpi_says == "rank 0 failed":
+            raise MpiError("MPI_ERR_PROC_FAILED: Process Failure")
+        return False
+
+    monkeypatch.setattr(torch.distributed, "TCPStore", retrying)
+    monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
+    merged = SimpleNamespace(Iprobe=probe, Is_revoked=lambda: mpi_says == "revoked")
+    arrival = grow.Arrival(merged, {"store": ("10.0.0.1", 29500), "collective_timeout_s": 60.0},
+                           SimpleNamespace(world_size=3), [], None, 0.0)
+    started = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="mpiddp"):
+            assert grow.connect_store(arrival) is None
+        assert time.monotonic() - started < grow.CONNECT_BOUND_S and "cannot be reached" not in caplog.text
+    finally:
+        refused.set()
