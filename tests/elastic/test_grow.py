@@ -704,7 +704,8 @@ def test_a_new_rank_whose_connect_to_rank_0s_store_gets_no_answer_gives_it_up_at
                            SimpleNamespace(world_size=3), [], None, 0.0)
     with caplog.at_level("WARNING", logger="mpiddp"):
         assert grow.connect_store(arrival) is None
-    assert "cannot be reached (no answer within 0.5 s): the take-in builds a new one" in caplog.text
+    # torch 2.4's client gives up by itself at the same bound (its own words); later ones wait in recv (ours)
+    assert "cannot be reached (" in caplog.text and "): the take-in builds a new one" in caplog.text
     silent.close()
 
 

@@ -41,7 +41,7 @@ standin.remove()
 seen["after"] = [tdist.is_initialized(), all(getattr(tdist, name) is originals[name] for name in names),
                  all(getattr(distributed_c10d, name) is originals[name] for name in names)]
 # the join: a real group at the same place; what the script took by name during its start now reaches it
-tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+tdist.init_process_group("gloo", store=tdist.TCPStore("127.0.0.1", 0, 1, True), rank=0, world_size=1)
 total = torch.ones(2)
 taken_all_reduce(total)
 taken_barrier()
