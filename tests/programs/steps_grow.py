@@ -96,6 +96,7 @@ optimizer = mpiddp.Optimizer(optimizer, model, commit=args.commit)
 if not args.no_keep:
     mpiddp.keep(globals(), "iter_num", "best_val_loss")
 mpiddp.on_membership_change(lambda change: globals().update(master_process=change.rank == 0))
+smallest_world = started_world  # the job's smallest size this rank has seen in the loop
 changes = []  # what each change of size cost, as mpiddp measured it (its phases fill in at the next step)
 mpiddp.on_membership_change(changes.append)
 out = open(os.path.join(args.out_dir, f"pid{os.getpid()}.jsonl"), "a")
@@ -157,7 +158,11 @@ while True:
         full_at = None
     elif full_at is None:
         full_at = iter_num
-    second_kill_due = args.kill_in_late_start >= 0 and not os.path.exists(killing)
+    smallest_world = min(smallest_world, dist.get_world_size())
+    # the second kill is over once this rank has seen the job two ranks down (not once the victim wrote `killing`,
+    # which a survivor can read after a step the victim took part in: it left the loop, the kill then failed the
+    # collective after it); the spare, started late, is taken in after both kills
+    second_kill_due = args.kill_in_late_start >= 0 and not started_late and smallest_world > started_world - 2
     if iter_num >= args.max_iters and (full_at is not None and iter_num >= full_at + args.after_full
                                        and not second_kill_due or iter_num >= 20000):
         break
