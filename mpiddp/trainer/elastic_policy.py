@@ -110,6 +110,7 @@ class TrainerPolicy(Policy[Resumed]):
         # in a step, hung ranks, ranks cut off with a silent host, step: at the shrink
         self._failure: tuple[bool, set[int], set[int], int] = (False, set(), set(), 0)
         self._undone = 0  # steps the late commit rolled back at the shrink (0 or 1)
+        self.last_change_grew = False  # the body runs again after a grow (Regrown), not after a failure
 
     @classmethod
     def enable(cls, dist: Dist, others: list[Dist], collective_timeout_s: float, compression: str = "none",
@@ -144,7 +145,8 @@ class TrainerPolicy(Policy[Resumed]):
                 self.step_times.started(time.monotonic())
 
         self._hooks = dataclasses.replace(hooks, save=self.around_save(hooks.save), heartbeat=heartbeat,
-                                          phase=entered, in_job=self.attempt)
+                                          phase=entered, in_job=self.attempt,
+                                          again_after_failure=lambda: not self.last_change_grew)
         return self._hooks
 
     # -- what the loop and run() call ---------------------------------------------------------------------------
@@ -224,10 +226,12 @@ class TrainerPolicy(Policy[Resumed]):
 
     def regrown(self) -> None:
         """New ranks joined: the first step over the grown process group is settled strictly (DDP's first)."""
+        self.last_change_grew = True
         if self.parts.state.commit is not None:
             self.parts.state.commit.strict_next = True
 
     def before_shrink(self) -> None:
+        self.last_change_grew = False
         parts = self.parts
         commit = parts.state.commit
         # the step the late commit holds is undone on every survivor alike, before the furthest one is looked for

@@ -104,6 +104,9 @@ class Hooks:
     # in-job recovery (mpiddp.trainer.elastic_policy): runs body(config) and, after the survivors recovered from a failed
     # rank, again with their config; `where` is train, eval or save. Without it: body(config), once.
     in_job: Callable[[Callable[[Config], Any], Config, str], Any] = lambda body, cfg, where: body(cfg)
+    # whether in_job runs a body again after a failure the survivors recovered from, not after a grow (the same on
+    # every rank): only a failure can leave a step's metric line unwritten (log_caught_up_step)
+    again_after_failure: Callable[[], bool] = lambda: True
 
     def save_now(self, state: TrainState) -> None:
         """Collective: save a snapshot, whatever the reason; the time-based interval counts from here."""
@@ -281,12 +284,10 @@ def epoch_meters(kept: list[EpochMeters], device: torch.device, timing: RankTimi
 
 
 def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: Hooks, epoch: int,
-                timing: RankTiming, kept: list[EpochMeters] | None = None,
-                joined: bool = False) -> tuple[Meter, StepDurations]:
+                timing: RankTiming, kept: list[EpochMeters] | None = None) -> tuple[Meter, StepDurations]:
     """Collective: one epoch's steps (from where a stopped run left off). Returns this rank's totals and step
     times. On an agreed stop signal: saves, then raises Stopped on every rank at the same step. `kept`: the
-    epoch's meters across in-job recoveries (see epoch_meters); `joined`: this rank joined the job in this epoch
-    (mpiddp.trainer.join), where the survivors run it again."""
+    epoch's meters across in-job recoveries (see epoch_meters)."""
     device = dist.device
     memory_format = torch.channels_last if cfg.training.channels_last else torch.contiguous_format
     skipped = state.batches_done
@@ -297,7 +298,9 @@ def train_epoch(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, ho
     state.model.train()
     again = bool(kept)  # run again after an in-job recovery or a grow
     meters = epoch_meters([] if kept is None else kept, device, timing, state.step)
-    if again or joined:
+    # Not after a grow (taken in at a step boundary, after the last step's line; a new rank's meters start at its
+    # step): its collective held every survivor until the new rank came, 5-25 ms of a take-in's stand-still
+    if again and hooks.again_after_failure():
         log_caught_up_step(meters, dist, state, hooks, epoch, progress, cfg.outputs.log_every)
     clock = meters.clock
     if state.gradient_hook is not None:
@@ -373,7 +376,7 @@ def log_window(meters: EpochMeters, dist: Dist, state: TrainState, hooks: Hooks,
 
 def log_caught_up_step(meters: EpochMeters, dist: Dist, state: TrainState, hooks: Hooks, epoch: int, progress: Any,
                        log_every: int) -> None:
-    """Collective, as an epoch runs again after an in-job recovery (or a grow, with the rank that joined): the
+    """Collective, as an epoch runs again after an in-job recovery (not after a grow): the
     metric line of a step whose update was done when the failure struck in the step's exchanges after it (the
     stop agreement, the line's own reduction), so the survivors caught up on it and never train it again. Rank 0
     writes the lines, so its word decides: a line it wrote before the failure is not written twice. A new rank 0
@@ -540,8 +543,7 @@ def _train(cfg: Config, state: TrainState, loaders: Loaders, dist: Dist, hooks: 
         kept: list[EpochMeters] = []  # the epoch's meters, kept when an in-job recovery runs it again
 
         def trained(current: Config) -> None:
-            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing, kept,
-                                                  joined and epoch == first_epoch)
+            totals, epoch_durations = train_epoch(current, state, loaders, dist, hooks, epoch, timing, kept)
             state.pending_epoch = training_record(state, dist, epoch, totals, epoch_durations)
             state.epoch, state.batches_done = epoch, 0
 

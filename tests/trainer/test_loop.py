@@ -352,6 +352,24 @@ def test_an_epoch_run_again_after_an_in_job_recovery_counts_its_steps_before_the
     assert record["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-6)  # the same steps, every one
 
 
+@pytest.mark.parametrize("grew", [True, False])
+def test_an_epoch_run_again_after_a_grow_asks_rank_0_for_no_caught_up_line(grew, monkeypatch):
+    """A grow takes the new ranks in at a step boundary, after the last step's line, so the epoch that runs again
+    asks rank 0 nothing (the new rank asks nothing either: the collective held every survivor until it came,
+    5-25 ms of the take-in's stand-still); after a failure it asks whether a line was left unwritten."""
+    cfg, dist, loaders, state = job(epochs=1, batch_size=64, log_every=1)
+    asked = []
+    real = type(dist).from_main
+    monkeypatch.setattr(type(dist), "from_main", lambda self, attempt: asked.append(attempt) or real(self, attempt))
+    loop_hooks = hooks([])
+    loop_hooks.callbacks = FailsOnce(3)  # what both look like to the loop: the step's body left, run again
+    loop_hooks.in_job = run_again_once
+    loop_hooks.again_after_failure = lambda: not grew
+    outcome = train(cfg, state, loaders, dist, loop_hooks)
+    assert loop_hooks.callbacks.failed and outcome.timing.steps == loaders.num_train // 64
+    assert len(asked) == (0 if grew else 1)
+
+
 @pytest.mark.parametrize("grad_accum", [1, 2, 3])
 def test_synthetic_data_takes_as_many_optimizer_steps_an_epoch_at_any_accumulation(grad_accum):
     from mpiddp.trainer.state import optimizer_steps_per_epoch
