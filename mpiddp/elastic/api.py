@@ -744,11 +744,6 @@ class Manager:
             raise LostAfterFinish(f"rank(s) {names} failed after the script had finished here; in-job recovery "
                                   f"covers the training, not what a lost rank had left to do (rank 0's save, say): "
                                   f"ending the job (MPI_ERR_PROC_FAILED: ranks {names} failed)") from None
-        if self.recovery is not None:
-            # every rank's script has ended, so no step boundary takes a grow in now: a grow still warming up is
-            # given up as the trainer's end does, said once, its merged communicator revoked (its new ranks learn
-            # it from the revoke where it arrives before the survivors' exit; a hot spare waits again)
-            self.recovery.grower.abandon(dist, "the script ended while they warmed up")
 
     def drop_old_wrappers(self) -> None:
         """The interrupted call's DDP wrapper hooks the parameters (its reducer, left mid-step, would fail the next

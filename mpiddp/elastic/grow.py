@@ -370,8 +370,7 @@ class GrowBack:
             return
         try:
             hostnames, template = self._say_hello(dist, recovery, plan, merged)
-            # done by the take-in: the calls of the steps between complete them. Hot spares only (prepared_dups)
-            dups = PreparedDups.start(merged) if prepared_dups(self.hot) else None
+            dups = prepared_dups(merged, self.hot)  # done by the take-in: the steps' calls between complete them
         except mpi_error as exc:  # a new rank died at once: nothing else changed (a survivor lost: recovered next)
             failure.spawned(records)
             mpigrow.revoke(merged)
@@ -529,13 +528,13 @@ class GrowBack:
         phases["ddp"] = time.monotonic() - started
 
 
-def prepared_dups(hot: bool) -> bool:
-    """Whether a grow starts its merged job's Membership duplicates as the new ranks arrive (PreparedDups), the
-    same on both sides: for hot spares alone. A spawned rank's merged communicator spans two MPI jobs, where Open
-    MPI 5.0.11 allocates a communicator's id through PMIx; an MPI_Comm_idup there that fails (a survivor lost, or
-    the job ended, during the warm-up) corrupts the new rank's heap ("free(): invalid pointer" in its next MPI
+def prepared_dups(merged: MPI.Intracomm, hot: bool) -> PreparedDups | None:
+    """Collective over the merged job, both sides as a grow's new ranks arrive: its Membership's duplicates started
+    (PreparedDups) for hot spares alone, else None. A spawned rank's merged communicator spans two MPI jobs, where
+    Open MPI 5.0.11 allocates a communicator's id through PMIx; an MPI_Comm_idup there that fails (a survivor lost,
+    or the job ended, during the warm-up) corrupts the new rank's heap ("free(): invalid pointer" in its next MPI
     call; reproduced on its own, 4 of 4, and the job then never ended). Its take-in duplicates at once instead."""
-    return hot
+    return PreparedDups.start(merged) if hot else None
 
 
 @contextmanager
@@ -654,7 +653,7 @@ def arrive() -> Arrival:
         # its Membership's duplicates, started now: they progress in every MPI call on each side (the survivors'
         # steps, this rank's word that it is ready and its wait for rank 0's), and are done, or nearly, by the
         # take-in. Not waited for here: the survivors may be stopped (SIGSTOP) or in a long step meanwhile
-        dups = PreparedDups.start(merged) if prepared_dups(mpigrow.is_hot_spare()) else None
+        dups = prepared_dups(merged, mpigrow.is_hot_spare())
     except mpigrow.mpi_exception() as exc:  # the survivors gave the start up (revoked), or one of them failed
         mpigrow.leave(merged)
         raise GivenUp(f"the job gave up this rank's grow as it started ({str(exc).splitlines()[0]})") from None

@@ -745,3 +745,23 @@ def test_a_new_rank_that_learns_while_connecting_that_its_grow_was_given_up_stop
         assert time.monotonic() - started < grow.CONNECT_BOUND_S and "cannot be reached" not in caplog.text
     finally:
         refused.set()
+
+
+def test_only_hot_spares_start_the_merged_jobs_duplicates_as_they_arrive():
+    """Both sides of a grow call prepared_dups alike: MPI_Comm_idup twice for hot spares (one MPI job), nothing for
+    a spawned rank, whose merged communicator spans two jobs (a failed idup there corrupts Open MPI 5.0.11's heap:
+    the take-in duplicates at once instead)."""
+    from mpiddp.elastic import grow
+
+    class Merged:
+        def __init__(self):
+            self.idups = 0
+
+        def Idup(self):
+            self.idups += 1
+            return object(), SimpleNamespace(Test=lambda: True)
+
+    hot, spawned = Merged(), Merged()
+    prepared = grow.prepared_dups(hot, True)
+    assert prepared is not None and hot.idups == 2
+    assert grow.prepared_dups(spawned, False) is None and spawned.idups == 0

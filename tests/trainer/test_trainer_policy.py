@@ -234,3 +234,20 @@ def test_under_the_late_commit_the_held_step_and_its_position_are_undone_before_
     assert (record["step"], record["steps_lost"]) == (12, 1)
     policy.before_shrink()  # a second loss with nothing held
     assert undo.restored == 1 and settle(policy, topology(0, ["a", "b"]), (1,), caught_up=True)["steps_lost"] == 0
+
+
+def test_the_loop_learns_whether_its_epoch_runs_again_after_a_failure_or_after_a_grow(tmp_path):
+    """The epoch run again after a grow asks rank 0 for no caught-up line (train.log_caught_up_step); after a
+    failure it does: every survivor and every new rank must tell the two alike, or one waits in a broadcast the
+    others never make (a hang)."""
+    from mpiddp.job.stopping import StopRequest
+    from mpiddp.trainer.metrics import NullLogger
+    from mpiddp.trainer.train import Hooks
+
+    policy = policy_on(FakeDist(topology(0, ["a", "b"])), tmp_path)
+    loop_hooks = policy.hooks(Hooks(NullLogger(), lambda state: None, StopRequest()))
+    assert loop_hooks.again_after_failure()
+    policy.regrown()
+    assert not loop_hooks.again_after_failure()
+    policy.before_shrink()  # a failure after the grow
+    assert loop_hooks.again_after_failure()
