@@ -104,7 +104,12 @@ class Job:
         except subprocess.TimeoutExpired:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=30)
-            pytest.fail(f"the job did not end:\n{self.output()[-5000:]}")
+            output = self.output()[-5000:]
+            try:  # what was left is said with the job's log, not instead of it (the assertion in `finally` would be)
+                assert_nothing_left(self.mark)
+            except AssertionError as left:
+                output += f"\n{left}"
+            pytest.fail(f"the job did not end:\n{output}")
         finally:
             assert_nothing_left(self.mark)
 
