@@ -744,6 +744,8 @@ class Manager:
             raise LostAfterFinish(f"rank(s) {names} failed after the script had finished here; in-job recovery "
                                   f"covers the training, not what a lost rank had left to do (rank 0's save, say): "
                                   f"ending the job (MPI_ERR_PROC_FAILED: ranks {names} failed)") from None
+        if self.recovery is not None:
+            self.recovery.grower.finished_while_warming(dist)
 
     def drop_old_wrappers(self) -> None:
         """The interrupted call's DDP wrapper hooks the parameters (its reducer, left mid-step, would fail the next

@@ -490,15 +490,30 @@ class GrowBack:
         if next_main:  # a local write, no collective
             failure.hold_spawning(records, SPAWN_MARK_HOLD_S)
 
-    def abandon(self, dist: Speaker | None = None, why: str = "", keep_mark: bool = False) -> None:
+    def finished_while_warming(self, dist: Speaker) -> None:
+        """Every survivor, not collective, once every rank finished a script: a grow whose new ranks still warm up
+        never joins. They run the script's own start with no MPI call of mpiddp's, so they learn it only at their
+        first step (or the script's end), and mpirun waits for them until then: rank 0 says so, so that a job that
+        lingers after its last line is understood. The merged communicator is left as it is (a revoke would fail
+        a hot spare's pending duplicates, and Open MPI prints that as errors on a job that succeeded)."""
+        if self.warming is not None and dist.is_main:
+            log.warning("the job finished while the new ranks on %s still run the script's start: they leave at "
+                        "their first step (or the script's end), and mpirun ends then",
+                        ", ".join(self.warming.plan.hosts))
+
+    def abandon(self, dist: Speaker | None = None, why: str = "", keep_mark: bool = False,
+                job_ends: bool = False) -> None:
         """Every survivor, not collective: give up the grow under way (a survivor failed, the job ends, a new rank
         ended); rank 0 of `dist` says `why` where given. Revoking the merged communicator wakes every new rank
-        waiting on it, which then leaves; its spare slot is free again. The spawn's mark goes unless `keep_mark`."""
+        waiting on it, which then leaves; its spare slot is free again. The spawn's mark goes unless `keep_mark`.
+        `job_ends`: the job's end gives it up, so a hot spare, too, leaves (the workers' end releases it) rather
+        than wait again for a grow that will not come."""
         warming, self.warming = self.warming, None
         if warming is None:
             return
         if dist is not None and dist.is_main and why:
-            then = "the hot spares on %s wait again" if self.hot else "the new ranks on %s leave"
+            then = "the hot spares on %s wait again" if self.hot and not job_ends else \
+                "the hot spares on %s leave with the job" if self.hot else "the new ranks on %s leave"
             log.warning("growing back given up: %s; " + then, why, ", ".join(warming.plan.hosts))
         for host in warming.plan.hosts:
             self.used[host] -= 1

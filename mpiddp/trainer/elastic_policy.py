@@ -416,7 +416,7 @@ class TrainerPolicy(Policy[Resumed]):
     def gathered(self, dist: Dist) -> list[dict[str, Any]]:
         """Collective, at the job's end: the recoveries, each phase the slowest survivor's (detect: the earliest
         notice); on rank 0, an empty list elsewhere. A grow whose new ranks still warm up never joins: given up."""
-        self.grower.abandon(self.dists[0], "training ended while they warmed up")
+        self.grower.abandon(self.dists[0], "training ended while they warmed up", job_ends=True)
         views = dist.gather([(record["phases"], record["cause"], record.get("survivors_stall"),
                               record.get("ordinary_step")) for record in self.records])
         if views is None:

@@ -260,6 +260,46 @@ def test_a_survivor_lost_while_the_new_rank_warms_up_gives_the_grow_up(monkeypat
         "growing back given up: ranks 1 of the job failed while they warmed up; the new ranks on noded leave"]
 
 
+def test_a_script_job_that_finishes_while_a_new_rank_runs_its_start_says_why_mpirun_waits(caplog):
+    """Every rank finished the script while a new rank still runs the script's start: rank 0 alone says that it
+    leaves at its first step and mpirun ends then, and nothing is revoked; with no grow under way nothing is said."""
+    from mpiddp.elastic.api import Manager
+    from mpiddp.elastic.grow import GrowBack
+
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.warming = warming([False], merged)
+    waited = []
+    manager = Manager()
+    manager.recovery = SimpleNamespace(grower=grower, members=None)
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        manager.wait_for_every_rank(SimpleNamespace(is_main=False, wait_for_all=lambda: waited.append(1)))
+        manager.wait_for_every_rank(SimpleNamespace(is_main=True, wait_for_all=lambda: waited.append(0)))
+        grower.warming = None
+        manager.wait_for_every_rank(SimpleNamespace(is_main=True, wait_for_all=lambda: waited.append(0)))
+    assert waited == [1, 0, 0] and not merged.revoked
+    assert [r.getMessage() for r in caplog.records] == [
+        "the job finished while the new ranks on noded still run the script's start: they leave at their first "
+        "step (or the script's end), and mpirun ends then"]
+
+
+@pytest.mark.parametrize("job_ends, then", [(False, "the hot spares on noded wait again"),
+                                             (True, "the hot spares on noded leave with the job")])
+def test_a_hot_spares_grow_given_up_says_whether_they_wait_again_or_leave_with_the_job(monkeypatch, caplog,
+                                                                                       job_ends, then):
+    """Given up after a failure, the hot spares wait again for the next grow; given up at the job's end (the
+    trainer's end while they warm up), they leave with it: the line says which."""
+    from mpiddp.elastic.grow import GrowBack
+
+    monkeypatch.setattr("mpiddp.elastic.grow.mpigrow.spares_of", lambda merged, count: [7] * count)
+    grower, merged = GrowBack([("noded", 1)]), Merged()
+    grower.hot, grower.used, grower.warming = True, {"noded": 1}, warming([False], merged)
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        grower.abandon(SimpleNamespace(is_main=True), "training ended while they warmed up", job_ends=job_ends)
+    assert merged.revoked and grower.returning == [(7, "noded")]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"growing back given up: training ended while they warmed up; {then}"]
+
+
 @pytest.mark.parametrize("noticed", ["before connecting to rank 0's store", "waiting for the word to join"])
 def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch, noticed):
     """The survivors revoked the merged communicator (or rank 0 ended) while the new rank warmed up: it connects to

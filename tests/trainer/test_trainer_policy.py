@@ -163,6 +163,17 @@ def test_the_records_gathered_at_the_end_take_each_phase_from_the_slowest_surviv
     assert elsewhere.gathered(elsewhere.dists[0]) == []  # the summary is rank 0's
 
 
+def test_the_trainers_end_gives_a_warming_grow_up_as_the_job_ending(tmp_path):
+    """A grow still warming up when training ends never joins: given up as the job's end (its hot spares leave
+    with the job; they do not wait again), before the records are gathered."""
+    policy = policy_on(FakeDist(topology(0, ["a", "b"]), views=[[]]), tmp_path)
+    given_up = []
+    policy.grower = SimpleNamespace(abandon=lambda dist, why, job_ends=False: given_up.append((why, job_ends)))
+    policy.records = []
+    assert policy.gathered(policy.dists[0]) == []
+    assert given_up == [("training ended while they warmed up", True)]
+
+
 def test_the_loop_s_hooks_note_the_step_phase_and_ask_the_grower_at_each_training_step(tmp_path):
     from mpiddp.trainer.train import Hooks
 
