@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, find_mpirun, launcher_never_started, rank_pids
 from mpiddp import recoveries
 from fakehosts import FakeHosts, running_fake_hosts
-from test_leftovers import assert_nothing_left, marked_env
+from test_leftovers import assert_nothing_left, marked_env, where_they_wait
 
 pytestmark = pytest.mark.mpi
 HOSTS = "nodea:1,nodeb:1,nodec:1"
@@ -97,14 +97,21 @@ class Job:
         subprocess.run(["kill", "-KILL", str(pids[victim])], check=False)
         return pids
 
+    def hang_reports(self) -> str:
+        """The hang watchdog's reports of this job (every rank's stacks), for a failure's message; '' if none."""
+        return "".join(f"\n{report.name}:\n{report.read_text(errors='replace')[:12000]}"
+                       for report in sorted(self.run_dir.glob("hang-*.txt")))
+
     def finish(self, timeout: float = 240) -> int:
         try:
             status = self.process.wait(timeout=timeout)
             return self.process.wait(timeout=timeout) if self.launched_again() else status
         except subprocess.TimeoutExpired:
+            waiting = where_they_wait(self.mark)  # before the SIGTERM changes it
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=30)
-            output = self.output()[-5000:]
+            output = f"{self.output()[-5000:]}\nwhere the job's processes waited:\n{waiting}"
+            output += self.hang_reports()
             try:  # what was left is said with the job's log, not instead of it (the assertion in `finally` would be)
                 assert_nothing_left(self.mark)
             except AssertionError as left:

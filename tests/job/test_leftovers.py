@@ -44,6 +44,26 @@ def processes_of(mark: str) -> dict[int, str]:
     return found
 
 
+def where_they_wait(mark: str) -> str:
+    """For a job that did not end: each live process of it, its state and where each of its threads waits in the
+    kernel (a launcher deadlocked on its own heap waits in futex_wait; a rank blocked on a peer, in a poll)."""
+    from collections import Counter
+
+    lines = []
+    for pid, command in sorted(processes_of(mark).items()):
+        threads: Counter = Counter()  # (state, wait channel) -> how many threads; the main thread's first
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda task: int(task.name) != pid):
+            try:
+                state = next(line.split()[1] for line in (task / "status").read_text().splitlines()
+                             if line.startswith("State:"))
+                threads[f"{state} {(task / 'wchan').read_text() or '-'}"] += 1
+            except (OSError, StopIteration):
+                continue
+        counted = ", ".join(f"{count} x {where}" if count > 1 else where for where, count in threads.items())
+        lines.append(f"{pid} {command[:100]}: {counted}")
+    return "\n".join(lines)
+
+
 def kill_supervisor_and_wait(supervisor, mark: str) -> None:
     """SIGKILL `launch` itself; its ranks hear of it, save a snapshot and end: wait for that, then nothing of the job
     may be left running."""
