@@ -880,7 +880,7 @@ def wait_again(exc: Abandoned) -> bool:
     returns False (it ends: say_abandoned)."""
     if not (isinstance(exc, GivenUp) and mpigrow.is_hot_spare()):
         return False
-    log.warning("grow: %s; this hot spare waits again for the next grow", exc)
+    log.warning("grow: %s; this hot spare waits again (the next grow takes it in, the job's end releases it)", exc)
     mpigrow.back_to_waiting()
     return True
 

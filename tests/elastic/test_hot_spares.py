@@ -267,6 +267,42 @@ def test_a_rank_lost_while_the_spare_warms_up_gives_that_grow_up_not_the_spare(h
 
 
 @pytest.mark.mpi
+def test_training_that_ends_while_the_hot_spare_warms_up_gives_the_grow_up_and_the_spare_leaves_with_the_job(
+        hosts, tmp_path):
+    """Rank 1 (nodeb) killed at step 40 of 60: the spare on noded is woken and warms up, but training ends first
+    (the spare is held still from its wake until the survivors have ended). Rank 0 gives the grow up saying the
+    spare leaves with the job, not that it waits again; the spare, resumed, leaves; mpirun's status is 0, the
+    job ends on 2 ranks, every step once, nothing left running."""
+    from conftest import rank_pids
+    from test_recovery_e2e import metrics
+
+    job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:40")
+    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    job.wait_for("the grow's start", lambda: "growing back: ranks [2] woken" in job.output())
+    held = [str(pids[0]), str(pids[2]), str(pids[3])]  # the survivors and the woken spare
+    subprocess.run(["kill", "-STOP", *held], check=False)
+    try:
+        subprocess.run(["kill", "-CONT", str(pids[0]), str(pids[2])], check=False)  # the survivors train to the end
+        job.wait_for("the grow given up", lambda: "growing back given up" in job.output())
+    finally:
+        subprocess.run(["kill", "-CONT", *held], check=False)
+    status = job.finish()
+    output = job.output()
+    assert status == 0, output[-6000:]
+    assert output.count("growing back given up: training ended while they warmed up; the hot spares on noded leave "
+                        "with the job") == 1, output[-4000:]
+    assert "the hot spares on noded wait again" not in output and "grew back" not in output, output[-4000:]
+    # the spare cannot tell the job's end from a failure by the revoke alone: it says both, and is released
+    assert "this hot spare waits again (the next grow takes it in, the job's end releases it)" in output
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and [r["cause"] for r in summary["recoveries"]] == ["process_failed"]
+    steps = [r["step"] for r in metrics(job.run_dir) if r["kind"] == "step"]
+    assert steps == sorted(set(steps)) and steps[-1] == 60, steps
+
+
+@pytest.mark.mpi
 def test_a_silent_hot_spare_is_found_before_a_grow_and_the_job_goes_on_at_reduced_size(hosts, tmp_path):
     """The spare on noded is stopped (SIGSTOP: alive for MPI, but it answers nothing) before rank 1 is killed. A
     wake would wait for it in the spares' world's shrink until the grow's 60 s bound ends the job; rank 0 asks the
