@@ -492,14 +492,13 @@ class GrowBack:
 
     def finished_while_warming(self, dist: Speaker) -> None:
         """Every survivor, not collective, once every rank finished a script: a grow whose new ranks still warm up
-        never joins. They run the script's own start with no MPI call of mpiddp's, so they learn it only at their
-        first step (or the script's end), and mpirun waits for them until then: rank 0 says so, so that a job that
-        lingers after its last line is understood. The merged communicator is left as it is (a revoke would fail
-        a hot spare's pending duplicates, and Open MPI prints that as errors on a job that succeeded)."""
+        never joins. A new rank learns it only when it comes to join (its warm-up, the script's own start, makes
+        no MPI call of mpiddp's), and mpirun waits for it until then: rank 0 says so, so that a job that lingers
+        after its last line is understood. The merged communicator is left as it is (a revoke would fail a hot
+        spare's pending duplicates, and Open MPI prints that as errors on a job that succeeded)."""
         if self.warming is not None and dist.is_main:
-            log.warning("the job finished while the new ranks on %s still run the script's start: they leave at "
-                        "their first step (or the script's end), and mpirun ends then",
-                        ", ".join(self.warming.plan.hosts))
+            log.warning("the job finished while the new ranks on %s still warm up (the script's start): they leave "
+                        "when they come to join, and mpirun ends then", ", ".join(self.warming.plan.hosts))
 
     def abandon(self, dist: Speaker | None = None, why: str = "", keep_mark: bool = False,
                 job_ends: bool = False) -> None:
@@ -687,10 +686,11 @@ def enter(arrival: Arrival) -> Joining:
     warm_torch()
     warm = time.monotonic() - arrival.since
     # a warning, as every rank's recovery lines are: a new rank is never rank 0, whose lines alone show at info
-    log.warning("grow: warm in %.3f s; the job takes this rank in at its next step boundary", warm)
-    # after the line above (a test's hold stops the survivors until it); not where the grow was given up meanwhile
-    # (rank 0 ended, or a recovery gave the grow up): the send below then says so at once
-    store = None if merged.Is_revoked() else connect_store(arrival)
+    given_up = merged.Is_revoked()  # rank 0 ended, or a recovery gave the grow up: the send below says so at once
+    log.warning("grow: warm in %.3f s; %s", warm, "the job gave this grow up meanwhile" if given_up else
+                "the job takes this rank in at its next step boundary")
+    # after the line above (a test's hold stops the survivors until it)
+    store = None if given_up else connect_store(arrival)
     try:
         merged.send(("ready", warm, store is not None), dest=0, tag=READY_TAG)
         store_prefix = merged.recv(source=0, tag=JOIN_TAG)

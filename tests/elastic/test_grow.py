@@ -278,8 +278,8 @@ def test_a_script_job_that_finishes_while_a_new_rank_runs_its_start_says_why_mpi
         manager.wait_for_every_rank(SimpleNamespace(is_main=True, wait_for_all=lambda: waited.append(0)))
     assert waited == [1, 0, 0] and not merged.revoked
     assert [r.getMessage() for r in caplog.records] == [
-        "the job finished while the new ranks on noded still run the script's start: they leave at their first "
-        "step (or the script's end), and mpirun ends then"]
+        "the job finished while the new ranks on noded still warm up (the script's start): they leave when they "
+        "come to join, and mpirun ends then"]
 
 
 @pytest.mark.parametrize("job_ends, then", [(False, "the hot spares on noded wait again"),
@@ -301,7 +301,7 @@ def test_a_hot_spares_grow_given_up_says_whether_they_wait_again_or_leave_with_t
 
 
 @pytest.mark.parametrize("noticed", ["before connecting to rank 0's store", "waiting for the word to join"])
-def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch, noticed):
+def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch, caplog, noticed):
     """The survivors revoked the merged communicator (or rank 0 ended) while the new rank warmed up: it connects to
     no store (a recovery replaced rank 0's; a stopped rank 0 would hold the connect for its bound), its word that it
     is ready, or its wait for the word to join, ends with MPI's error; it frees the merged communicator
@@ -327,9 +327,13 @@ def test_a_new_rank_whose_grow_was_given_up_leaves_without_joining(monkeypatch, 
     monkeypatch.setattr(grow.mpigrow, "mpi_exception", lambda: MpiError)
     monkeypatch.setattr(grow, "connect_store", lambda arrival: connected.append(True))
     arrival = grow.Arrival(Revoked(), {}, None, ["a", "b", "c"], None, 0.0)
-    with pytest.raises(grow.Abandoned, match="gave up this rank's grow before it joined .MPI_ERR_REVOKED"):
+    with caplog.at_level("WARNING", logger="mpiddp"), \
+            pytest.raises(grow.Abandoned, match="gave up this rank's grow before it joined .MPI_ERR_REVOKED"):
         grow.enter(arrival)
     assert freed == [True] and connected == ([] if noticed.startswith("before") else [True])
+    warm = caplog.records[0].getMessage()  # known revoked: it does not say it will be taken in
+    assert warm.endswith("; the job gave this grow up meanwhile" if noticed.startswith("before") else
+                         "; the job takes this rank in at its next step boundary"), warm
 
 
 @pytest.mark.parametrize("ended, said", [

@@ -56,7 +56,8 @@ def where_they_wait(mark: str) -> str:
             try:
                 state = next(line.split()[1] for line in (task / "status").read_text().splitlines()
                              if line.startswith("State:"))
-                threads[f"{state} {(task / 'wchan').read_text() or '-'}"] += 1
+                wchan = (task / "wchan").read_text().strip()
+                threads[f"{state} {wchan if wchan not in ('', '0') else '-'}"] += 1  # '0': not waiting
             except (OSError, StopIteration):
                 continue
         counted = ", ".join(f"{count} x {where}" if count > 1 else where for where, count in threads.items())

@@ -111,7 +111,7 @@ def test_a_grow_still_warming_up_when_the_job_ends_leaves_and_the_job_ends_with_
         pytest.xfail(excuse(crash, "during the spawn"))
     assert "growing back: ranks [2] started on noded" in output, output[-6000:]
     assert "grew back" not in output and sorted(finals) == ["0", "2"], output[-6000:]  # never taken in
-    assert output.count("the job finished while the new ranks on noded still run the script's start") == 1, \
+    assert output.count("the job finished while the new ranks on noded still warm up (the script's start)") == 1, \
         output[-6000:]  # rank 0 says why mpirun is still up
     # the new rank either learnt of the end and said so ("grow: the job gave up this rank's grow before it joined"),
     # or mpirun ended it with the job first (both seen): never as a rank that failed the job
