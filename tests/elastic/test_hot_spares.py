@@ -153,18 +153,26 @@ def test_a_job_whose_launcher_never_started_is_launched_once_more_even_where_onl
     assert finished("exit 3", "exit 0") == 3
 
 
+def stalled_pids(job, processes: int) -> dict[int, int]:
+    """Once all `processes` of the job run and the --inject-fault stall-data rank says it stalls: rank -> pid."""
+    from conftest import rank_pids
+
+    pids = job.wait_for("the processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == processes
+                        and found)
+    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    return pids
+
+
 @pytest.mark.mpi
 def test_the_trainer_grows_back_onto_a_hot_spare_without_a_spawn(hosts, tmp_path):
     """Rank 1 (nodeb) killed at step 5: the survivors recover, wake the spare waiting on noded (no process started,
     nothing through the launcher's PMIx_Connect: no spawn mark), it warms up while they train and joins; the job
     ends on 3 ranks, every step once, mpirun's status 0, nothing left running."""
     from mpiddp import failure
-    from conftest import rank_pids
     from test_recovery_e2e import metrics, survivors_pids
 
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:5")
-    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
-    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    pids = stalled_pids(job, 4)
     subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
     hold_survivors_while_the_spare_warms(job.output, [pids[0], pids[2]])
     status = job.finish()
@@ -190,12 +198,10 @@ def test_a_grown_rank_lost_is_recovered_from_and_the_job_grows_again_onto_the_se
     killed too: the survivors recover again and take the second spare in (no Open MPI 5.0 refusal of a second
     grow: nothing is spawned). The survivors' pids live on throughout; no step is trained twice; the job ends
     at full size with mpirun's status 0."""
-    from conftest import rank_pids
 
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--inject-fault", "stall-data:1:5",
                   spares=2)
-    pids = job.wait_for("five processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 5 and found)
-    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    pids = stalled_pids(job, 5)
     subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
     hold_survivors_while_the_spare_warms(job.output, [pids[0], pids[2]])
     job.wait_for("the first grow", lambda: "running at full size again: 3 ranks" in job.output())
@@ -229,12 +235,10 @@ def test_a_rank_lost_while_the_spare_warms_up_gives_that_grow_up_not_the_spare(h
     warm-up, waits again, and the next grow takes both spares in: the job ends at full size (3 ranks) with
     mpirun's status 0. (The woken spare and the survivors are held still while rank 2 dies, so the take-in cannot
     come first however fast the spare warms up.)"""
-    from conftest import rank_pids
 
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--inject-fault", "stall-data:1:5",
                   spares=2)
-    pids = job.wait_for("five processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 5 and found)
-    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    pids = stalled_pids(job, 5)
     subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
     job.wait_for("the first grow's start", lambda: "growing back: ranks [2] woken" in job.output())
     held = [str(pids[0]), str(pids[2]), str(pids[3])]  # the survivors and the woken spare
@@ -273,12 +277,10 @@ def test_training_that_ends_while_the_hot_spare_warms_up_gives_the_grow_up_and_t
     (the spare is held still from its wake until the survivors have ended). Rank 0 gives the grow up saying the
     spare leaves with the job, not that it waits again; the spare, resumed, leaves; mpirun's status is 0, the
     job ends on 2 ranks, every step once, nothing left running."""
-    from conftest import rank_pids
     from test_recovery_e2e import metrics
 
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:40")
-    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
-    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    pids = stalled_pids(job, 4)
     subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
     job.wait_for("the grow's start", lambda: "growing back: ranks [2] woken" in job.output())
     held = [str(pids[0]), str(pids[2]), str(pids[3])]  # the survivors and the woken spare
@@ -309,11 +311,9 @@ def test_a_silent_hot_spare_is_found_before_a_grow_and_the_job_goes_on_at_reduce
     spares first, and says in one line that it does not answer: the survivors go on at reduced size. (The spare is
     never resumed: nothing else would end it, and mpirun under --with-ft ulfm would wait for it for good, so the
     job's end ends it with one line, and mpirun's status stays the job's own, 0.)"""
-    from conftest import rank_pids
 
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--inject-fault", "stall-data:1:5")
-    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
-    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    pids = stalled_pids(job, 4)
     subprocess.run(["kill", "-STOP", str(pids[3])], check=False)
     try:
         subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
@@ -386,11 +386,9 @@ def test_a_script_grows_back_onto_a_hot_spare_and_every_rank_ends_with_the_same_
 def test_rank_0_killed_the_new_rank_0_takes_the_hot_spare_in(hosts, tmp_path):
     """Rank 0 (nodea, the store's host) killed at step 5: the survivor that becomes rank 0 chooses and wakes the
     spare; the job is at full size again and mpirun ends with status 0."""
-    from conftest import rank_pids
 
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:0:5")
-    pids = job.wait_for("four processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 and found)
-    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    pids = stalled_pids(job, 4)
     subprocess.run(["kill", "-KILL", str(pids[0])], check=False)
     hold_survivors_while_the_spare_warms(job.output, [pids[1], pids[2]])
     status = job.finish()
@@ -407,15 +405,12 @@ def test_two_ranks_a_host_one_lost_the_job_goes_on_in_the_job_at_the_same_global
     batch of 64 does not split over 3 ranks: they share each step unevenly (22, 21, 21), each gradient weighted by
     its share, and finish in the same processes with every step once (22 an epoch, as on 4). With a hot spare
     waiting on noded the job grows back to 4 at once."""
-    from conftest import rank_pids
     from test_recovery_e2e import metrics
 
     epochs = 2
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", str(epochs), "--inject-fault",
                   "stall-data:3:5", spares=spares, workers="nodea:2,nodeb:2")
-    pids = job.wait_for("the processes", lambda: (found := rank_pids(job.run_dir)) and len(found) == 4 + spares
-                        and found)
-    job.wait_for("the stall", lambda: "injecting fault 'stall-data'" in job.output())
+    pids = stalled_pids(job, 4 + spares)
     subprocess.run(["kill", "-KILL", str(pids[3])], check=False)
     if spares:
         hold_survivors_while_the_spare_warms(job.output, [pids[rank] for rank in range(3)])
