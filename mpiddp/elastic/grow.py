@@ -511,8 +511,8 @@ class GrowBack:
         if warming is None:
             return
         if dist is not None and dist.is_main and why:
-            then = "the hot spares on %s wait again" if self.hot and not job_ends else \
-                "the hot spares on %s leave with the job" if self.hot else "the new ranks on %s leave"
+            then = ("the new ranks on %s leave" if not self.hot else
+                    "the hot spares on %s leave with the job" if job_ends else "the hot spares on %s wait again")
             log.warning("growing back given up: %s; " + then, why, ", ".join(warming.plan.hosts))
         for host in warming.plan.hosts:
             self.used[host] -= 1

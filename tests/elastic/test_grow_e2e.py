@@ -18,8 +18,7 @@ from mpiddp import failure
 from mpiddp.trainer.startup import PHASES
 from spawnbug import CRASH_STATUSES, excuse, prterun_crash
 from test_leftovers import marked_env
-from test_hot_spares import steps_logged
-from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, survivors_pids
+from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, steps_logged, survivors_pids
 
 pytestmark = pytest.mark.mpi
 HOSTS = "nodea:1,nodeb:1,nodec:1,noded:1"  # -np 3 fills the first three; noded's slot is the spare

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, find_mpirun, hold_survivors_while_the_spare_warms
 from mpiddp.job.spares import spare_count
 from test_leftovers import assert_nothing_left, marked_env
-from test_recovery_e2e import _ulfm_missing
+from test_recovery_e2e import _ulfm_missing, steps_logged
 
 PROGRAM = REPO / "tests" / "programs" / "hot_spare_layer.py"
 
@@ -163,6 +163,16 @@ def stalled_pids(job, processes: int) -> dict[int, int]:
     return pids
 
 
+def kill_rank_1_and_hold_at_the_wake(job, pids: dict[int, int]) -> list[str]:
+    """SIGKILL rank 1; once the grow has woken the first spare, SIGSTOP the survivors and that spare: their pids,
+    for the caller to resume (SIGCONT) as its case needs."""
+    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
+    job.wait_for("the grow's start", lambda: "growing back: ranks [2] woken" in job.output())
+    held = [str(pids[0]), str(pids[2]), str(pids[3])]  # the survivors and the woken spare
+    subprocess.run(["kill", "-STOP", *held], check=False)
+    return held
+
+
 @pytest.mark.mpi
 def test_the_trainer_grows_back_onto_a_hot_spare_without_a_spawn(hosts, tmp_path):
     """Rank 1 (nodeb) killed at step 5: the survivors recover, wake the spare waiting on noded (no process started,
@@ -239,10 +249,7 @@ def test_a_rank_lost_while_the_spare_warms_up_gives_that_grow_up_not_the_spare(h
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--epochs", "3", "--inject-fault", "stall-data:1:5",
                   spares=2)
     pids = stalled_pids(job, 5)
-    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
-    job.wait_for("the first grow's start", lambda: "growing back: ranks [2] woken" in job.output())
-    held = [str(pids[0]), str(pids[2]), str(pids[3])]  # the survivors and the woken spare
-    subprocess.run(["kill", "-STOP", *held], check=False)
+    held = kill_rank_1_and_hold_at_the_wake(job, pids)
     try:
         subprocess.run(["kill", "-KILL", str(pids[2])], check=False)
         subprocess.run(["kill", "-CONT", str(pids[0])], check=False)
@@ -281,10 +288,7 @@ def test_training_that_ends_while_the_hot_spare_warms_up_gives_the_grow_up_and_t
 
     job = hot_job(hosts, tmp_path, "--grad-transport", "gloo", "--inject-fault", "stall-data:1:40")
     pids = stalled_pids(job, 4)
-    subprocess.run(["kill", "-KILL", str(pids[1])], check=False)
-    job.wait_for("the grow's start", lambda: "growing back: ranks [2] woken" in job.output())
-    held = [str(pids[0]), str(pids[2]), str(pids[3])]  # the survivors and the woken spare
-    subprocess.run(["kill", "-STOP", *held], check=False)
+    held = kill_rank_1_and_hold_at_the_wake(job, pids)
     try:
         subprocess.run(["kill", "-CONT", str(pids[0]), str(pids[2])], check=False)  # the survivors train to the end
         job.wait_for("the grow given up", lambda: "growing back given up" in job.output())
@@ -328,20 +332,6 @@ def test_a_silent_hot_spare_is_found_before_a_grow_and_the_job_goes_on_at_reduce
     assert "(stopped, or its host silent); the job goes on with 2 ranks" in output, output[-4000:]
     assert "has not returned after" not in output and "growing back: ranks" not in output, output[-4000:]
     assert output.count("not growing back") == 1, output[-4000:]
-
-
-def steps_logged(job) -> list[int]:
-    """The steps rank 0 has logged so far (metrics.jsonl; a line still being written is left out)."""
-    path = job.run_dir / "metrics.jsonl"
-    steps = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record["kind"] == "step":
-            steps.append(record["step"])
-    return steps
 
 
 @pytest.mark.mpi

@@ -131,6 +131,20 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def steps_logged(job) -> list[int]:
+    """The steps rank 0 has logged so far (metrics.jsonl; a line still being written is left out)."""
+    path = job.run_dir / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record["kind"] == "step":
+            steps.append(record["step"])
+    return steps
+
+
 def assert_recovered(job: Job, pids: dict[int, int], victim: int, host: str) -> dict:
     status = job.finish()
     output = job.output()
