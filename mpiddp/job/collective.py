@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol, TypeVar
 import numpy as np
 
 from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR, AgreedError, HelpRequested, HostFault, UserError
+from mpiddp.job.abort import abort_within
 from mpiddp.job.log import flush_logs
 from mpiddp.job.spares import abort_with_spares
 from mpiddp.job.topology import RankRecord, Topology, build_topology
@@ -157,8 +158,7 @@ class MpiTransport:
             time.sleep(poll_s)
 
     def abort(self, code: int) -> NoReturn:
-        self.comm.Abort(code)  # type: ignore[attr-defined]
-        raise SystemExit(code)  # not reached
+        abort_within(self.comm, code)
 
     def failed_ranks(self) -> tuple[int, ...]:
         """Ranks of this communicator MPI knows have failed; local, never a message. Empty unless the elastic layer

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from mpiddp.contract import SPARE_RANKS_ENV
 from mpiddp.errors import UserError
+from mpiddp.job.abort import abort_within
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -120,7 +121,7 @@ def end_silent_spares(status: int) -> None:
         return
     print(f"mpiddp: the hot spare on {', '.join(sorted(set(spares.silent)))} never answered; the job ends it "
           f"(MPI_Abort, status {status})", file=sys.stderr, flush=True)
-    spares.everyone.Abort(status)
+    abort_within(spares.everyone, status)
 
 
 def abort_with_spares(code: int) -> None:
@@ -133,4 +134,4 @@ def abort_with_spares(code: int) -> None:
     spares = _spares
     if spares is None or not spares.waiting or spares.waits:  # a spare taken in aborts as the workers do
         return
-    spares.everyone.Abort(code)
+    abort_within(spares.everyone, code)

@@ -47,8 +47,10 @@ OUTPUT_TAIL_LINES = 400  # the launcher's last lines, kept with every evidence l
 # After the launcher exits, its output is passed on for at most this much longer (a process that left its
 # session may write on); what the relays have not passed on by then is still in the run dir's attemptN.out/.err.
 RELAY_DRAIN_S = 10.0
-# How long the launcher may outlive a job that marked its end (under MPI fault tolerance) before launch ends it:
-# a process that lingers after the job's results are written must not hold an unwatched run forever.
+# How long the launcher may outlive the job's own account of its end before launch ends it: the finished mark
+# (under MPI fault tolerance), or a failure record from every rank (each writes it as its process ends): a process
+# that lingers after that (Open MPI's runtime stuck in its abort, its mpirun in its teardown) must not hold an
+# unwatched run forever.
 FINISHED_LINGER_S = 60.0
 # The same after a job that lost a host in the job (its records say which): Open MPI's mpirun then waits for that
 # host's ranks forever, so it is ended once it had a moment to end by itself.
@@ -392,8 +394,7 @@ class Supervisor:
         lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number),
-                                          lambda: self._lingering(attempt) or self._gave_up_spawning(attempt),
-                                          lost_whole)
+                                          lambda: self._end_accounted(attempt), lost_whole)
         if layout_args:  # a host the agent could not reach: mpirun says nothing of it under the relays
             output += agent_failures(self.plan.run_dir)
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
@@ -445,6 +446,27 @@ class Supervisor:
         """Whether the launcher may be ended FINISHED_LINGER_S after the job's finished mark: training's, whose
         mark comes after its last write; never a script's, whose own exit handlers run after the mark."""
         return self.plan.mode == "train" and self._marked(attempt)
+
+    def _end_accounted(self, attempt: Attempt) -> str:
+        """The job's own account that it ended, after which the launcher may linger only FINISHED_LINGER_S:
+        what it says (the finished mark, a spawn given up, every rank's failure record), or "" while there is none."""
+        if self._lingering(attempt) or self._gave_up_spawning(attempt):
+            return "the job marked its end"
+        if self._every_rank_recorded(attempt):
+            return "every rank recorded its failure and ended"
+        return ""
+
+    def _every_rank_recorded(self, attempt: Attempt) -> bool:
+        """Whether every rank of the attempt's job (its world after its last in-job recovery or grow, if any) left
+        a failure record: a rank writes it as its process ends (mpiddp.job.failfast), so a launcher still running
+        long after waits for nothing of the job. Ranks a peer's record ended write none: then this never holds."""
+        recorded = {record.rank for record in failure.read_all(self.failure_file)}
+        if not recorded:
+            return False
+        found = recoveries.of_attempt(self._job_run_dir(), self.failure_file, attempt.started_at)
+        world = next((item["world_after"] for item in reversed(found) if isinstance(item.get("world_after"), int)),
+                     attempt.num_ranks)
+        return recorded >= set(range(world))
 
     def _gave_up_spawning(self, attempt: Attempt) -> bool:
         """Under MPI fault tolerance: whether the job ended itself during a spawn that never returned (its spawn
@@ -501,10 +523,11 @@ class Supervisor:
                                     start_new_session=True, preexec_fn=supervision.launcher_preexec(self.child_stop))
 
     def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path],
-                marked: Callable[[], bool] = lambda: False,
+                marked: Callable[[], str] = lambda: "",
                 lost: Callable[[], list[str]] = list) -> tuple[int, str]:
         """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
-        until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (LOST_HOST_LINGER_S
+        until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (what marked it, or
+        ""; LOST_HOST_LINGER_S
         when the job's records say it `lost` a host: the launcher waits for that host's ranks; then it is ended);
         then kill what is left of its session, so nothing of the attempt stays.
         (launcher's status, the last lines of its output)."""
@@ -516,7 +539,7 @@ class Supervisor:
             relay.start()
         self.ended_after_loss = False
         status = _wait_unless_lingering(child, marked, lost, self._stop_overdue)
-        self.ended_after_loss = status == -signal.SIGKILL and bool(lost()) and marked()
+        self.ended_after_loss = status == -signal.SIGKILL and bool(lost()) and bool(marked())
         end_session(child.pid)
         done.set()  # the relays read to the end of what was written, then stop
         deadline = time.monotonic() + RELAY_DRAIN_S
@@ -655,14 +678,14 @@ def stop_grace(env: dict[str, str]) -> float:
         return STOP_GRACE_S
 
 
-def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], bool],
+def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], str],
                            lost: Callable[[], list[str]] = list, overdue: Callable[[], bool] = lambda: False) -> int:
-    """The launcher's status once it exits; if it is still running FINISHED_LINGER_S after the job marked its
-    end (a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return its -9. After a job
-    whose records say it `lost` a host in the job (Open MPI's mpirun waits for that host's ranks forever), after
-    LOST_HOST_LINGER_S. Once `overdue` (a stop's grace ran out), SIGKILL its session at once."""
+    """The launcher's status once it exits; if it is still running FINISHED_LINGER_S after the job `marked` its end
+    (what marked it, or "": a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return
+    its -9. After a job whose records say it `lost` a host in the job (Open MPI's mpirun waits for that host's ranks
+    forever), after LOST_HOST_LINGER_S. Once `overdue` (a stop's grace ran out), SIGKILL its session at once."""
     mark_seen: float | None = None
-    hosts: list[str] = []
+    what, hosts = "", []
     while True:
         try:
             return child.wait(timeout=1.0)
@@ -672,8 +695,9 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
             end_session(child.pid)
             return child.wait()
         if mark_seen is None:
-            mark_seen = time.monotonic() if marked() else None
-            hosts = lost() if mark_seen is not None else []
+            what = marked()
+            mark_seen = time.monotonic() if what else None
+            hosts = lost() if what else []
             continue
         allowed = LOST_HOST_LINGER_S if hosts else FINISHED_LINGER_S
         if time.monotonic() - mark_seen > allowed:
@@ -681,7 +705,7 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
                 say(f"the job marked its end after losing {', '.join(hosts)} in the job (its records): the launcher "
                     f"waits for that host's ranks, which never end; ending it")
             else:
-                say(f"the launcher still runs {FINISHED_LINGER_S:g} s after the job marked its end: ending it")
+                say(f"the launcher still runs {FINISHED_LINGER_S:g} s after {what}: ending it")
             end_session(child.pid)
             return child.wait()
 

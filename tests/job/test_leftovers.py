@@ -85,12 +85,13 @@ def assert_nothing_left(mark: str) -> None:
     deadline = time.monotonic() + 30
     while (left := processes_of(mark)) and time.monotonic() < deadline:
         time.sleep(0.2)  # polling a condition with a deadline, not synchronising
+    where = where_they_wait(mark) if left else ""  # before the kill: what kept them
     for pid in left:
         try:
             os.kill(pid, 9)
         except OSError:
             pass
-    assert not left, f"left running after the job: {left}"
+    assert not left, f"left running after the job: {left}\n{where}"
 
 
 @pytest.mark.parametrize("workers,fault", [(1, ("--inject-fault", "kill:1:3")), (4, ("--inject-fault", "kill:1:3")),

@@ -86,17 +86,24 @@ def test_open_mpi_5_is_asked_to_notice_a_silent_host_in_seconds_unless_the_user_
     assert node_loss_args("srun", "openmpi", OPEN_MPI_5, []) == ()
 
 
-def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False, recovery=RECOVERY, job_dir=None):
+def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False, recovery=RECOVERY, job_dir=None,
+                  failed_ranks=()):
     """A launcher that says it is Open MPI 5 and, beside it, an ompi_info that counts its calls. Run as the
     launcher it writes a summary.json with one recovery into RUN_DIR (with `job_dir`, into that directory, which
-    its job record names, as training's own --run-dir does; with `finishes`, the job's mark that it finished too)
-    and exits `status` (with `lingers`, never: it sleeps; or after that many seconds)."""
+    its job record names, as training's own --run-dir does; with `finishes`, the job's mark that it finished too;
+    a failure record for each of `failed_ranks`, all alike) and exits `status` (with `lingers`, never: it sleeps;
+    or after that many seconds)."""
     folder.mkdir()
     info = folder / "ompi_info"
     info.write_text(f"#!/bin/sh\necho called >> {calls}\necho 'options:ft_mpi_support:{ft_line}'\n")
     launcher = folder / "mpirun"
     launcher.write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
+        "def record(rank):\n"
+        "    os.makedirs(os.environ['MPIDDP_FAILURE_FILE'], exist_ok=True)\n"
+        "    path = os.path.join(os.environ['MPIDDP_FAILURE_FILE'], f'rank-{rank}.json')\n"
+        "    open(path, 'w').write(json.dumps({'kind': 'exception', 'ranks': [rank], 'hosts': [f'node{rank}'],\n"
+        "                                      'message': 'RuntimeError: boom', 'rank': rank, 'status': 1}))\n"
         "if sys.argv[1:] == ['--version']:\n    print('mpirun (Open MPI) 5.0.3')\n    sys.exit(0)\n"
         + ("run_dir = os.environ['MPIDDP_RUN_DIR']\n" if job_dir is None else
            f"run_dir = {str(job_dir)!r}\nos.makedirs(run_dir, exist_ok=True)\n"
@@ -104,6 +111,7 @@ def fake_open_mpi(folder, ft_line, calls, finishes=True, status=0, lingers=False
            "run_dir, 'world_size': 2, 'global_batch': 64, 'max_per_rank_batch': 32}))\n")
         + f"open(os.path.join(run_dir, 'summary.json'), 'w').write(json.dumps({{'recoveries': [{recovery!r}]}}))\n"
         + ("open(os.path.join(run_dir, 'finished'), 'w').write('1')\n" if finishes else "")
+        + "".join(f"record({rank})\n" for rank in failed_ranks)
         + (f"import time\ntime.sleep({10**6 if lingers is True else lingers})\n" if lingers else "")
         + f"sys.exit({status})\n")
     for program in (info, launcher):
@@ -316,12 +324,37 @@ def test_a_launcher_that_lingers_after_the_jobs_finished_mark_is_ended_and_the_j
     assert "the launcher exited 137 after the job marked its end" in said, said
 
 
+@pytest.mark.parametrize("recorded", [(0, 1), (0,)], ids=["every rank", "one rank of two"])
+def test_a_launcher_that_lingers_after_every_rank_recorded_its_failure_is_ended(tmp_path, monkeypatch, capsys,
+                                                                                 recorded):
+    """Every rank of the job (its world after its in-job recovery: two) wrote its failure record, which a rank does
+    as its process ends, and the launcher runs on (Open MPI's runtime stuck in the abort): launch ends it
+    FINISHED_LINGER_S later, says so, and decides from the records. Where a rank of the world wrote none (it may
+    still be saving), the launcher is waited for."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.5)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", finishes=False, status=1,
+                             lingers=True if len(recorded) == 2 else 3.5, failed_ranks=recorded)
+    plan = make_plan(["-np", "3", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--max-restarts", "0",
+                      "--", "--epochs", "1"], {})
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() != 0
+    (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    said = capsys.readouterr().err
+    ended = "the launcher still runs 0.5 s after every rank recorded its failure and ended: ending it"
+    if len(recorded) == 2:
+        assert ended in said and attempt["status"] == 137, said
+        assert (attempt["cause"], attempt["ranks_recorded"], attempt["blamed_hosts"]) == ("exception", 2, []), attempt
+    else:
+        assert ended not in said and attempt["status"] == 1, said
+
+
 def test_a_launcher_without_the_mark_is_waited_for(tmp_path, monkeypatch):
     """Without the job's mark (a job still training), launch never ends the launcher on its own."""
     monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.0)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], start_new_session=True)
     try:
-        assert supervisor_module._wait_unless_lingering(child, lambda: False) == 0
+        assert supervisor_module._wait_unless_lingering(child, lambda: "") == 0
     finally:
         child.kill()
         child.wait()
