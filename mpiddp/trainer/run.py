@@ -117,7 +117,8 @@ def resume_mode(checkpoints: CheckpointSettings, dist: Dist, run_dir: Path | Non
     if checkpoints.resume:
         return checkpoints.resume
     if dist.topology.restarts > 0:
-        log.info("the scheduler requeued this job (restart %d): resuming from the newest snapshot", dist.topology.restarts)
+        who = "launch relaunched" if dist.topology.launch_id else "the scheduler requeued"  # launch names itself
+        log.info("%s this job (restart %d): resuming from the newest snapshot", who, dist.topology.restarts)
         return "auto"
     # The dead supervisor's record told the user to rerun the same launch command, which names no --resume.
     if run_dir is not None and dist.topology.launch_id and \
