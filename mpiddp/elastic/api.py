@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from torch.distributed import Work
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from mpiddp.job.compression import GradientHook
     from mpiddp.job.failfast import FailFast
     from mpiddp.elastic.grow import Joining, LateJoin
     from mpiddp.job.finishwatch import FinishWatch
@@ -427,8 +428,10 @@ class ScriptRecovery(Policy):
                         "it" if len(differ) == 1 else "them", "it" if len(differ) == 1 else "them")
 
     def at_commit(self, state: State) -> None:
-        """Collective, at each commit (a step boundary): the first step after a change of size ends its
+        """Collective, at each commit (a step boundary): the DDP wrappers' bucket re-layout after their first step
+        (watched, where DDP's next forward would do it unwatched); the first step after a change of size ends its
         `first_step` phase; afterwards, grow back when due (Regrown: new ranks joined, `train` runs again)."""
+        self.manager.rebuild_buckets()
         if self._changed_at is not None:
             now = time.monotonic()
             if self.changes:
@@ -609,6 +612,7 @@ class Manager:
         self.recovery: ScriptRecovery | None = None
         self.decided = False  # whether this process decided (once, collectively) if it can recover
         self.wrappers: list[weakref.ref[DDP]] = []  # torch's DDP wrappers: a recovery checks they are gone
+        self.gradient_hooks: list[weakref.ref[GradientHook]] = []  # watch_gradients': their bucket re-layout
         self.models: list[weakref.ref[nn.Module]] = []  # mpiddp's wrappers (elastic.steps), rebuilt after a recovery
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # mpiddp.Optimizer: held steps rolled back
         self.generation = 0  # recoveries this process went through: gradients from before the last one are stale
@@ -792,9 +796,20 @@ class Manager:
             raise ValueError(f"compression must be one of {', '.join(HOOK_COMPRESSIONS)}, got {compression!r}")
         members = self.recovery.members if self.recovery is not None else None
         if members is not None or compression != "none":
-            register(ddp, compression, backend="gloo", members=members)
+            hook = register(ddp, compression, backend="gloo", members=members)
+            if members is not None:
+                self.gradient_hooks.append(weakref.ref(hook))
         self.track_wrapper(ddp)
         return ddp
+
+    def rebuild_buckets(self) -> None:
+        """Collective, at a commit: the watched wrappers' DDP bucket re-layout, after their first step
+        (GradientHook.rebuild_buckets: MembersLost when a peer failed); nothing once done."""
+        self.gradient_hooks = [ref for ref in self.gradient_hooks if ref() is not None]
+        for ref in self.gradient_hooks:
+            hook = ref()
+            if hook is not None:
+                hook.rebuild_buckets()
 
     def wait(self, work: Work) -> None:
         """Wait for a torch collective of your own, issued with `async_op=True`: under in-job recovery, under

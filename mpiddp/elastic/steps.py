@@ -335,6 +335,9 @@ class Optimizer(torch.optim.Optimizer):
         lost = None
         for wrapper in wrappers:
             lost = wrapper.watch.settle() or lost
+        if self._strict_next:  # DDP's first step over this process group: its bucket re-layout, watched
+            for wrapper in wrappers:
+                lost = lost or wrapper.watch.rebuild_buckets(wrapper.ddp)
         completed = recovery.members.all_completed(lost is None)
         for wrapper in wrappers:
             wrapper.watch.new_step()

@@ -26,6 +26,7 @@ import logging
 import statistics
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -323,12 +324,81 @@ class WatchedAllReduce(Generic[Lost]):
         return self.lost
 
 
+    def rebuild_buckets(self, ddp: DistributedDataParallel) -> Lost | None:
+        """On the main thread, at the end of the first step over a process group (its all-reduces done, `settle`
+        returned nothing), on every rank alike: DDP's one re-layout of its buckets, watched (BucketRebuild). A
+        failed peer raises, or with `absorb` is kept in `lost` and returned; then DDP's hooks are off `ddp`'s
+        parameters (a recovery wraps them again)."""
+        if self.lost is not None:
+            return self.lost
+        rebuild = BucketRebuild(ddp)
+        try:
+            self._wait(rebuild)
+        except BaseException:
+            rebuild.abandon()
+            raise
+        if self.lost is not None:
+            rebuild.abandon()
+        return self.lost
+
+
+# How long an abandoned bucket rebuild may still finish before the recovery goes on (BucketRebuild.abandon)
+ABANDON_GRACE_S = 0.5
+
+
+class BucketRebuild:
+    """DDP's re-layout of its buckets (in the order the first backward made the gradients ready), which it does
+    inside the next forward with a broadcast of its own from rank 0, outside any failure watch: a peer lost around
+    then left a survivor waiting in that broadcast for a live rank 0 gone into the recovery (until
+    --collective-timeout; seen in CI). Started here instead, at the end of the first step over a process group, on
+    a helper thread (torch lets the GIL go inside it, measured), it is a work like any collective: the main thread
+    waits for it under MPI's failure watch (FailureWatch.wait polls `is_completed`), and DDP's next forward finds
+    nothing left to rebuild. A wait that ends on a failed peer leaves the thread inside the old process group (it
+    ends with that group's timeout) holding DDP's lock, which DDP's autograd hooks on the parameters would then
+    wait for in the next backward: `abandon` takes them off."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self._reducer = ddp.reducer
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
+        self._thread = threading.Thread(target=self._run, args=(device,), name="mpiddp-bucket-rebuild", daemon=True)
+        self._thread.start()
+
+    def _run(self, device: torch.device) -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # NCCL's broadcast runs on this thread's current device
+            self._reducer._rebuild_buckets()
+        except BaseException as exc:  # the old group's timeout, long after an abandon; or the error for `wait`
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> bool:
+        """Once completed: raises the rebuild's error (a peer's death seen by gloo), as a torch work's wait."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def abandon(self) -> None:
+        """After a failure: DDP's autograd hooks off the parameters (see the class). A rebuild whose broadcast
+        still arrives (rank 0 sent before it saw the failure) lays the old buckets out within moments, pointing
+        the gradients at them: that is let end first, not raced by the recovery."""
+        self._reducer._remove_autograd_hooks()
+        self._thread.join(ABANDON_GRACE_S)
+
+
 class GradientHook:
     """DDP's hook state: `run(bucket)` is called once per ready bucket, in bucket order."""
 
     def __init__(self, compression: str, parameters: list[tuple[str, torch.nn.Parameter]], on_ready: Callable[[], None],
                  powersgd: Any = None, one_bucket_at_a_time: bool = False, mpi: Dist | None = None,
-                 members: FailureWatch | None = None) -> None:
+                 members: FailureWatch | None = None, wrapper: DistributedDataParallel | None = None) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         assert compression in COMPRESSIONS
@@ -357,10 +427,15 @@ class GradientHook:
         self.watched = (WatchedAllReduce(members.wait, compression)
                         if members is not None and powersgd is None else None)
         self.transport: TransportChoice | None = None  # what the trainer chose, for the log and summary.json
+        # the wrapper it is registered on (its bucket rebuild): weakly, as DDP holds its hook
+        self._ddp = weakref.ref(wrapper) if wrapper is not None else None
+        self._buckets_rebuilt = False
+        self._reduced = False  # a bucket went through `run`: a backward that DDP lays its buckets out after
         self._mpi_thread: int | None = None  # the thread MPI was last checked from
 
     def run(self, bucket: Any) -> torch.futures.Future:
         self.on_ready()
+        self._reduced = True
         if self.mpi is not None:
             return self._through_mpi(bucket.buffer())
         if self.watched is not None:
@@ -401,6 +476,16 @@ class GradientHook:
         the optimizer uses the gradients (WatchedAllReduce.settle). A no-op where nothing is in flight."""
         if self.watched is not None:
             self.watched.settle()
+
+    def rebuild_buckets(self) -> None:
+        """Under in-job recovery, on the main thread after the first step over the wrapper's process group
+        settled, on every rank alike: DDP's bucket re-layout, watched (WatchedAllReduce.rebuild_buckets;
+        MembersLost when a peer failed). Once done, later calls cost nothing."""
+        ddp = self._ddp() if self._ddp is not None else None
+        if self.watched is None or ddp is None or self._buckets_rebuilt or not self._reduced:
+            return  # (before any bucket was reduced, DDP has nothing to lay out yet: a commit before the first step)
+        self.watched.rebuild_buckets(ddp)
+        self._buckets_rebuilt = True
 
     # PowerSGD state, per parameter -------------------------------------------------------------------
 
@@ -521,6 +606,7 @@ def register(ddp: DistributedDataParallel, compression: str, rank: int = 1, warm
             use_error_feedback=True, warm_start=True, random_seed=0,
         )
     hook = GradientHook(compression, list(ddp.module.named_parameters()), on_ready, powersgd,
-                        one_bucket_at_a_time=powersgd is not None and backend != "nccl", mpi=mpi, members=members)
+                        one_bucket_at_a_time=powersgd is not None and backend != "nccl", mpi=mpi, members=members,
+                        wrapper=ddp)
     ddp.register_comm_hook(hook, _run)
     return hook

@@ -96,6 +96,8 @@ class StepCommit:
         if self.late is None or self.strict_next:
             if hook is not None:
                 hook.settle()
+                if self.strict_next:  # DDP's first step over this process group: its bucket re-layout, watched
+                    hook.rebuild_buckets()
             self.strict_next = False
             return
         works = hook.watched.take_pending() if hook is not None and hook.watched is not None else []

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from mpiddp.elastic.decide import Resplit
 from mpiddp.job.topology import RankRecord, build_topology
 from mpiddp.trainer.elastic_policy import TrainerPolicy, TrainingParts
@@ -262,3 +264,39 @@ def test_the_loop_learns_whether_its_epoch_runs_again_after_a_failure_or_after_a
     assert not loop_hooks.again_after_failure()
     policy.before_shrink()  # a failure after the grow
     assert loop_hooks.again_after_failure()
+
+
+class CountingHook:
+    """The trainer's gradient hook as StepCommit uses it: settles, and rebuilds DDP's buckets when asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def settle(self) -> None:
+        self.calls.append("settle")
+
+    def rebuild_buckets(self) -> None:
+        self.calls.append("rebuild")
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["strict", "late"])
+def test_the_first_step_over_a_process_group_rebuilds_ddps_buckets_watched_after_settling_and_later_ones_do_not(
+        late):
+    """DDP's bucket re-layout is started where the first step over a process group ends (its all-reduces settled),
+    watched, not left to DDP's next forward, unwatched; again after a roll back (the recovery's new group)."""
+    from mpiddp.elastic.latecommit import LateCommit
+    from mpiddp.trainer.commit import StepCommit
+
+    commit = StepCommit(LateCommit(SimpleNamespace(agree=lambda: True, holding=False), HeldStep()) if late else None)
+    hook = CountingHook()
+    state = SimpleNamespace(gradient_hook=hook, step=0, batches_done=0)
+    commit.before_step(state)
+    assert hook.calls == ["settle", "rebuild"] and not commit.strict_next
+    hook.calls.clear()
+    if not late:
+        commit.before_step(state)
+        assert hook.calls == ["settle"]
+    commit.roll_back(state)
+    hook.calls.clear()
+    commit.before_step(state)
+    assert hook.calls == ["settle", "rebuild"]
