@@ -18,7 +18,7 @@ from mpiddp import failure
 from mpiddp.trainer.startup import PHASES
 from spawnbug import CRASH_STATUSES, excuse, prterun_crash
 from test_leftovers import marked_env
-from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, steps_logged, survivors_pids
+from test_recovery_e2e import JOB, Job, _ulfm_missing, metrics, survivors_pids
 
 pytestmark = pytest.mark.mpi
 HOSTS = "nodea:1,nodeb:1,nodec:1,noded:1"  # -np 3 fills the first three; noded's slot is the spare
@@ -150,11 +150,8 @@ def test_a_grown_rank_lost_later_is_recovered_from_and_the_job_goes_on_without_a
             pytest.xfail(excuse(crash, "during the first spawn"))
         raise
     job.wait_for("full size", lambda: "running at full size again" in job.output())
-    # past the grown job's second step: a rank lost before it, while DDP rebuilds its buckets (a broadcast inside
-    # DDP that mpiddp cannot watch), can leave a survivor waiting for a live peer until --collective-timeout (seen
-    # in CI; docs/recovery.md, "What it does not cover")
-    grown_at = len(steps_logged(job))
-    job.wait_for("two steps at full size", lambda: len(steps_logged(job)) >= grown_at + 2)
+    # in the grown job's first steps: DDP's bucket re-layout after the new wrap is under way then, watched (it
+    # ran inside DDP's forward, unwatched, and a survivor once waited there for a live peer: CI)
     subprocess.run(["kill", "-KILL", joined[0]], check=False)
     status = job.finish(timeout=300)
     output = job.output()

