@@ -343,7 +343,7 @@ class WatchedAllReduce(Generic[Lost]):
 
 
 # How long an abandoned bucket rebuild may still finish before the recovery goes on (BucketRebuild.abandon)
-ABANDON_GRACE_S = 0.5
+ABANDON_GRACE_S = 0.2
 
 
 class BucketRebuild:
@@ -355,10 +355,13 @@ class BucketRebuild:
     waits for it under MPI's failure watch (FailureWatch.wait polls `is_completed`), and DDP's next forward finds
     nothing left to rebuild. A wait that ends on a failed peer leaves the thread inside the old process group (it
     ends with that group's timeout) holding DDP's lock, which DDP's autograd hooks on the parameters would then
-    wait for in the next backward: `abandon` takes them off."""
+    wait for in the next backward: `abandon` takes them off. DDP's logger takes that lock too as it is destroyed
+    (with the GIL held: the whole process would stand still once the recovery drops the old wrapper, measured):
+    the thread keeps it, and it goes with the thread."""
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self._reducer = ddp.reducer
+        self._logger = getattr(ddp, "logger", None)  # destroyed where the lock is free: see the class
         self._done = threading.Event()
         self._error: BaseException | None = None
         device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))

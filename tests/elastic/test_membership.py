@@ -274,3 +274,23 @@ def test_a_spawned_rank_frees_every_spanning_communicator_but_its_parents_newest
     spanning.forget("never held")
     assert spanning.take_all_but_the_parent() == ["merged again", "inter", "merged"]
     assert not spanning  # taken: a second release frees nothing
+
+
+@pytest.mark.mpi
+def test_a_rank_in_ddps_bucket_relayout_when_a_peer_dies_joins_the_recovery_instead_of_waiting_for_rank_0(tmp_path):
+    """The hang seen in CI, made to happen every time (tests/programs/rebuild_window.py): rank 2 dies after DDP's
+    first step; rank 0, the re-layout broadcast's root, goes into the recovery without it; rank 1, in the
+    re-layout, is watched and follows within moments instead of waiting the process group's 120 s. Both survivors
+    then train on at two."""
+    reason = _ulfm_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    command = [find_mpirun(), "-np", "3", "--with-ft", "ulfm", sys.executable,
+               str(REPO / "tests" / "programs" / "rebuild_window.py"), str(tmp_path)]
+    job = subprocess.run(command, cwd=REPO, env=job_env(PYTHONPATH=repo_pythonpath()), stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=100)  # under the group's 120 s: a wait fails it
+    outcome = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text())
+               for rank in (0, 1) if (tmp_path / f"rank{rank}.json").exists()}
+    assert sorted(outcome) == [0, 1], job.stdout[-3000:] + job.stderr[-3000:]
+    assert outcome[1]["path"] == "the rebuild gave way to the failure", outcome
+    assert all(seen["world_after"] == 2 and seen["steps_after"] == 2 for seen in outcome.values()), outcome

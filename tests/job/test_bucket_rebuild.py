@@ -4,7 +4,9 @@ there for a live rank 0 gone into the recovery (CI). Here: it is done, once, whe
 meanwhile is raised (or kept) at once; and the rank that gave the rebuild up can still run a backward (DDP's
 hooks, which would wait for the lock the stuck rebuild holds, are off its parameters)."""
 
+import gc
 import multiprocessing
+import os
 import threading
 
 import pytest
@@ -146,8 +148,14 @@ def _rank(rank, port, gone, result, done):
         return
     except MembersLost:
         pass
-    model(torch.randn(8, 16)).sum().backward()  # DDP's hooks would wait here for the stuck rebuild's lock
+    del ddp, hook  # what a recovery drops: DDP's logger, destroyed, would wait for the stuck rebuild's lock
+    gc.collect()
+    model(torch.randn(8, 16)).sum().backward()  # DDP's hooks would wait here for the same lock
     result.send("recovered")
+    result.close()
+    # as a survivor ends (mpiddp.elastic.survivors.end_without_finalize): the rebuild's thread still waits in the
+    # old group, whose teardown at the interpreter's exit would end the process with SIGABRT
+    os._exit(0)
 
 
 def test_a_rank_whose_rebuild_waits_for_a_rank_0_gone_into_the_recovery_gets_out_and_trains_on():
