@@ -15,19 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mpiddp.elastic.membership import MembersLost
 from mpiddp.job import compression
-
-
-class UsedInReverse(torch.nn.Module):
-    """Layers registered in the opposite order of use: DDP lays its buckets out again after the first step."""
-
-    def __init__(self):
-        super().__init__()
-        self.head = torch.nn.Linear(32, 4)
-        self.body = torch.nn.Linear(64, 32)
-        self.stem = torch.nn.Linear(16, 64)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.body(torch.relu(self.stem(x)))))
+from test_compression import UsedInReverse  # DDP lays its buckets out again after the first step
 
 
 class WatchingMembers:
@@ -40,7 +28,7 @@ class WatchingMembers:
 
 
 def first_step(ddp):
-    ddp(torch.randn(8, 16)).sum().backward()
+    ddp(torch.randn(8, 64)).sum().backward()
 
 
 @pytest.mark.usefixtures("solo_group")
@@ -150,7 +138,7 @@ def _rank(rank, port, gone, result, done):
         pass
     del ddp, hook  # what a recovery drops: DDP's logger, destroyed, would wait for the stuck rebuild's lock
     gc.collect()
-    model(torch.randn(8, 16)).sum().backward()  # DDP's hooks would wait here for the same lock
+    model(torch.randn(8, 64)).sum().backward()  # DDP's hooks would wait here for the same lock
     result.send("recovered")
     result.close()
     # as a survivor ends (mpiddp.elastic.survivors.end_without_finalize): the rebuild's thread still waits in the
