@@ -52,7 +52,7 @@ from mpiddp.elastic.latecommit import LateCommit, late_refusal
 from mpiddp.elastic.membership import MembersLost
 from mpiddp.elastic.undo import StepUndo, room_for
 from mpiddp.job.collective import current
-from mpiddp.job.compression import WatchedAllReduce
+from mpiddp.job.compression import WatchedAllReduce, layout_pending
 
 log = logging.getLogger("mpiddp")
 
@@ -341,8 +341,8 @@ class Optimizer(torch.optim.Optimizer):
         completed = recovery.members.all_completed(lost is None)
         for wrapper in wrappers:
             wrapper.watch.new_step()
-        if completed:
-            self._strict_next = False
+        if completed:  # strict until DDP has laid its buckets out (after its second step with a static graph)
+            self._strict_next = any(layout_pending(wrapper.ddp) for wrapper in wrappers)
             return self._take(*args, **kwargs)
         self._skip_and_recover(recovery, lost)
         return None

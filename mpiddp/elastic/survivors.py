@@ -131,5 +131,6 @@ def topology_over(template: Topology, hostnames: Sequence[str], rank: int) -> To
         records.append(RankRecord(index, host, peers[0], peers.index(index), len(peers)))
     topology = build_topology(rank, records, template.mpi_library)
     return dataclasses.replace(topology, mpi_settings=template.mpi_settings, restarts=template.restarts,
-                               failure_file=template.failure_file, launch_id=template.launch_id,
-                               launch_run_dir=template.launch_run_dir, job_record=template.job_record)
+                               restarted_by=template.restarted_by, failure_file=template.failure_file,
+                               launch_id=template.launch_id, launch_run_dir=template.launch_run_dir,
+                               job_record=template.job_record)

@@ -46,8 +46,10 @@ def connect(guard: FailFast | None = None) -> Dist:
     records, mpi_library = gather_records(comm)
     topology = agree_on(transport, lambda: build_topology(transport.rank, records, mpi_library))
     # Rank 0's view of the launcher's restart count is the job's (every rank must decide alike).
-    restarts, supervised = transport.bcast((launcher_restarts(os.environ), supervisor_settings(os.environ)))
-    dist = Dist(dataclasses.replace(topology, restarts=restarts, mpi_settings=mpi_settings, **supervised), transport)
+    (restarts, restarted_by), supervised = transport.bcast((launcher_restarts(os.environ),
+                                                            supervisor_settings(os.environ)))
+    dist = Dist(dataclasses.replace(topology, restarts=restarts, restarted_by=restarted_by, mpi_settings=mpi_settings,
+                                    **supervised), transport)
     if guard is not None:
         guard.dist = dist
     if dist.topology.failure_file and dist.is_main:  # a local write, no collective: launch maps ranks to hosts by it

@@ -325,11 +325,11 @@ class WatchedAllReduce(Generic[Lost]):
 
 
     def rebuild_buckets(self, ddp: DistributedDataParallel) -> Lost | None:
-        """On the main thread, at the end of the first step over a process group (its all-reduces done, `settle`
-        returned nothing), on every rank alike: DDP's one re-layout of its buckets, watched (BucketRebuild). A
-        failed peer raises, or with `absorb` is kept in `lost` and returned; then DDP's hooks are off `ddp`'s
-        parameters (a recovery wraps them again)."""
-        if self.lost is not None:
+        """On the main thread, at the end of a step over `ddp`'s process group (its all-reduces done, `settle`
+        returned nothing), on every rank alike, while DDP has yet to lay its buckets out (layout_pending): that one
+        re-layout, watched (BucketRebuild). A failed peer raises, or with `absorb` is kept in `lost` and returned;
+        then DDP's hooks are off `ddp`'s parameters (a recovery wraps them again)."""
+        if self.lost is not None or not layout_pending(ddp):
             return self.lost
         rebuild = BucketRebuild(ddp)
         try:
@@ -339,7 +339,27 @@ class WatchedAllReduce(Generic[Lost]):
             raise
         if self.lost is not None:
             rebuild.abandon()
+        elif rebuild.rebuilt:
+            ddp._has_rebuilt_buckets = True  # DDP's own mark, as its forward sets it after the re-layout
+        else:  # nothing to lay out yet: a static graph's first step, or a step with no synced backward
+            _LAYOUT_TRIES[ddp] = _LAYOUT_TRIES.get(ddp, 0) + 1
         return self.lost
+
+
+# DDP wrapper -> the watched re-layouts started that found nothing to lay out yet. DDP lays its buckets out after
+# its first synced backward, after its second with a static graph; past MAX_LAYOUT_TRIES, DDP is left to do it.
+_LAYOUT_TRIES: weakref.WeakKeyDictionary[DistributedDataParallel, int] = weakref.WeakKeyDictionary()
+MAX_LAYOUT_TRIES = 3
+
+
+def layout_pending(ddp: DistributedDataParallel) -> bool:
+    """Whether DDP will still lay its buckets out again, with its broadcast from rank 0: not once it did (here or
+    in its own forward), never with find_unused_parameters (unless its graph is static), nor after
+    MAX_LAYOUT_TRIES watched tries that found nothing to lay out."""
+    if not hasattr(ddp, "reducer") or getattr(ddp, "_has_rebuilt_buckets", False) \
+            or _LAYOUT_TRIES.get(ddp, 0) >= MAX_LAYOUT_TRIES:
+        return False
+    return bool(getattr(ddp, "static_graph", False)) or not getattr(ddp, "find_unused_parameters", False)
 
 
 # How long an abandoned bucket rebuild may still finish before the recovery goes on (BucketRebuild.abandon)
@@ -362,6 +382,7 @@ class BucketRebuild:
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self._reducer = ddp.reducer
         self._logger = getattr(ddp, "logger", None)  # destroyed where the lock is free: see the class
+        self.rebuilt = False  # DDP laid its buckets out (False: it had nothing to lay out yet)
         self._done = threading.Event()
         self._error: BaseException | None = None
         device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
@@ -372,7 +393,7 @@ class BucketRebuild:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # NCCL's broadcast runs on this thread's current device
-            self._reducer._rebuild_buckets()
+            self.rebuilt = bool(self._reducer._rebuild_buckets())
         except BaseException as exc:  # the old group's timeout, long after an abandon; or the error for `wait`
             self._error = exc
         finally:
@@ -432,7 +453,6 @@ class GradientHook:
         self.transport: TransportChoice | None = None  # what the trainer chose, for the log and summary.json
         # the wrapper it is registered on (its bucket rebuild): weakly, as DDP holds its hook
         self._ddp = weakref.ref(wrapper) if wrapper is not None else None
-        self._buckets_rebuilt = False
         self._reduced = False  # a bucket went through `run`: a backward that DDP lays its buckets out after
         self._mpi_thread: int | None = None  # the thread MPI was last checked from
 
@@ -481,14 +501,17 @@ class GradientHook:
             self.watched.settle()
 
     def rebuild_buckets(self) -> None:
-        """Under in-job recovery, on the main thread after the first step over the wrapper's process group
-        settled, on every rank alike: DDP's bucket re-layout, watched (WatchedAllReduce.rebuild_buckets;
-        MembersLost when a peer failed). Once done, later calls cost nothing."""
+        """Under in-job recovery, on the main thread after a step over the wrapper's process group settled, on
+        every rank alike: DDP's bucket re-layout while it is pending, watched (WatchedAllReduce.rebuild_buckets;
+        MembersLost when a peer failed). Nothing before a bucket went through this hook, nor once done."""
         ddp = self._ddp() if self._ddp is not None else None
-        if self.watched is None or ddp is None or self._buckets_rebuilt or not self._reduced:
-            return  # (before any bucket was reduced, DDP has nothing to lay out yet: a commit before the first step)
-        self.watched.rebuild_buckets(ddp)
-        self._buckets_rebuilt = True
+        if self.watched is not None and ddp is not None and self._reduced:
+            self.watched.rebuild_buckets(ddp)
+
+    def layout_pending(self) -> bool:
+        """Under in-job recovery: whether the wrapper's bucket re-layout is still to come (layout_pending)."""
+        ddp = self._ddp() if self._ddp is not None else None
+        return self.watched is not None and ddp is not None and layout_pending(ddp)
 
     # PowerSGD state, per parameter -------------------------------------------------------------------
 

@@ -52,7 +52,8 @@ class Topology:
     hosts: tuple[tuple[str, tuple[int, ...]], ...]
     mpi_library: str = "unknown"
     mpi_settings: str = ""  # what mpiddp set for MPI before starting it (mpistart), '' when nothing
-    restarts: int = 0  # the scheduler requeued this job this many times (then training resumes by itself)
+    restarts: int = 0  # the scheduler or `launch` restarted this job this many times (training resumes by itself)
+    restarted_by: str = ""  # who made the last restart: "launch", "the scheduler" ('' when none)
     failure_file: str = ""  # the directory where `launch` reads every rank's failure record; '' for RUN_DIR/failures
     launch_id: str = ""  # which `launch` runs this job ('' when none): a relaunch prefers the snapshots it saved
     launch_run_dir: str = ""  # launch's run dir: training's default when its flags name none
@@ -192,11 +193,16 @@ def mismatch_message(info: LauncherInfo, mpi_library: str, mpi4py_file: str, pyt
     )
 
 
-def launcher_restarts(env: Mapping[str, str]) -> int:
-    """How many times the scheduler has restarted this job (Slurm's requeue keeps the job id and counts here),
-    or the supervisor (`python -m mpiddp launch` counts its relaunches in MPIDDP_RESTART_COUNT)."""
-    values = (env.get("SLURM_RESTART_COUNT", "0"), env.get(RESTART_COUNT_ENV, "0"))
-    return max(int(value) if value.isdigit() else 0 for value in values)
+def launcher_restarts(env: Mapping[str, str]) -> tuple[int, str]:
+    """How many times this job was restarted, and who made the last restart: the scheduler (Slurm's requeue keeps
+    the job id and counts in SLURM_RESTART_COUNT) or the supervisor (`python -m mpiddp launch` counts its
+    relaunches in MPIDDP_RESTART_COUNT; inside a requeued Slurm job its count starts again at 0, so a count of its
+    own means the last restart was its). (0, '') when neither restarted it."""
+    slurm, launch = (int(value) if value.isdigit() else 0
+                     for value in (env.get("SLURM_RESTART_COUNT", "0"), env.get(RESTART_COUNT_ENV, "0")))
+    if launch > 0:
+        return max(slurm, launch), "launch"
+    return (slurm, "the scheduler") if slurm > 0 else (0, "")
 
 
 def supervisor_settings(env: Mapping[str, str]) -> dict[str, str]:

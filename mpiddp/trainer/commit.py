@@ -98,7 +98,8 @@ class StepCommit:
                 hook.settle()
                 if self.strict_next:  # DDP's first step over this process group: its bucket re-layout, watched
                     hook.rebuild_buckets()
-            self.strict_next = False
+            # strict until DDP has laid its buckets out (after its second step with a static graph)
+            self.strict_next = hook is not None and hook.layout_pending()
             return
         works = hook.watched.take_pending() if hook is not None and hook.watched is not None else []
         if not self.late.agree():

@@ -117,7 +117,7 @@ def resume_mode(checkpoints: CheckpointSettings, dist: Dist, run_dir: Path | Non
     if checkpoints.resume:
         return checkpoints.resume
     if dist.topology.restarts > 0:
-        who = "launch relaunched" if dist.topology.launch_id else "the scheduler requeued"  # launch names itself
+        who = "launch relaunched" if dist.topology.restarted_by == "launch" else "the scheduler requeued"
         log.info("%s this job (restart %d): resuming from the newest snapshot", who, dist.topology.restarts)
         return "auto"
     # The dead supervisor's record told the user to rerun the same launch command, which names no --resume.

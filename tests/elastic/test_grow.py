@@ -417,8 +417,9 @@ def test_a_joining_rank_builds_its_process_group_on_the_survivors_backend(monkey
     from mpiddp.elastic import grow
     from mpiddp.elastic.survivors import topology_over
 
-    template = topology_over(SimpleNamespace(mpi_library="openmpi", mpi_settings={}, restarts=0, failure_file="",
-                                             launch_id="", launch_run_dir="", job_record=""), ["a", "b"], 0)
+    template = topology_over(SimpleNamespace(mpi_library="openmpi", mpi_settings={}, restarts=0, restarted_by="",
+                                             failure_file="", launch_id="", launch_run_dir="", job_record=""),
+                             ["a", "b"], 0)
     server = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     server.set("survivors", "here")
     hello = {"topology": template, "backend": backend, "interface_per_host": {}, "collective_timeout_s": 60.0,

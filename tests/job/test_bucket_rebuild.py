@@ -40,17 +40,34 @@ def test_the_rebuild_runs_once_under_the_watch_and_ddps_next_forward_has_nothing
                                   static_graph=static_graph)
     hook = compression.register(ddp, "none", backend="gloo", members=members)
     hook.rebuild_buckets()  # a commit before the first step: nothing to lay out yet, nothing waited for
-    assert members.waited == 0
+    assert members.waited == 0 and hook.layout_pending()
     first_step(ddp)
+    if static_graph:  # DDP lays its buckets out after its second step: the first finds nothing, and it stays due
+        hook.rebuild_buckets()
+        assert hook.layout_pending() and not ddp._has_rebuilt_buckets
+        first_step(ddp)
     waited, grads = members.waited, [p.grad.clone() for p in ddp.parameters()]
     hook.rebuild_buckets()
     assert members.waited == waited + 1  # the rebuild, waited for under the watch
+    assert ddp._has_rebuilt_buckets and not hook.layout_pending()  # laid out: by this rebuild, not DDP's
     assert all(torch.equal(before, p.grad) for before, p in zip(grads, ddp.parameters()))  # gradients kept
     assert ddp.reducer._rebuild_buckets() is False  # DDP's own, in the next forward: nothing left to do
     hook.rebuild_buckets()
     assert members.waited == waited + 1  # once per wrapper
     for _ in range(2):
         first_step(ddp)  # the next steps train on the new buckets
+
+
+@pytest.mark.usefixtures("solo_group")
+def test_where_ddp_never_lays_its_buckets_out_again_nothing_is_started():
+    ddp = DistributedDataParallel(UsedInReverse(), find_unused_parameters=True)
+    members = WatchingMembers()
+    hook = compression.register(ddp, "none", backend="gloo", members=members)
+    first_step(ddp)
+    waited = members.waited
+    assert not hook.layout_pending()
+    hook.rebuild_buckets()
+    assert members.waited == waited
 
 
 def test_without_in_job_recovery_ddp_keeps_its_own_rebuild():

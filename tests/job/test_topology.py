@@ -118,8 +118,12 @@ def test_srun_with_the_wrong_mpi_plugin_is_told_about_srun_mpi():
 def test_requeue_count_comes_from_slurm():
     from mpiddp.job.topology import launcher_restarts
 
-    assert launcher_restarts({"SLURM_RESTART_COUNT": "2"}) == 2
-    assert launcher_restarts({}) == 0 and launcher_restarts({"SLURM_RESTART_COUNT": "x"}) == 0
+    assert launcher_restarts({"SLURM_RESTART_COUNT": "2"}) == (2, "the scheduler")
+    assert launcher_restarts({}) == (0, "") and launcher_restarts({"SLURM_RESTART_COUNT": "x"}) == (0, "")
+    assert launcher_restarts({"MPIDDP_RESTART_COUNT": "1"}) == (1, "launch")
+    # launch inside a requeued sbatch: its first attempt is the scheduler's restart, its relaunch its own
+    assert launcher_restarts({"SLURM_RESTART_COUNT": "1", "MPIDDP_RESTART_COUNT": "0"}) == (1, "the scheduler")
+    assert launcher_restarts({"SLURM_RESTART_COUNT": "1", "MPIDDP_RESTART_COUNT": "1"}) == (1, "launch")
 
 
 def test_gpu_binding_follows_what_each_rank_sees(monkeypatch):

@@ -38,11 +38,11 @@ def test_written_files_follow_the_umask_not_mkstemps_0600(tmp_path):
     assert UMASK == (lambda m: (os.umask(m), m)[1])(os.umask(0o022))  # what the process really has
 
 
-@pytest.mark.parametrize("launch_id,who", [("", "the scheduler requeued this job"),
-                                           ("abc123", "launch relaunched this job")])
-def test_a_restarted_job_resumes_and_says_who_restarted_it(caplog, launch_id, who):
+@pytest.mark.parametrize("restarted_by,who", [("the scheduler", "the scheduler requeued this job"),
+                                               ("launch", "launch relaunched this job")])
+def test_a_restarted_job_resumes_and_says_who_restarted_it(caplog, restarted_by, who):
     """Slurm's requeue and launch's relaunch both resume from the newest snapshot; the line names which restarted
-    the job (launch names itself to the job), not the scheduler for both."""
+    the job (from the counts each keeps: job.topology.launcher_restarts), not the scheduler for both."""
     import dataclasses
     import logging
 
@@ -50,7 +50,7 @@ def test_a_restarted_job_resumes_and_says_who_restarted_it(caplog, launch_id, wh
     from mpiddp.trainer.run import resume_mode
 
     dist = solo_dist()
-    dist = dataclasses.replace(dist, topology=dataclasses.replace(dist.topology, restarts=2, launch_id=launch_id))
+    dist = dataclasses.replace(dist, topology=dataclasses.replace(dist.topology, restarts=2, restarted_by=restarted_by))
     with caplog.at_level(logging.INFO):
         assert resume_mode(CheckpointSettings(), dist) == "auto"
     assert f"{who} (restart 2): resuming from the newest snapshot" in caplog.text

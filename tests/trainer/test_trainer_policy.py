@@ -269,14 +269,19 @@ def test_the_loop_learns_whether_its_epoch_runs_again_after_a_failure_or_after_a
 class CountingHook:
     """The trainer's gradient hook as StepCommit uses it: settles, and rebuilds DDP's buckets when asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, pending: int = 1) -> None:
         self.calls: list[str] = []
+        self.pending = pending  # rebuilds until DDP's buckets are laid out (a static graph: two)
 
     def settle(self) -> None:
         self.calls.append("settle")
 
     def rebuild_buckets(self) -> None:
         self.calls.append("rebuild")
+        self.pending -= 1
+
+    def layout_pending(self) -> bool:
+        return self.pending > 0
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["strict", "late"])
@@ -300,3 +305,18 @@ def test_the_first_step_over_a_process_group_rebuilds_ddps_buckets_watched_after
     hook.calls.clear()
     commit.before_step(state)
     assert hook.calls == ["settle", "rebuild"]
+
+
+def test_with_a_static_graph_the_steps_stay_strict_until_ddp_has_laid_its_buckets_out():
+    """DDP lays a static graph's buckets out after its second step: the commit stays strict (and asks for the
+    watched re-layout) until it is done, then goes late."""
+    from mpiddp.elastic.latecommit import LateCommit
+    from mpiddp.trainer.commit import StepCommit
+
+    commit = StepCommit(LateCommit(SimpleNamespace(agree=lambda: True, holding=False), HeldStep()))
+    hook = CountingHook(pending=2)
+    state = SimpleNamespace(gradient_hook=hook, step=0, batches_done=0)
+    commit.before_step(state)
+    assert hook.calls == ["settle", "rebuild"] and commit.strict_next
+    commit.before_step(state)
+    assert hook.calls == ["settle", "rebuild"] * 2 and not commit.strict_next
