@@ -15,16 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mpiddp.elastic.membership import MembersLost
 from mpiddp.job import compression
-from test_compression import UsedInReverse  # DDP lays its buckets out again after the first step
-
-
-class WatchingMembers:
-    def __init__(self):
-        self.waited = 0
-
-    def wait(self, work):
-        work.wait()
-        self.waited += 1
+from test_compression import UsedInReverse, WatchingMembers  # a model DDP lays out again; a watch that counts
 
 
 def first_step(ddp):
