@@ -805,11 +805,10 @@ class Manager:
     def rebuild_buckets(self) -> None:
         """Collective, at a commit: the watched wrappers' DDP bucket re-layout, after their first step
         (GradientHook.rebuild_buckets: MembersLost when a peer failed); nothing once done."""
-        self.gradient_hooks = [ref for ref in self.gradient_hooks if ref() is not None]
-        for ref in self.gradient_hooks:
-            hook = ref()
-            if hook is not None:
-                hook.rebuild_buckets()
+        live = [hook for ref in self.gradient_hooks if (hook := ref()) is not None]
+        self.gradient_hooks = [weakref.ref(hook) for hook in live]
+        for hook in live:
+            hook.rebuild_buckets()
 
     def wait(self, work: Work) -> None:
         """Wait for a torch collective of your own, issued with `async_op=True`: under in-job recovery, under

@@ -504,14 +504,18 @@ class GradientHook:
         """Under in-job recovery, on the main thread after a step over the wrapper's process group settled, on
         every rank alike: DDP's bucket re-layout while it is pending, watched (WatchedAllReduce.rebuild_buckets;
         MembersLost when a peer failed). Nothing before a bucket went through this hook, nor once done."""
-        ddp = self._ddp() if self._ddp is not None else None
+        ddp = self._wrapper()
         if self.watched is not None and ddp is not None and self._reduced:
             self.watched.rebuild_buckets(ddp)
 
     def layout_pending(self) -> bool:
         """Under in-job recovery: whether the wrapper's bucket re-layout is still to come (layout_pending)."""
-        ddp = self._ddp() if self._ddp is not None else None
+        ddp = self._wrapper()
         return self.watched is not None and ddp is not None and layout_pending(ddp)
+
+    def _wrapper(self) -> DistributedDataParallel | None:
+        """The DDP wrapper this hook is registered on, while it lives (None: unknown, or gone)."""
+        return self._ddp() if self._ddp is not None else None
 
     # PowerSGD state, per parameter -------------------------------------------------------------------
 
