@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from mpiddp.elastic.grow import Joining, LateJoin
     from mpiddp.job.finishwatch import FinishWatch
     from mpiddp.job.topology import Topology
+    from mpiddp.job.watchdog import Watchdog
 
 log = logging.getLogger("mpiddp")
 T = TypeVar("T")
@@ -294,6 +295,7 @@ class OwnJob:
     guard: FailFast | None
     watch: FinishWatch | None
     collective_timeout_s: float
+    hang_timeout_s: float  # a script's hang watchdog (`run --hang-timeout`, init's hang_timeout_s; 0: off)
     command: list[str]  # what started this process (`python -m mpiddp run ...`, `python train.py ...`): a grow's
     joining: LateJoin | None = None  # this process grows the job back and joins at its first step (elastic.grow)
 
@@ -357,6 +359,8 @@ class ScriptRecovery(Policy):
         self._changed_at: float | None = None  # monotonic end of the last change of size, until the next commit
         self._stalled_from: float | None = None  # a grow's: when the survivors stopped for it (its stand-still)
         self.current_members = CurrentMembers(self)  # for the wrappers, built before a new rank's Membership
+        self.watchdog: Watchdog | None = None  # the hang watchdog, once the engine watches this rank (watch_hangs)
+        self._ended_by_watch: tuple[set[int], set[int]] = (set(), set())  # ranks it ended: hung, on a silent host
 
     @classmethod
     def enable(cls, manager: Manager, dist: Dist, min_world_size: int | None) -> ScriptRecovery | None:
@@ -376,6 +380,7 @@ class ScriptRecovery(Policy):
         policy = cls(manager, job)  # init()'s placed Dist first, then the bootstrap's (the guard's and the exit handler's)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         Engine.enable(job.dists, job.collective_timeout_s, min_world_size, policy, backend, device)
+        policy.watch_hangs()
         return policy
 
     @classmethod
@@ -399,7 +404,33 @@ class ScriptRecovery(Policy):
         engine = Engine(joining.members, self.job.dists, joining.hello["min_size"], self)
         engine.initial_world = joining.hello["initial_world"]
         self.after_rebind(self.job.dists[0])  # the finish watch, on the survivors' store
+        self.watch_hangs()
         return joining
+
+    def watch_hangs(self) -> None:
+        """The hang watchdog (mpiddp.job.watchdog) on this rank, once the engine watches it: a rank kept waiting
+        --hang-timeout s on the others in a watched collective (a step's all-reduce, a commit's agreement) names
+        the ranks behind in a hang report, and the rank on their host ends them (SIGKILL), so that MPI declares
+        them failed and the survivors go on; under launch's relay layout a silent host is cut off alike. A script's
+        own phases are not watched: a rank busy in its own evaluation or save keeps no one in a watched wait."""
+        from mpiddp.contract import HOST_RELAYS_ENV
+        from mpiddp.job.watchdog import Watchdog
+
+        dist, timeout_s = self.dists[0], self.job.hang_timeout_s
+        topology = dist.topology
+        report_dir = Path(topology.launch_run_dir) if topology.launch_run_dir else Path.cwd()
+        self.watchdog = Watchdog.for_job(timeout_s, dist, report_dir, exclude_hung=True,
+                                         watch_hosts=os.environ.get(HOST_RELAYS_ENV) == "1",
+                                         waited=self.members.waited_s).start()
+        if dist.is_main and self.watchdog.active:
+            log.info("hang watchdog: a rank kept waiting %g s on the others in a step's all-reduce or agreement "
+                     "names the ranks behind (a hang report in %s) and they are ended, so that the others go on "
+                     "(--hang-timeout; 0 turns it off)", timeout_s, report_dir)
+
+    def finished(self) -> None:
+        """This rank's script ended: no watched collective follows; the finish watch takes over."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def run(self, train: Callable[[State], T], state: State) -> T:
         """Collective: `train(state)`, run again on the survivors after each recovery and after each grow."""
@@ -431,6 +462,8 @@ class ScriptRecovery(Policy):
         """Collective, at each commit (a step boundary): the DDP wrappers' bucket re-layout after their first step
         (watched, where DDP's next forward would do it unwatched); the first step after a change of size ends its
         `first_step` phase; afterwards, grow back when due (Regrown: new ranks joined, `train` runs again)."""
+        if self.watchdog is not None:  # the step in the hang report (its pid asked of rank 0 at the first)
+            self.watchdog.beat("compute", state.commits)
         self.manager.rebuild_buckets()
         if self._changed_at is not None:
             now = time.monotonic()
@@ -505,13 +538,24 @@ class ScriptRecovery(Policy):
     def records_dir(self) -> Path | None:
         return records_dir(self.dists[0].topology.failure_file, None)
 
+    def before_shrink(self) -> None:
+        if self.watchdog is not None:  # the ranks it ended (the recovery's cause), before it follows the survivors
+            self._ended_by_watch = (set(self.watchdog.excluded), set(self.watchdog.silenced))
+            self.watchdog.suspend()
+
     def after_rebind(self, dist: Dist) -> None:
         if self.job.watch is not None:
             self.job.watch.follow(dist)
+        if self.watchdog is not None:
+            self.watchdog.follow(dist)
 
     def resume(self, dist: Dist, before: Topology, failed: tuple[int, ...]) -> tuple[str, int | None]:
         assert self.state is not None
         self.manager.drop_old_wrappers()
+        # what the survivors' watchdogs ended, in one view: the one that ended a hung rank 0 may be any survivor
+        views = dist.allgather([sorted(ranks) for ranks in self._ended_by_watch])
+        hung, silent = ({rank for view in views for rank in view[part]} for part in (0, 1))
+        self._ended_by_watch = (hung, silent)
         return "state", sync(self.state, DistComm(dist))
 
     def settle(self, before: Topology, failed: tuple[int, ...], phases: dict[str, float], leader: int | None) -> None:
@@ -519,14 +563,17 @@ class ScriptRecovery(Policy):
         change = MembershipChange(dist.rank, dist.world_size, before.world_size, failed,
                                   tuple(hosts_of(before, failed)), leader, phases)
         directory = self.records_dir()
+        (hung, silent), self._ended_by_watch = self._ended_by_watch, (set(), set())
+        cause = "hang" if hung & set(failed) else "silent_host" if silent & set(failed) else "process_failed"
         if dist.is_main and directory is not None:  # under launch: it learns of the host lost, as the trainer's
-            recoveries.record(directory, {"time": time.time(), "cause": "process_failed", "ranks_lost": list(failed),
+            recoveries.record(directory, {"time": time.time(), "cause": cause, "ranks_lost": list(failed),
                                           "hosts_lost": list(change.hosts_lost), "world_before": before.world_size,
                                           "world_after": dist.world_size, "phases": phases})
         if dist.is_main:
             synced = "the same on every survivor" if leader is None else f"from rank {leader}"
-            log.warning("in-job recovery: ranks %s on %s failed; %d ranks go on (state %s; agree and shrink %.3f s, "
+            log.warning("in-job recovery: ranks %s on %s %s; %d ranks go on (state %s; agree and shrink %.3f s, "
                         "process group %.3f s, state sync %.3f s)", list(failed), ", ".join(change.hosts_lost),
+                        {"hang": "hung and were ended", "silent_host": "went silent"}.get(cause, "failed"),
                         change.world_size, synced, phases["agree_and_shrink"], phases["process_group"],
                         phases["state"])
         self.engine.say_reduced(len(self.changes) == 0)
@@ -559,7 +606,8 @@ class ScriptRecovery(Policy):
         return self.job.command
 
     def pause_watch(self) -> None:
-        pass
+        if self.watchdog is not None:
+            self.watchdog.suspend()
 
     def follow_watch(self, dist: Dist) -> None:
         self.after_rebind(dist)
@@ -738,6 +786,8 @@ class Manager:
         from mpiddp.errors import LostAfterFinish
         from mpiddp.elastic.membership import members_lost
 
+        if self.recovery is not None:
+            self.recovery.finished()
         try:
             dist.wait_for_all()
         except Exception as exc:

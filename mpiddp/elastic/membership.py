@@ -116,6 +116,7 @@ class Membership:
         self._graveyard: list[ProcessGroup] = []  # old process groups: never destroyed (see _retire_default_group)
         self.endpoint: tuple[str, int] | None = None  # the store's (address, port) after a recovery
         self.waiting_since: float | None = None  # time.time() when this rank last began waiting on a collective
+        self._waiting_from: float | None = None  # time.monotonic() while it waits in `wait` or `all_completed`
         # the communicators this process holds that span the first job and a spawned one (mpiddp.elastic.spawning):
         # a joined rank's parent and merged ones, a survivor's spawn's; release frees them
         self.spanning = spanning if spanning is not None else SpanningComms()
@@ -182,11 +183,24 @@ class Membership:
             group.Free()
         return tuple(sorted(r for r in ranks if r != self._mpi.UNDEFINED))
 
+    def waited_s(self) -> float | None:
+        """How long this rank has been waiting on the others in `wait` or `all_completed` (a step's all-reduce, a
+        commit's agreement), None while it is not: a script's hang clock (mpiddp.job.watchdog, `waited`)."""
+        began = self._waiting_from
+        return None if began is None else time.monotonic() - began
+
     def wait(self, work: Work) -> None:
         """Wait for a torch work (from `async_op=True`) to complete; raise MembersLost when MPI reports a failed
         member first. The torch error of a collective whose peer died becomes MembersLost once MPI confirms it."""
-        pause = 0.00002
         self.waiting_since = time.time()
+        self._waiting_from = time.monotonic()
+        try:
+            self._wait(work)
+        finally:
+            self._waiting_from = None
+
+    def _wait(self, work: Work) -> None:
+        pause = 0.00002
         while not work.is_completed():
             lost = self.failed()
             if lost is not None:
@@ -226,6 +240,7 @@ class Membership:
         """Collective over the members, fault tolerant and uniform (MPI_Comm_agree): True on every member when
         each says it `completed` its part and none failed; False on every survivor alike otherwise (then they
         recover together)."""
+        self._waiting_from = time.monotonic()
         try:
             return bool(self.comm.Agree(1 if completed else 0))
         except self._mpi.Exception as exc:
@@ -235,6 +250,8 @@ class Membership:
             if self._lost is None:
                 self._lost = time.time()
             return False
+        finally:
+            self._waiting_from = None
 
     # -- recovering --
 

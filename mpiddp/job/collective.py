@@ -381,9 +381,9 @@ class Dist:
                        rendezvous=rendezvous, num_threads=num_threads)
 
     def rebind(self, topology: Topology, transport: Transport, rendezvous: Rendezvous | None) -> None:
-        """In-job recovery only: this Dist now means the survivors' job, its new rank,
-        communicator and store. The one mutation of a Dist: everything that holds it (the loop, the save hook, the
-        failure guard) follows the new world without being handed a new object."""
+        """In-job recovery (and `mpiddp run` handing its Dist the store it opened): this Dist now means the
+        survivors' job, its new rank, communicator and store. The one mutation of a Dist: everything that holds it
+        (the loop, the save hook, the failure guard) follows the new world without being handed a new object."""
         object.__setattr__(self, "topology", topology)
         object.__setattr__(self, "transport", transport)
         if rendezvous is not None:

@@ -194,6 +194,11 @@ class DistSettings:
                                      help="torch CPU threads per rank (default: OMP_NUM_THREADS if set, else a fair share)")
 
 
+# A script's hang watchdog (`run --hang-timeout`, `mpiddp.init(hang_timeout_s=...)`) watches its waits on the others
+# only, in collectives the script started itself: it must fire before torch's own timeout ends them (NCCL's: 600 s).
+SCRIPT_HANG_TIMEOUT_S = 300.0
+
+
 def check_address(settings: DistSettings) -> None:
     """The rule on --master-addr that every command offering it shares."""
     if settings.master_addr is not None and not settings.master_addr.strip():

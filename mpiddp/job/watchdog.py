@@ -98,13 +98,18 @@ class Watchdog(Watcher):
         self.judged: set[str] = set()  # hosts rank 0 found quiet and probed (each once)
         self.cut_hosts: set[str] = set()  # hosts this rank cut its connections to
         self.silenced: set[int] = set()  # ranks of this world on the hosts cut off (the recovery's cause)
+        # A script's watchdog: how long this rank has waited on the others in a watched collective (None while it
+        # does not wait). Its hang clock runs only then, as a script's own phases (an evaluation, a save) are
+        # unknown to mpiddp: a rank is hung when a peer keeps it waiting, never for being busy itself.
+        self.waited: Callable[[], float | None] | None = None
 
     @classmethod
     def for_job(cls, timeout_s: float, dist: Dist, run_dir: Path | None = None, exclude_hung: bool = False,
-                watch_hosts: bool = False) -> Watchdog:
+                watch_hosts: bool = False, waited: Callable[[], float | None] | None = None) -> Watchdog:
         """A watchdog on this rank's one connection to the rendezvous store (none when it is turned off);
         `exclude_hung`: under in-job recovery, a hung rank is ended rather than the job; `watch_hosts`: a silent
-        host is cut off (in-job recovery where the runtime survives a lost host: contract.HOST_RELAYS_ENV)."""
+        host is cut off (in-job recovery where the runtime survives a lost host: contract.HOST_RELAYS_ENV);
+        `waited`: a script's (see the attribute)."""
         store = None
         if timeout_s > 0:
             assert dist.rendezvous is not None, "the watchdog starts inside the process group"
@@ -114,6 +119,7 @@ class Watchdog(Watcher):
         watchdog = cls(timeout_s, dist.rank, dist.world_size, dist.label, store, dist.abort_from_thread, host_of_rank,
                        records_dir(topo.failure_file, run_dir), run_dir, nccl_trace if dist.backend == "nccl" else None)
         watchdog.exclude_hung = exclude_hung
+        watchdog.waited = waited
         if watch_hosts and watchdog.active:
             watchdog.watch_hosts()
         return watchdog
@@ -161,6 +167,20 @@ class Watchdog(Watcher):
         """Where in the step this rank is now (one of STEP_PHASES): not progress, the clock keeps running."""
         self.phase = phase
 
+    def idle_s(self) -> float:
+        """The hang clock: seconds since the last progress; a script's, seconds waited on the others (`waited`)."""
+        since_beat = time.monotonic() - self.last_beat  # `resumed` moves the beat past a stand-still
+        if self.waited is None:
+            return since_beat
+        waited = self.waited()
+        return 0.0 if waited is None else min(waited, since_beat)
+
+    def where(self) -> str:
+        """This rank's phase: a script's is "communication" while it waits on the others, else "compute"."""
+        if self.waited is None:
+            return self.phase
+        return "communication" if self.waited() is not None else "compute"
+
     @property
     def progressed(self) -> bool:
         """Whether this job has done anything since it started (a step, a save, an evaluation)."""
@@ -181,7 +201,7 @@ class Watchdog(Watcher):
     def follow(self, dist: Dist, run_dir: Path | None = None) -> None:
         """In-job recovery ended: watch again, on the survivors' new store, under this rank's new number."""
         fresh = Watchdog.for_job(self.timeout_s, dist, run_dir or self.run_dir, self.exclude_hung,
-                                 watch_hosts=bool(self.addresses))
+                                 watch_hosts=bool(self.addresses), waited=self.waited)
         self.stopped.set()  # the old thread ends at its next wake-up (it holds the old event)
         self.interval, self.host_of_rank, self.failure_dir = fresh.interval, fresh.host_of_rank, fresh.failure_dir
         self.rank, self.world_size, self.label, self.store = fresh.rank, fresh.world_size, fresh.label, fresh.store
@@ -209,7 +229,7 @@ class Watchdog(Watcher):
         # A record that stops being refreshed: the rank's process is stopped or gone. Freshness is read off one
         # counter in the store that every publish advances, never off wall clocks, which differ across hosts.
         tick = self.advance_clock()
-        record = {"phase": self.phase, "step": self.step, "idle_s": round(time.monotonic() - self.last_beat, 1),
+        record = {"phase": self.where(), "step": self.step, "idle_s": round(self.idle_s(), 1),
                   "tick": tick, "pid": os.getpid()}
         self.put_progress({**record, "addresses": self.addresses} if self.addresses else record)
         self.own_ticks.append(tick)
@@ -227,7 +247,7 @@ class Watchdog(Watcher):
         if self.rank_0_pid is None and self.rank != 0:
             self.rank_0_pid = self.pid_of(0)
         asked = not self.answered and self.hang_requested()
-        if time.monotonic() - self.last_beat > self.timeout_s:
+        if self.idle_s() > self.timeout_s:
             return self._fire
         if asked:  # another rank's watchdog fired: give it this rank's stacks and dump, and keep watching
             self._answer()
@@ -350,9 +370,11 @@ class Watchdog(Watcher):
         self.answered = True
         try:
             self._dump_trace()  # before the stacks: the writer of the hang file waits for those
-            idle = time.monotonic() - self.last_beat
-            self.put_stacks(f"{self.label} (its own watchdog had not fired: asked for the hang report, {idle:.0f} s "
-                            f"after its last progress)\n{own_stacks()}")
+            idle = (f"waiting {self.idle_s():.0f} s on the others" if self.where() == "communication" else
+                    "not waiting on the others") if self.waited is not None else \
+                f"{time.monotonic() - self.last_beat:.0f} s after its last progress"
+            self.put_stacks(f"{self.label} (its own watchdog had not fired: asked for the hang report, {idle})\n"
+                            f"{own_stacks()}")
             self.count_stacks()
         except Exception:  # the store is gone: the job is ending anyway
             pass
@@ -360,9 +382,11 @@ class Watchdog(Watcher):
     def _fire(self) -> None:
         stopped = self.stopped  # set when in-job recovery follows the survivors' new store, or the job ends
         plan: dict[str, Any] | None = None
-        idle = time.monotonic() - self.last_beat
-        lines = [f"mpiddp: hang watchdog: {self.label} made no progress for {idle:.0f} s "
-                 f"(--hang-timeout {self.timeout_s:g}); it is in phase {self.phase!r} after step {self.step}"]
+        idle = self.idle_s()
+        stuck = (f"waited {idle:.0f} s on the other ranks in a collective" if self.waited is not None else
+                 f"made no progress for {idle:.0f} s")
+        lines = [f"mpiddp: hang watchdog: {self.label} {stuck} (--hang-timeout {self.timeout_s:g}); it is in phase "
+                 f"{self.where()!r} after step {self.step}"]
         stacks = own_stacks()
         first, progress, behind = False, {}, []
         hang_file = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt" if self.run_dir else None

@@ -21,7 +21,7 @@ from mpiddp.errors import ScriptExit
 from mpiddp.job.collective import Dist, Rendezvous, set_current
 from mpiddp.job.failfast import FailFast, flush_logs
 from mpiddp.job.finishwatch import FinishWatch
-from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV, DistSettings
+from mpiddp.job.flags import BACKENDS, DEVICES, MASTER_ADDR_ENV, SCRIPT_HANG_TIMEOUT_S, DistSettings
 
 if TYPE_CHECKING:
     from mpiddp.elastic.grow import LateJoin
@@ -48,6 +48,7 @@ class InitSettings:
 
     dist: DistSettings = field(default_factory=DistSettings)
     finish_timeout_s: float = 600.0
+    hang_timeout_s: float = SCRIPT_HANG_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.dist.device not in DEVICES:
@@ -58,6 +59,8 @@ class InitSettings:
             raise ValueError(f"collective_timeout_s must be positive, got {self.dist.collective_timeout_s}")
         if self.finish_timeout_s < 0:
             raise ValueError(f"finish_timeout_s must be 0 (wait forever) or positive, got {self.finish_timeout_s}")
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"hang_timeout_s must be 0 (off) or positive, got {self.hang_timeout_s}")
 
 
 _session: Session | None = None  # set by `mpiddp run` while the script runs
@@ -78,7 +81,7 @@ def detach() -> None:
 
 
 def init(device: str = "auto", backend: str = "auto", collective_timeout_s: float = 600.0,
-         finish_timeout_s: float = 600.0) -> Dist:
+         finish_timeout_s: float = 600.0, hang_timeout_s: float = SCRIPT_HANG_TIMEOUT_S) -> Dist:
     """Collective, on every rank: bootstrap the job once and start torch's default process group.
 
     device: "auto" (cuda:<local rank> when CUDA is available, else cpu), "cuda" or "cpu".
@@ -88,6 +91,8 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and friends.
     finish_timeout_s (plain mpirun; `mpiddp run` has --finish-timeout): seconds a rank may keep running after
     another rank's script ended before the job ends with its stacks (status 4); 0 waits forever.
+    hang_timeout_s (plain mpirun; `mpiddp run` has --hang-timeout): under in-job recovery, seconds a rank may wait on
+    the others in a step's all-reduce or agreement before the ranks behind are named and ended; 0: off.
     """
     global _initialised
     if _initialised is not None:
@@ -97,7 +102,8 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     from mpiddp.script import recovery
 
     settings = InitSettings(DistSettings(device, backend, master_addr=os.environ.get(MASTER_ADDR_ENV),
-                                         collective_timeout_s=collective_timeout_s), finish_timeout_s=finish_timeout_s)
+                                         collective_timeout_s=collective_timeout_s), finish_timeout_s=finish_timeout_s,
+                            hang_timeout_s=hang_timeout_s)
     session = _session or _bootstrap(settings)
     if session.joining is not None:  # a grow spawned this process: it joined, on the survivors' device and backend
         _initialised = session.dist
@@ -107,8 +113,8 @@ def init(device: str = "auto", backend: str = "auto", collective_timeout_s: floa
     set_current(_initialised)
     if _session is None:  # in-job recovery (mpiddp.run_recoverable) follows this bootstrap onto the survivors
         dists = [_initialised] if session.joining is not None else [_initialised, session.dist]
-        recovery.adopt(OwnJob(dists, session.guard, session.watch, collective_timeout_s,
-                                     [sys.executable, *sys.argv], session.joining))
+        recovery.adopt(OwnJob(dists, session.guard, session.watch, collective_timeout_s, settings.hang_timeout_s,
+                              [sys.executable, *sys.argv], session.joining))
     elif _initialised is not session.dist:  # under `mpiddp run`: its job, with the Dist the script holds first
         recovery.hold(_initialised)
     return _initialised

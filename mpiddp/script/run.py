@@ -31,11 +31,13 @@ from mpiddp.job import preflight
 from mpiddp.job.failfast import FailFast
 from mpiddp.job.finishwatch import FinishWatch
 from mpiddp.job.helper_signals import mark_helper_parent, prepare_forkserver
-from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, START_METHODS, DistSettings, check_address, check_declared,
-                              flag_fields, flat_values, option, parse_into, parser_for, section)
+from mpiddp.job.flags import (LOG_LEVELS, MASTER_ADDR_ENV, SCRIPT_HANG_TIMEOUT_S, START_METHODS, DistSettings,
+                              check_address, check_declared, flag_fields, flat_values, option, parse_into, parser_for,
+                              section)
 from mpiddp.job.topology import Topology
 
 if TYPE_CHECKING:
+    from mpiddp.elastic.api import OwnJob
     from mpiddp.elastic.grow import Arrival, LateJoin
     from mpiddp.job.collective import Dist
 
@@ -53,6 +55,11 @@ class RunConfig:
         600.0, "--finish-timeout", group=RUN, parse=float, at_least=0,
         help="seconds a rank may keep running after another rank's script finished before mpiddp shows where "
         "it is and ends the job (a rank that ends early leaves the others waiting in collectives); 0: wait forever")
+    hang_timeout_s: float = option(
+        SCRIPT_HANG_TIMEOUT_S, "--hang-timeout", group=RUN, parse=float, at_least=0,
+        help="under in-job recovery: seconds a rank may wait on the others in a step's all-reduce or agreement "
+        "before mpiddp names the ranks behind (every rank's stacks in a hang report) and ends them so that the "
+        "others go on; below torch's own collective timeout (NCCL's: 600 s); 0: off")
     log_level: str = option("info", "--log-level", group=RUN, choices=LOG_LEVELS, help="rank 0's level; others log warnings")
     start_method: str = option(
         "forkserver", "--start-method", group=RUN, choices=START_METHODS,
@@ -311,6 +318,7 @@ def main(args: list[str]) -> int:
 
 def run_script(argv: list[str], guard: FailFast) -> int:
     """Collective: bootstrap, run the target on every rank, wait for every rank to finish, tear down."""
+    from mpiddp.elastic.api import OwnJob
     from mpiddp.elastic.survivors import end_without_finalize, recovered_in_this_process
     from mpiddp.script import api, recovery
     from mpiddp.job.bootstrap import enable_flight_recorder, teardown
@@ -334,8 +342,8 @@ def run_script(argv: list[str], guard: FailFast) -> int:
     # a rank growing the job back has no store before it joins: its watch starts then (FinishWatch.follow)
     watch = (FinishWatch.for_job(cfg.finish_timeout_s, dist, rendezvous) if late is None else
              FinishWatch(cfg.finish_timeout_s, dist, None)).start()
-    offer_in_job_recovery(dist, guard, watch, cfg.dist.collective_timeout_s,
-                          [sys.executable, "-m", "mpiddp", RUN, *argv], late)
+    offer_in_job_recovery(OwnJob([dist], guard, watch, cfg.dist.collective_timeout_s, cfg.hang_timeout_s,
+                                 [sys.executable, "-m", "mpiddp", RUN, *argv], late))
     with default_start_method(cfg.start_method) as start_method, joined_process_group(late is not None), \
             stashed_objects_released():
         # The script's loader helpers die with this rank: a forkserver that outlived a SIGKILLed rank held mpirun's
@@ -418,20 +426,21 @@ def start_job(argv: list[str], guard: FailFast, arrival: Arrival | None,
         dist = guard.dist = late.stand_in(num_threads)
         assert dist.rendezvous is not None
         return dist, cfg, target, (dist.rendezvous, _Store(), num_threads), late
-    return dist, cfg, target, (*open_rendezvous(cfg.dist, dist, guard), num_threads), None
+    rendezvous, store = open_rendezvous(cfg.dist, dist, guard)
+    # the store on the Dist, as on init()'s: a recovery hands the survivors' to every watch (survivors.bind_topology)
+    dist.rebind(dist.topology, dist.transport, rendezvous)
+    return dist, cfg, target, (rendezvous, store, num_threads), None
 
 
-def offer_in_job_recovery(dist: Dist, guard: FailFast, watch: FinishWatch, collective_timeout_s: float,
-                          command: list[str], joining: LateJoin | None = None) -> None:
+def offer_in_job_recovery(job: OwnJob) -> None:
     """A script that uses mpiddp's wrappers (or run_recoverable) recovers in the job: the runner's guard and
-    finish watch follow the survivors (`command` starts a rank that grows the job back; `joining`: this rank is
-    one). Rank 0 says in one line whether that is on here, and if not, why."""
-    from mpiddp.elastic.api import OwnJob
+    finish watch follow the survivors (its `command` starts a rank that grows the job back; `joining`: this rank
+    is one). Rank 0 says in one line whether that is on here, and if not, why."""
     from mpiddp.elastic.membership import check_ulfm
     from mpiddp.script import recovery
 
-    recovery.adopt(OwnJob([dist], guard, watch, collective_timeout_s, command, joining))
-    if dist.is_main:  # a local log line, no collective
+    recovery.adopt(job)
+    if job.dists[0].is_main:  # a local log line, no collective
         log.info("%s", in_job_recovery_line(check_ulfm()))
 
 

@@ -270,13 +270,14 @@ def test_a_script_job_that_finishes_while_a_new_rank_runs_its_start_says_why_mpi
     grower.warming = warming([False], merged)
     waited = []
     manager = Manager()
-    manager.recovery = SimpleNamespace(grower=grower, members=None)
+    stopped = []  # the hang watchdog stops as the script ends, before the wait
+    manager.recovery = SimpleNamespace(grower=grower, members=None, finished=lambda: stopped.append(len(waited)))
     with caplog.at_level("WARNING", logger="mpiddp"):
         manager.wait_for_every_rank(SimpleNamespace(is_main=False, wait_for_all=lambda: waited.append(1)))
         manager.wait_for_every_rank(SimpleNamespace(is_main=True, wait_for_all=lambda: waited.append(0)))
         grower.warming = None
         manager.wait_for_every_rank(SimpleNamespace(is_main=True, wait_for_all=lambda: waited.append(0)))
-    assert waited == [1, 0, 0] and not merged.revoked
+    assert waited == [1, 0, 0] and stopped == [0, 1, 2] and not merged.revoked
     assert [r.getMessage() for r in caplog.records] == [
         "the job finished while the new ranks on noded still warm up (the script's start): they leave when they "
         "come to join, and mpirun ends then"]

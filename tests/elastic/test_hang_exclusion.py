@@ -303,3 +303,65 @@ def test_a_stopped_rank_0_whose_store_never_answers_is_ended_after_the_hang_time
     (hang_file,) = tmp_path.glob("hang-*.txt")
     assert "ranks behind: 0 on hosta" in hang_file.read_text()
     store.answering.set()  # the stopped request's thread ends
+
+
+def test_a_scripts_hang_clock_runs_only_while_its_rank_waits_on_the_others():
+    """A script's own phases are unknown to mpiddp: a rank busy for long (its own evaluation, a save) is no hang;
+    one kept waiting in a watched collective past the timeout is, and its record says it waits."""
+    store, aborted, waited = DictStore(), [], [None]
+    watchdog = Watchdog(1, 0, 2, "rank 0/2", store, aborted.append)
+    watchdog.waited = lambda: waited[0]
+    watchdog.beat("compute", 4)
+    watchdog.last_beat -= 100  # busy on its own since its last commit
+    assert (watchdog.idle_s(), watchdog.where()) == (0.0, "compute")
+    assert watchdog.poll() is None
+    waited[0] = 0.5
+    assert watchdog.poll() is None and watchdog.where() == "communication"
+    waited[0] = 2.0
+    assert watchdog.poll() == watchdog._fire  # the ending its thread runs
+    record = json.loads(store.get(storekeys.progress(0)))
+    assert (record["phase"], record["step"], record["idle_s"]) == ("communication", 4, 2.0)
+    watchdog.resumed(150)  # the whole process stood still meanwhile (SIGSTOP): that is not waiting on the others
+    assert watchdog.idle_s() < 0.5 and watchdog.poll() is None and aborted == []
+
+
+def test_of_two_ranks_at_one_commit_the_one_not_waiting_on_the_other_is_behind():
+    progress = {0: {"step": 4, "phase": "communication"}, 1: {"step": 4, "phase": "compute"},
+                2: {"step": 4, "phase": "communication"}}
+    assert watchdog_module.ranks_behind(progress, 3) == [1]
+
+
+def test_a_membership_says_how_long_its_rank_has_waited_only_while_it_waits():
+    """Membership.waited_s, the script's hang clock: set in the step's all-reduce wait and in the commit's
+    agreement, None again once either returns or raises."""
+    from types import SimpleNamespace
+
+    from mpiddp.elastic.membership import Membership
+
+    members = Membership.__new__(Membership)
+    members._waiting_from, members._lost, members.poll_s = None, None, 0.001
+    members._watch = SimpleNamespace(Test=lambda: False)  # no failure reported
+    seen = []
+
+    class Work:
+        def is_completed(self):
+            seen.append(members.waited_s())
+            return len(seen) > 2
+
+        def wait(self):
+            pass
+
+    assert members.waited_s() is None
+    members.wait(Work())
+    assert all(waited is not None and waited >= 0 for waited in seen) and members.waited_s() is None
+    members.comm = SimpleNamespace(Agree=lambda flag: seen.append(members.waited_s()) or flag)
+    assert members.all_completed(True) and seen[-1] is not None and members.waited_s() is None
+
+    def agree_raises(flag):
+        raise RuntimeError("not an MPI error")
+
+    members.comm = SimpleNamespace(Agree=agree_raises)
+    members._mpi = SimpleNamespace(Exception=KeyError)  # MPI's exception class: this RuntimeError is not one
+    with pytest.raises(RuntimeError):
+        members.all_completed(True)
+    assert members.waited_s() is None

@@ -3,6 +3,7 @@ in-job recovery tests, under `mpirun --with-ft ulfm ... python -m mpiddp run`.
 
 argv: OUT_DIR ITERATIONS [--accumulate K] [--kill RANK:ITERATION[:MICRO]] [--width N] [--plain] [--device cuda]
       [--batchnorm] [--kill-before-forward] [--commit late] [--kill-after-step RANK:ITERATION]
+      [--hang RANK:ITERATION:stop|block] [--busy ITERATION:SECONDS]
 The victim SIGKILLs itself in that iteration (and micro-batch), after its forward: its peers then wait for it in
 the gradient all-reduce (or, during accumulation, in the next one); with --kill-before-forward before it, so that
 with --batchnorm (a model with BatchNorm buffers, which DDP broadcasts from rank 0 before each forward) and rank 0
@@ -15,12 +16,17 @@ ranks; buffers: the sum of this rank's buffers).
 --kill-after-step: the victim ends itself once that iteration's optimizer step is taken (late commit: before the
 agreement on it), and each line's `start` is set. --plain: torch's DDP and the optimizer itself (what the wrappers
 cost, run/bench/steps.py); --width: the model's.
+--hang: the victim hangs in that iteration after its forward, its peers waiting for it in the gradient all-reduce:
+`stop` SIGSTOPs the whole process (it notes {hung: time} first), `block` blocks its main thread (its other threads,
+the hang watchdog's, run on). --busy: every rank computes on its own for that many seconds after that iteration's
+step (no collective: nobody waits on anybody).
 """
 
 import argparse
 import json
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -41,6 +47,8 @@ parser.add_argument("--batchnorm", action="store_true")
 parser.add_argument("--kill-before-forward", action="store_true")
 parser.add_argument("--kill-after-step", default="")
 parser.add_argument("--commit", default="strict")
+parser.add_argument("--hang", default="")
+parser.add_argument("--busy", default="")
 parser.add_argument("--second-model", choices=["own-optimizer", "shared-optimizer"],
                     help="a second wrapped model (a GAN's two, or one optimizer over both)")
 args = parser.parse_args()
@@ -61,6 +69,9 @@ else:
     ddp = mpiddp.DistributedDataParallel(model)
     optimizer = mpiddp.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), ddp, commit=args.commit)
 after_victim, after_at = map(int, args.kill_after_step.split(":")) if args.kill_after_step else (-1, -1)
+hung_rank, hung_at, hang_kind = (int(args.hang.split(":")[0]), int(args.hang.split(":")[1]),
+                                 args.hang.split(":")[2]) if args.hang else (-1, -1, "")
+busy_at, busy_s = (int(args.busy.split(":")[0]), float(args.busy.split(":")[1])) if args.busy else (-1, 0.0)
 second = second_ddp = second_optimizer = None
 if args.second_model:
     second = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)).to(args.device)
@@ -105,6 +116,11 @@ for iteration in range(args.iterations):
         if killed_here:
             note(killed=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
+        if last and start_rank == hung_rank and iteration == hung_at:
+            note(hung=time.time())
+            if hang_kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            threading.Event().wait()  # block: the main thread never goes on (the process's other threads do)
         if last:
             loss.backward()
         else:
@@ -117,6 +133,10 @@ for iteration in range(args.iterations):
         optimizer.steps += 1
     note(iteration=iteration, rank=dist.get_rank(), world=dist.get_world_size(), pid=os.getpid(),
          steps=optimizer.steps, skipped=optimizer.skipped, time=time.time(), start=start)
+    if iteration == busy_at:  # every rank busy on its own: a script's own phase, which no hang watch may mistake
+        until = time.monotonic() + busy_s
+        while time.monotonic() < until:
+            torch.randn(64, 64).sum()
     if start_rank == after_victim and iteration == after_at:
         note(killed=time.time())
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,74 @@
+"""A hung rank in a script under in-job recovery (`mpirun --with-ft ulfm ... python -m mpiddp run --hang-timeout 2`,
+the loop under mpiddp's step wrappers): the survivors, kept waiting in the gradient all-reduce, name the rank behind
+in a hang report, the rank on its host ends it, and they finish at the reduced size with the same model. A rank 0
+that stops takes its store with it: it is found by its store's silence. Every rank busy on its own (a script's own
+phase) for longer than the timeout is no hang. The watchdog's logic, in-process: tests/elastic/test_hang_exclusion.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from test_steps_e2e import ITERATIONS, PROGRAM, RANKS, lines_of, run_job, ulfm  # noqa: F401 (ulfm: a fixture)
+
+pytestmark = pytest.mark.mpi
+HANG_TIMEOUT_S = 2
+
+
+def finals_of(out: Path, survivors: list[int]) -> list[dict]:
+    """Each survivor's last line, once every iteration ran in the same process."""
+    finals = []
+    for rank in survivors:
+        lines = lines_of(out, rank)
+        steps = [line for line in lines if "iteration" in line]
+        assert [line["iteration"] for line in steps] == list(range(ITERATIONS)), lines  # the loop went on
+        assert len({line["pid"] for line in steps}) == 1
+        (final,) = [line for line in lines if line.get("done")]
+        finals.append(final)
+    return finals
+
+
+@pytest.mark.parametrize("hang", ["1:5:stop", "2:5:block", "0:5:stop"],
+                         ids=["a stopped rank", "a rank whose main thread blocks", "a stopped rank 0 with the store"])
+def test_a_hung_rank_is_named_and_ended_and_the_others_finish(tmp_path, hang):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = run_job(["--hang-timeout", str(HANG_TIMEOUT_S), str(PROGRAM), str(out), str(ITERATIONS), "--hang", hang],
+                  tmp_path)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-5000:]
+    victim = int(hang.split(":")[0])
+    assert "hung" in (out / f"rank{victim}.jsonl").read_text() and "done" not in (out / f"rank{victim}.jsonl").read_text()
+    finals = finals_of(out, [rank for rank in range(RANKS) if rank != victim])
+    assert {(final["steps"], final["skipped"]) for final in finals} == {(ITERATIONS - 1, 1)}, finals
+    assert len({final["checksum"] for final in finals}) == 1, finals  # the same model and momentum everywhere
+    assert re.search(rf"ending rank {victim} \(pid \d+\) on \S+ with SIGKILL: in-job recovery leaves it behind",
+                     output), output[-5000:]
+    # what rank 0 says of the recovery names the hang, whichever survivor's watchdog ended the rank
+    assert re.search(rf"in-job recovery: ranks \[{victim}\] on \S+ hung and were ended; 2 ranks go on", output), \
+        output[-5000:]
+    if victim == 0:  # its store went with it: the survivors found it by the store's silence
+        assert "rank 0's store (rank 0 on" in output and "stopped answering" in output, output[-5000:]
+        return
+    assert f"waited {HANG_TIMEOUT_S} s on the other ranks in a collective" in output, output[-5000:]
+    (report,) = tmp_path.glob("hang-*.txt")  # the directory the job started in: no launch run dir here
+    text = report.read_text()
+    assert re.search(rf"^ranks behind: {victim} on \S+$", text, re.MULTILINE), text
+    assert text.count("==== Python stacks of rank") >= 2, text  # the survivors' stacks at least
+    if hang.endswith("block"):  # its watchdog thread still answered: its own stacks show where it blocks
+        assert "steps_loop.py" in text.split(f"==== Python stacks of rank {victim}/")[1], text
+
+
+def test_every_rank_busy_on_its_own_for_longer_than_the_timeout_is_no_hang(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = run_job(["--hang-timeout", str(HANG_TIMEOUT_S), str(PROGRAM), str(out), str(ITERATIONS),
+                   "--busy", f"3:{3 * HANG_TIMEOUT_S}"], tmp_path)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-5000:]
+    finals = finals_of(out, list(range(RANKS)))
+    assert {(final["steps"], final["skipped"]) for final in finals} == {(ITERATIONS, 0)}, finals
+    assert "hang watchdog: a rank kept waiting 2 s on the others" in output  # it was on
+    assert not re.search(r"hang watchdog: rank \d", output) and not list(tmp_path.glob("hang-*.txt")), output[-5000:]
