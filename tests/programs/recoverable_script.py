@@ -8,7 +8,8 @@ MPIDDP_TEST_GLOBAL_BATCH) whatever the number of ranks: each rank takes its mpid
 samples (unevenly where the global batch does not split), its loss weighted by its share, so every number of ranks
 follows the same trajectory. The
 VICTIM rank (its rank at the start; -1: nobody), when it reaches step AT_STEP, writes OUT_DIR/victim (its pid) and
-waits, outside any collective, for the test's SIGKILL; its peers go on into that step's gradient all-reduce (WHERE
+waits, outside any collective, for the test's SIGKILL (or its peers' hang watchdogs', after
+MPIDDP_TEST_HANG_TIMEOUT s: init's hang_timeout_s); its peers go on into that step's gradient all-reduce (WHERE
 "step", the default) or, with WHERE "reduce", into the loss's MPI all-reduce (dist.reduce) after it, and wait there. Each rank writes OUT_DIR/pid.<start rank> when it starts and, if it finishes,
 OUT_DIR/final.<start rank>.json: its pid, start and final rank, world size, the step reached, its parameters and
 their digest, and the membership changes it saw.
@@ -34,7 +35,7 @@ def main() -> None:
     out, victim, at_step = Path(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4])
     steps, until_full = int(sys.argv[2].split("+")[0]), sys.argv[2].endswith("+full")
     where = sys.argv[5] if len(sys.argv) > 5 else "step"
-    dist = mpiddp.init(device="cpu")
+    dist = mpiddp.init(device="cpu", hang_timeout_s=float(os.environ.get("MPIDDP_TEST_HANG_TIMEOUT", "300")))
     mpiddp.setup_logging(dist)
     first_size, deadline = dist.world_size, time.monotonic() + 120
     full_again = {}  # (+full) the step where the job was back at its first size: 5 more steps at that size

@@ -2,15 +2,21 @@
 the loop under mpiddp's step wrappers): the survivors, kept waiting in the gradient all-reduce, name the rank behind
 in a hang report, the rank on its host ends it, and they finish at the reduced size with the same model. A rank 0
 that stops takes its store with it: it is found by its store's silence. Every rank busy on its own (a script's own
-phase) for longer than the timeout is no hang. The watchdog's logic, in-process: tests/elastic/test_hang_exclusion.py."""
+phase) for longer than the timeout is no hang. The same under `mpiddp.init(hang_timeout_s=2)` and run_recoverable
+(plain mpirun). The watchdog's logic, in-process: tests/elastic/test_hang_exclusion.py."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO, find_mpirun
+from test_leftovers import assert_nothing_left, marked_env
 from test_steps_e2e import ITERATIONS, PROGRAM, RANKS, lines_of, run_job, ulfm  # noqa: F401 (ulfm: a fixture)
 
 pytestmark = pytest.mark.mpi
@@ -72,3 +78,28 @@ def test_every_rank_busy_on_its_own_for_longer_than_the_timeout_is_no_hang(tmp_p
     assert {(final["steps"], final["skipped"]) for final in finals} == {(ITERATIONS, 0)}, finals
     assert "hang watchdog: a rank kept waiting 2 s on the others" in output  # it was on
     assert not re.search(r"hang watchdog: rank \d", output) and not list(tmp_path.glob("hang-*.txt")), output[-5000:]
+
+
+def test_a_run_recoverable_script_under_a_plain_mpirun_has_its_hung_rank_ended(tmp_path):
+    """mpiddp.init(hang_timeout_s=2), run_recoverable and watch_gradients: rank 1 stalls in its own loop at step 5
+    (no test kills it) while its peers wait in the gradient all-reduce; their watchdogs end it and they finish."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env, mark = marked_env(PYTHONPATH=str(REPO), MPIDDP_TEST_HANG_TIMEOUT=str(HANG_TIMEOUT_S))
+    command = [find_mpirun(), "--with-ft", "ulfm", "-np", "3", sys.executable,
+               str(REPO / "tests" / "programs" / "recoverable_script.py"), str(out), "12", "1", "5"]
+    try:
+        job = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=240)
+    finally:
+        assert_nothing_left(mark)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-5000:]
+    finals = {rank: json.loads((out / f"final.{rank}.json").read_text()) for rank in (0, 2)}
+    assert not (out / "final.1.json").exists()
+    assert {(final["step"], final["world_size"]) for final in finals.values()} == {(12, 2)}, finals
+    assert len({final["digest"] for final in finals.values()}) == 1, finals
+    assert [change["ranks_lost"] for change in finals[0]["changes"]] == [[1]], finals
+    assert re.search(r"in-job recovery: ranks \[1\] on \S+ hung and were ended; 2 ranks go on", output), output[-5000:]
+    (report,) = tmp_path.glob("hang-*.txt")
+    assert re.search(r"^ranks behind: 1 on \S+$", report.read_text(), re.MULTILINE), report.read_text()
