@@ -430,7 +430,7 @@ class ScriptRecovery(Policy):
     def finished(self) -> None:
         """This rank's script ended: no watched collective follows; the finish watch takes over."""
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.finish()
 
     def run(self, train: Callable[[State], T], state: State) -> T:
         """Collective: `train(state)`, run again on the survivors after each recovery and after each grow."""

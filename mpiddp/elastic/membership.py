@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -184,20 +185,29 @@ class Membership:
         return tuple(sorted(r for r in ranks if r != self._mpi.UNDEFINED))
 
     def waited_s(self) -> float | None:
-        """How long this rank has been waiting on the others in `wait` or `all_completed` (a step's all-reduce, a
-        commit's agreement), None while it is not: a script's hang clock (mpiddp.job.watchdog, `waited`)."""
+        """How long this rank has been waiting on the others in a watched collective (`wait`: a step's all-reduce;
+        `all_completed`: a commit's agreement; the WatchedTransport's MPI collectives), None while it is not: a
+        script's hang clock (mpiddp.job.watchdog, `waited`)."""
         began = self._waiting_from
         return None if began is None else time.monotonic() - began
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """This rank waits on the others meanwhile (waited_s); an inner wait leaves the outer one's start."""
+        began = self._waiting_from
+        if began is None:
+            self._waiting_from = time.monotonic()
+        try:
+            yield
+        finally:
+            self._waiting_from = began
 
     def wait(self, work: Work) -> None:
         """Wait for a torch work (from `async_op=True`) to complete; raise MembersLost when MPI reports a failed
         member first. The torch error of a collective whose peer died becomes MembersLost once MPI confirms it."""
         self.waiting_since = time.time()
-        self._waiting_from = time.monotonic()
-        try:
+        with self.waiting():
             self._wait(work)
-        finally:
-            self._waiting_from = None
 
     def _wait(self, work: Work) -> None:
         pause = 0.00002
@@ -240,7 +250,10 @@ class Membership:
         """Collective over the members, fault tolerant and uniform (MPI_Comm_agree): True on every member when
         each says it `completed` its part and none failed; False on every survivor alike otherwise (then they
         recover together)."""
-        self._waiting_from = time.monotonic()
+        with self.waiting():
+            return self._agree(completed)
+
+    def _agree(self, completed: bool) -> bool:
         try:
             return bool(self.comm.Agree(1 if completed else 0))
         except self._mpi.Exception as exc:
@@ -250,8 +263,6 @@ class Membership:
             if self._lost is None:
                 self._lost = time.time()
             return False
-        finally:
-            self._waiting_from = None
 
     # -- recovering --
 
@@ -539,26 +550,34 @@ class WatchedTransport(MpiTransport):
     def failed_ranks(self) -> tuple[int, ...]:
         return failed_ranks_of(self.comm)
 
+    # each one a wait on the others (Membership.waiting): MPI's collectives have no timeout of their own
     def allgather(self, value: T) -> list[T]:
-        return self._trusted(super().allgather(value))
+        with self.members.waiting():
+            return self._trusted(super().allgather(value))
 
     def gather(self, value: T) -> list[T] | None:
-        return self._trusted(super().gather(value))
+        with self.members.waiting():
+            return self._trusted(super().gather(value))
 
     def bcast(self, value: T) -> T:
-        return self._trusted(super().bcast(value))
+        with self.members.waiting():
+            return self._trusted(super().bcast(value))
 
     def scatter(self, values: list[T] | None) -> T:
-        return self._trusted(super().scatter(values))
+        with self.members.waiting():
+            return self._trusted(super().scatter(values))
 
     def allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
-        return self._trusted(super().allreduce(values, op))
+        with self.members.waiting():
+            return self._trusted(super().allreduce(values, op))
 
     def barrier(self) -> None:
-        self._trusted(super().barrier())
+        with self.members.waiting():
+            self._trusted(super().barrier())
 
     def idle_barrier(self, poll_s: float) -> None:
-        self._trusted(super().idle_barrier(poll_s))
+        with self.members.waiting():
+            self._trusted(super().idle_barrier(poll_s))
 
 
 

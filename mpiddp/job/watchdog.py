@@ -176,10 +176,23 @@ class Watchdog(Watcher):
         return 0.0 if waited is None else min(waited, since_beat)
 
     def where(self) -> str:
-        """This rank's phase: a script's is "communication" while it waits on the others, else "compute"."""
-        if self.waited is None:
+        """This rank's phase: a script's is "communication" while it waits on the others, else "compute" (or
+        "finished")."""
+        if self.waited is None or self.phase == "finished":
             return self.phase
         return "communication" if self.waited() is not None else "compute"
+
+    def finish(self) -> None:
+        """A script's rank ended its script: said in its record (a peer kept waiting for it is the finish watch's
+        case, or waits as --finish-timeout 0 asks), then the watch ends."""
+        self.phase = "finished"
+        if self.active and not self.recovering:
+            self._publish_now()
+        self.stop()
+
+    def _a_script_ended(self) -> bool:
+        """Whether a rank's record says its script ended (a script's watchdog asks before it fires)."""
+        return any(record.get("phase") == "finished" for record in self.progress_of_all().values())
 
     @property
     def progressed(self) -> bool:
@@ -247,7 +260,7 @@ class Watchdog(Watcher):
         if self.rank_0_pid is None and self.rank != 0:
             self.rank_0_pid = self.pid_of(0)
         asked = not self.answered and self.hang_requested()
-        if self.idle_s() > self.timeout_s:
+        if self.idle_s() > self.timeout_s and not (self.waited is not None and self._a_script_ended()):
             return self._fire
         if asked:  # another rank's watchdog fired: give it this rank's stacks and dump, and keep watching
             self._answer()
@@ -307,15 +320,20 @@ class Watchdog(Watcher):
         sys.stderr.flush()
         return {"host": host, "addresses": addresses, "ranks": ranks, "quiet_s": quiet_s}
 
+    def _kept_waiting(self) -> bool:
+        """Whether this rank is held up: always, for the trainer (its loop beats); a script's rank only once it has
+        waited on the others past the timeout (a rank 0 stopped while nobody waits on it holds no one up)."""
+        return self.waited is None or self.idle_s() > self.timeout_s
+
     def store_failed(self, exc: Exception) -> None:
-        if not self.recovering and STORE_UNANSWERED.search(str(exc)):
+        if not self.recovering and STORE_UNANSWERED.search(str(exc)) and self._kept_waiting():
             self._rank_0_hung(str(exc))
 
     def _store_mute(self) -> Ending | None:
         """A store request is still unanswered: rank 0 (which holds the store) is stopped or wedged once that has
         lasted --hang-timeout; until then (a slow answer under load) the watch goes on."""
         since = self.store.unanswered_since
-        if since is None or time.monotonic() - since < self.timeout_s:
+        if since is None or time.monotonic() - since < self.timeout_s or not self._kept_waiting():
             return None
         return lambda: self._rank_0_hung(f"not answered for {time.monotonic() - since:.0f} s")
 

@@ -3,6 +3,7 @@
 recovery, or when nothing ends it in time, the job ends as before. The end-to-end runs are in
 test_recovery_e2e.py (a peer on the host) and test_drill.py (launch)."""
 
+import contextlib
 import json
 import time
 import threading
@@ -186,21 +187,31 @@ def test_a_collective_returning_after_mpi_reported_a_failure_is_not_trusted(monk
             return 2
 
         def Allreduce(self, values, out, op):
+            inside.append(members.inside)
             out[:] = 12345.0  # what an aborted schedule left in the buffer
 
         def Get_failed(self):
             raise NotImplementedError  # (MpiTransport.failed_ranks: nothing known)
 
     class Members:
-        comm, _lost, lost = Comm(), 5.0, None
+        comm, _lost, lost, inside = Comm(), 5.0, None, False
 
         def failed(self):
             return self.lost
 
+        @contextlib.contextmanager
+        def waiting(self):  # a wait on the others: a script's hang clock runs
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+
     monkeypatch.setattr("mpi4py.util.pkl5.Intracomm", lambda comm: comm)  # a fake communicator
-    members = Members()
+    members, inside = Members(), []
     transport = WatchedTransport(members)
     assert transport.allreduce(np.zeros(2), "max").tolist() == [12345.0, 12345.0]  # no failure known: as before
+    assert inside == [True] and not members.inside  # MPI's collective waited under the hang clock, and no longer
     members.lost = (1,)
     with pytest.raises(MembersLost) as caught:
         transport.allreduce(np.zeros(2), "max")
@@ -365,3 +376,47 @@ def test_a_membership_says_how_long_its_rank_has_waited_only_while_it_waits():
     with pytest.raises(RuntimeError):
         members.all_completed(True)
     assert members.waited_s() is None
+
+
+def test_a_scripts_rank_0_stopped_while_nobody_waits_on_it_is_no_hang_until_someone_does(tmp_path, ended):
+    """Found by the outside review: rank 0 SIGSTOPped (its store mute) while every rank was busy on its own was
+    ended, and the job aborted. A script's rank names rank 0 only once it has waited on the others past the
+    timeout; then as before."""
+    store, aborted, waited = StoppedStore(), [], [None]
+    watchdogs = [Watchdog(1, rank, 3, f"rank {rank}/3", store, aborted.append, {0: "a", 1: "b", 2: "c"},
+                          tmp_path / failure.FAILURES_DIR, tmp_path) for rank in range(3)]
+    for each in watchdogs:
+        each.exclude_hung, each.waited = True, lambda: waited[0]
+        each._publish()
+    witness = watchdogs[1]
+    assert witness.poll() is None and witness.rank_0_pid is not None
+    store.answering.clear()  # rank 0 stopped
+    started = time.monotonic()
+    while time.monotonic() - started < 3 * witness.timeout_s:  # busy on its own: its rounds go on, nothing ends
+        round_ = threading.Thread(target=lambda: found.append(witness.poll()), daemon=True)
+        found = []
+        round_.start()
+        round_.join(witness.interval + 5)
+        assert found == [None]
+        time.sleep(witness.interval)  # the watcher's own pace between rounds
+    waited[0] = 2 * witness.timeout_s  # now it waits on rank 0 in a step's all-reduce: rank 0 is named
+    ending, _ = polled_until_an_ending(witness)
+    assert ending.__qualname__.startswith("Watchdog._store_mute") and aborted == [] and ended == []
+
+
+def test_a_scripts_rank_that_ended_its_script_is_left_to_the_finish_watch(tmp_path, ended):
+    """Found by the outside review: a rank whose script ended (its record then stale) was taken for hung and
+    ended while the others waited for it. Its last record says it finished: the others' watchdogs do not fire
+    (the finish watch names it, or they wait as --finish-timeout 0 asks)."""
+    store, aborted, waited = DictStore(), [], [None]
+    watchdogs = [Watchdog(1, rank, 2, f"rank {rank}/2", store, aborted.append, {0: "a", 1: "a"},
+                          tmp_path / failure.FAILURES_DIR, tmp_path) for rank in range(2)]
+    for each in watchdogs:
+        each.exclude_hung, each.waited = True, lambda: waited[0]
+        each._publish()
+    waited[0] = 5.0  # rank 0 waits for rank 1 in a collective, 5 s after its last commit
+    watchdogs[0].last_beat -= 5
+    assert watchdogs[0].poll() == watchdogs[0]._fire  # as it would for a hung rank 1
+    watchdogs[1].finish()
+    assert json.loads(store.get(storekeys.progress(1)))["phase"] == "finished" and watchdogs[1].stopped.is_set()
+    assert watchdogs[0].poll() is None and aborted == [] and ended == []

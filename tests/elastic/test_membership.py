@@ -86,7 +86,7 @@ def watching(reports: list[tuple[int, ...] | None]) -> Membership:
     """A Membership without MPI whose failure watch answers `reports` in turn (then the last one forever)."""
     members = Membership.__new__(Membership)
     members.poll_s = 0.0
-    members._lost = None
+    members._lost, members._waiting_from = None, None
     answers = iter(reports)
     last: list[tuple[int, ...] | None] = [None]
 

@@ -80,14 +80,16 @@ def test_every_rank_busy_on_its_own_for_longer_than_the_timeout_is_no_hang(tmp_p
     assert not re.search(r"hang watchdog: rank \d", output) and not list(tmp_path.glob("hang-*.txt")), output[-5000:]
 
 
-def test_a_run_recoverable_script_under_a_plain_mpirun_has_its_hung_rank_ended(tmp_path):
+@pytest.mark.parametrize("where", ["step", "reduce"])
+def test_a_run_recoverable_script_under_a_plain_mpirun_has_its_hung_rank_ended(tmp_path, where):
     """mpiddp.init(hang_timeout_s=2), run_recoverable and watch_gradients: rank 1 stalls in its own loop at step 5
-    (no test kills it) while its peers wait in the gradient all-reduce; their watchdogs end it and they finish."""
+    (no test kills it) while its peers wait in the gradient all-reduce, or in the script's dist.reduce (an MPI
+    collective, which has no timeout of its own); their watchdogs end it and they finish."""
     out = tmp_path / "out"
     out.mkdir()
     env, mark = marked_env(PYTHONPATH=str(REPO), MPIDDP_TEST_HANG_TIMEOUT=str(HANG_TIMEOUT_S))
     command = [find_mpirun(), "--with-ft", "ulfm", "-np", "3", sys.executable,
-               str(REPO / "tests" / "programs" / "recoverable_script.py"), str(out), "12", "1", "5"]
+               str(REPO / "tests" / "programs" / "recoverable_script.py"), str(out), "12", "1", "5", where]
     try:
         job = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                              text=True, timeout=240)
