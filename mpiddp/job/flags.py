@@ -108,6 +108,8 @@ def check_field(spec: dataclasses.Field, value: Any) -> None:
     choices, at_least = spec.metadata["choices"], spec.metadata["at_least"]
     if choices and value not in choices:
         raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+    if isinstance(value, float) and value != value:  # NaN passes every comparison: a timeout of nan is no timeout
+        raise ValueError(f"{flag} must be a number, got {value}")
     if at_least is not None and value is not None and value < at_least:
         raise ValueError(f"{flag} must be at least {at_least:g}, got {value}")
 

@@ -59,7 +59,7 @@ class InitSettings:
             raise ValueError(f"collective_timeout_s must be positive, got {self.dist.collective_timeout_s}")
         if self.finish_timeout_s < 0:
             raise ValueError(f"finish_timeout_s must be 0 (wait forever) or positive, got {self.finish_timeout_s}")
-        if self.hang_timeout_s < 0:
+        if not self.hang_timeout_s >= 0:  # NaN too: it would turn the watchdog off
             raise ValueError(f"hang_timeout_s must be 0 (off) or positive, got {self.hang_timeout_s}")
 
 

@@ -34,6 +34,9 @@ def test_run_options_parse_and_validate():
     assert parse_run_args(["--finish-timeout", "0"]) == RunConfig(finish_timeout_s=0.0)
     with pytest.raises(ConfigError, match="--finish-timeout must be at least 0"):
         parse_run_args(["--finish-timeout", "-1"])
+    assert parse_run_args(["--hang-timeout", "30"]).hang_timeout_s == 30.0 and RunConfig().hang_timeout_s == 300.0
+    with pytest.raises(ConfigError, match="--hang-timeout must be a number, got nan"):  # nan would turn it off
+        parse_run_args(["--hang-timeout", "nan"])
     with pytest.raises(HelpRequested, match="--finish-timeout"):
         parse_run_args(split_argv(["--help"])[0])
 

@@ -143,5 +143,8 @@ def test_the_network_settings_are_declared_once_for_training_run_and_init():
         assert training[name] is declared[name] and run[name][0] is declared[name]  # the same field, not a copy
     assert run["master_addr"][1]["help"] != declared["master_addr"].metadata["help"]  # run's own wording
     assert isinstance(api.InitSettings().dist, DistSettings)
+    for wrong in (-1.0, float("nan")):  # init's hang_timeout_s: NaN would turn the watchdog off unsaid
+        with pytest.raises(ValueError, match="hang_timeout_s must be 0 \\(off\\) or positive"):
+            api.InitSettings(hang_timeout_s=wrong)
     assert not [name for name, value in vars(bootstrap).items()
                 if inspect.isclass(value) and value.__module__ == bootstrap.__name__ and name.endswith("Settings")]
