@@ -196,3 +196,13 @@ def solo_group():
         tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     yield
     tdist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_job_ender_left():
+    """An Engine built in-process installs how a helper thread ends the whole job (MPI_Abort over its fake
+    members' communicator: mpiddp.job.collective.set_end_everyone): never left for a later test."""
+    yield
+    from mpiddp.job.collective import set_end_everyone
+
+    set_end_everyone(None)

@@ -19,7 +19,8 @@ from mpiddp.elastic.membership import (MembersLost, Membership, RecoveryFailed, 
                                        mpi_error_of)
 from mpiddp.elastic.survivors import bind_topology, mark_recovered, shrunk_topology, unless_end_decided
 from mpiddp.errors import PeersLost
-from mpiddp.job.collective import Dist, MpiTransport
+from mpiddp.job.abort import abort_within
+from mpiddp.job.collective import Dist, MpiTransport, set_end_everyone
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +128,10 @@ class Engine(Generic[OutcomeT]):
         self.policy = policy
         self.lost_in: Topology | None = None  # during a recovery: the world its lost ranks are numbered in
         policy.engine, policy.members, policy.dists = self, members, dists
+        # a watch that ends the job from its thread (the finish watch, a hang's fallback) must end every rank: this
+        # rank's exit alone would be a failure the others recover from (seen: a finish watch's end of the job
+        # started a recovery on another rank that a finished rank never joined, and the job hung)
+        set_end_everyone(lambda code: abort_within(members.comm, code))
 
     @classmethod
     def enable(cls, dists: list[Dist], collective_timeout_s: float, min_world_size: int | None,

@@ -119,6 +119,18 @@ def set_failed_ranks_query(query: FailedRanksQuery | None) -> None:
     _failed_ranks_query = query
 
 
+# How a helper thread ends the whole job where this rank's own exit would not: under in-job recovery MPI's fault
+# tolerance takes one rank's exit for a failure the others recover from (the elastic engine installs an MPI_Abort
+# over the job's communicator); None: the exit ends the job (the launcher ends every other rank).
+_end_everyone: Callable[[int], None] | None = None
+
+
+def set_end_everyone(end: Callable[[int], None] | None) -> None:
+    """Install how Dist.abort_from_thread ends every rank of the job before this process exits (see above)."""
+    global _end_everyone
+    _end_everyone = end
+
+
 class MpiTransport:
     """An MPI communicator (COMM_WORLD): pickled objects for values, buffers for numbers."""
 
@@ -484,10 +496,13 @@ class Dist:
     def abort_from_thread(self, code: int) -> NoReturn:
         """The same from a helper thread (watchdogs). MPI was initialised FUNNELED, so only the main thread may
         call MPI: this process exits with `code` instead, and the launcher ends every other rank of the job (where
-        hot spares wait, MPI_Abort ends them too: mpiddp.job.spares.abort_with_spares)."""
+        hot spares wait, MPI_Abort ends them too: mpiddp.job.spares.abort_with_spares; under in-job recovery, where
+        this exit alone would be a failure the others recover from, the MPI_Abort set_end_everyone installed)."""
         flush_logs()
         sys.stderr.flush()
         abort_with_spares(code)
+        if _end_everyone is not None:  # MPI_Abort from a helper thread ends every process (measured: spares.py)
+            _end_everyone(code)
         os._exit(code)
 
 

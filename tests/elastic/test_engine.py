@@ -320,3 +320,22 @@ def test_a_second_failure_with_a_long_message_is_said_by_its_first_line_in_whole
         engine.recover(MembersLost((1,), time.time()))
     assert "a second failure during recovery (gloo: connection reset by peer)" in str(raised.value)
     assert "a.cpp" not in str(raised.value)
+
+
+def test_under_in_job_recovery_a_helper_threads_end_of_the_job_aborts_every_rank(job, monkeypatch):
+    """Found by the outside review: a watch that ends the job from its thread (the finish watch, a hang's fallback)
+    only exited its own process, which MPI's fault tolerance takes for a failure to recover from: another rank began
+    a recovery that a finished rank never joined, and the job hung. With an engine, the thread's end is an MPI_Abort
+    over the job's communicator of the moment, with the status given, before the process's own exit."""
+    from mpiddp.job import collective
+
+    aborted, exited = [], []
+    monkeypatch.setattr(engine_module, "abort_within", lambda comm, code: aborted.append((comm, code)))
+    monkeypatch.setattr(collective.os, "_exit", exited.append)
+    dist = collective.solo_dist()
+    dist.abort_from_thread(4)
+    assert (aborted, exited) == ([], [4])  # no engine: this exit ends the job (the launcher ends the others)
+    _, _, members = job(Policy())
+    members.comm = "the shrunk communicator"  # the one of the moment, read when the job ends
+    dist.abort_from_thread(4)
+    assert (aborted, exited) == ([("the shrunk communicator", 4)], [4, 4])

@@ -3,7 +3,7 @@ in-job recovery tests, under `mpirun --with-ft ulfm ... python -m mpiddp run`.
 
 argv: OUT_DIR ITERATIONS [--accumulate K] [--kill RANK:ITERATION[:MICRO]] [--width N] [--plain] [--device cuda]
       [--batchnorm] [--kill-before-forward] [--commit late] [--kill-after-step RANK:ITERATION]
-      [--hang RANK:ITERATION:stop|block] [--busy ITERATION:SECONDS]
+      [--hang RANK:ITERATION:stop|block] [--busy ITERATION:SECONDS] [--early RANK:ITERATION]
 The victim SIGKILLs itself in that iteration (and micro-batch), after its forward: its peers then wait for it in
 the gradient all-reduce (or, during accumulation, in the next one); with --kill-before-forward before it, so that
 with --batchnorm (a model with BatchNorm buffers, which DDP broadcasts from rank 0 before each forward) and rank 0
@@ -19,7 +19,8 @@ cost, run/bench/steps.py); --width: the model's.
 --hang: the victim hangs in that iteration after its forward, its peers waiting for it in the gradient all-reduce:
 `stop` SIGSTOPs the whole process (it notes {hung: time} first), `block` blocks its main thread (its other threads,
 the hang watchdog's, run on). --busy: every rank computes on its own for that many seconds after that iteration's
-step (no collective: nobody waits on anybody).
+step (no collective: nobody waits on anybody). --early: that rank's loop ends after that iteration (its script then
+ends as usual) while the others' go on into the next one and wait for it.
 """
 
 import argparse
@@ -49,6 +50,7 @@ parser.add_argument("--kill-after-step", default="")
 parser.add_argument("--commit", default="strict")
 parser.add_argument("--hang", default="")
 parser.add_argument("--busy", default="")
+parser.add_argument("--early", default="")
 parser.add_argument("--second-model", choices=["own-optimizer", "shared-optimizer"],
                     help="a second wrapped model (a GAN's two, or one optimizer over both)")
 args = parser.parse_args()
@@ -72,6 +74,7 @@ after_victim, after_at = map(int, args.kill_after_step.split(":")) if args.kill_
 hung_rank, hung_at, hang_kind = (int(args.hang.split(":")[0]), int(args.hang.split(":")[1]),
                                  args.hang.split(":")[2]) if args.hang else (-1, -1, "")
 busy_at, busy_s = (int(args.busy.split(":")[0]), float(args.busy.split(":")[1])) if args.busy else (-1, 0.0)
+early_rank, early_at = map(int, args.early.split(":")) if args.early else (-1, -1)
 second = second_ddp = second_optimizer = None
 if args.second_model:
     second = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)).to(args.device)
@@ -137,6 +140,8 @@ for iteration in range(args.iterations):
         until = time.monotonic() + busy_s
         while time.monotonic() < until:
             torch.randn(64, 64).sum()
+    if start_rank == early_rank and iteration == early_at:
+        break
     if start_rank == after_victim and iteration == after_at:
         note(killed=time.time())
         os.kill(os.getpid(), signal.SIGKILL)

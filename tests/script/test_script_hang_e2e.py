@@ -105,3 +105,19 @@ def test_a_run_recoverable_script_under_a_plain_mpirun_has_its_hung_rank_ended(t
     assert re.search(r"in-job recovery: ranks \[1\] on \S+ hung and were ended; 2 ranks go on", output), output[-5000:]
     (report,) = tmp_path.glob("hang-*.txt")
     assert re.search(r"^ranks behind: 1 on \S+$", report.read_text(), re.MULTILINE), report.read_text()
+
+
+def test_a_rank_whose_script_ends_while_the_others_wait_for_it_ends_the_job_once(tmp_path):
+    """Rank 1's loop ends early (its script then ends as usual) while ranks 0 and 2 wait for it in the next
+    all-reduce. It is no hang (its last record says it finished): the finish watch names it and ends the job with
+    status 4 through MPI_Abort. Found by the outside review: the finish watch's own exit, under MPI's fault
+    tolerance, was a failure the other waiting rank began to recover from, and the job could hang."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = run_job(["--hang-timeout", str(HANG_TIMEOUT_S), "--finish-timeout", "3", str(PROGRAM), str(out),
+                   str(ITERATIONS), "--early", "1:3"], tmp_path, timeout=120)
+    output = job.stdout + job.stderr
+    assert job.returncode == 4, output[-5000:]
+    assert "after the script finished on rank(s) 1 (--finish-timeout 3)" in output, output[-5000:]
+    assert "hung and were ended" not in output and "goes on as rank" not in output, output[-5000:]
+    assert not list(tmp_path.glob("hang-*.txt"))
