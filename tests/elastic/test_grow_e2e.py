@@ -45,7 +45,7 @@ class GrowJob(Job):
                    sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
         self.start = lambda: self._start(hosts.command_on("nodea", command), env)
         self.start()
-        self.restarted = False
+        self.relaunches = 0
 
 
 @pytest.mark.parametrize("transport", ["gloo", "mpi"])

@@ -126,15 +126,16 @@ def hot_job(hosts, tmp_path, *flags: str, spares: int = 1, workers: str = "nodea
                        "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
             self.start = lambda: self._start(hosts.command_on("nodea", command), env)
             self.start()
-            self.restarted = False
+            self.relaunches = 0
 
     return HotJob()
 
 
 def test_a_job_whose_launcher_never_started_is_launched_once_more_even_where_only_its_end_is_awaited(tmp_path):
     """HotJob's (and GrowJob's) Job: Open MPI's start-up race on the fake hosts ("A daemon failed to report back",
-    status 213, nothing of mpiddp ran; seen in CI under load) launches the job once more also in `finish`, which a
-    job nobody waits on before its end goes straight to; a second such end, or one where a rank ran, stays."""
+    status 213, nothing of mpiddp ran; seen in CI under load) launches the job again (at most twice) also in
+    `finish`, which a job nobody waits on before its end goes straight to; a third such end, or one where a rank
+    ran, stays."""
     from test_recovery_e2e import Job
 
     race = "echo 'A daemon failed to report back after being spawned.'; exit 213"
@@ -142,13 +143,14 @@ def test_a_job_whose_launcher_never_started_is_launched_once_more_even_where_onl
     def finished(*launches: str) -> int:
         job, scripts = Job.__new__(Job), iter(launches)
         env, job.mark = marked_env()
-        job.log, job.restarted = tmp_path / "job.log", False
+        job.log, job.relaunches = tmp_path / "job.log", 0
         job.start = lambda: job._start(["sh", "-c", next(scripts)], env)
         job.start()
         return job.finish(timeout=60)
 
     assert finished(race, "echo trained; exit 0") == 0
-    assert finished(race, race) == 213  # once only
+    assert finished(race, race, "echo trained; exit 0") == 0  # it struck twice in a row once, in CI
+    assert finished(race, race, race) == 213  # STARTUP_RACE_RETRIES times only
     assert finished(f"echo 'mpiddp: rank 0 ...'; {race}", "exit 0") == 213  # a rank ran: not the launcher's race
     assert finished("exit 3", "exit 0") == 3
 

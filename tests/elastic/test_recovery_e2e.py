@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, find_mpirun, launcher_never_started, rank_pids
+from conftest import REPO, STARTUP_RACE_RETRIES, find_mpirun, launcher_never_started, rank_pids
 from mpiddp import recoveries
 from fakehosts import FakeHosts, running_fake_hosts
 from test_leftovers import assert_nothing_left, marked_env, where_they_wait
@@ -58,7 +58,7 @@ class Job:
                    sys.executable, "-m", "mpiddp", "--run-dir", str(self.run_dir), *JOB, *flags]
         self.start = lambda: self._start(hosts.command_on("nodea", command), env)
         self.start()
-        self.restarted = False
+        self.relaunches = 0
 
     def _start(self, command: list[str], env: dict[str, str]) -> None:
         with self.log.open("w") as out:
@@ -70,10 +70,12 @@ class Job:
 
     def launched_again(self) -> bool:
         """Whether the launcher ended in Open MPI's start-up race before any rank ran (conftest's
-        launcher_never_started), and so was launched again: once a job, by whichever of wait_for and finish sees it."""
-        if self.restarted or self.process.poll() in (None, 0) or not launcher_never_started(self.output()):
+        launcher_never_started), and so was launched again: at most STARTUP_RACE_RETRIES times a job, by whichever
+        of wait_for and finish sees it."""
+        if (self.relaunches >= STARTUP_RACE_RETRIES or self.process.poll() in (None, 0)
+                or not launcher_never_started(self.output())):
             return False
-        self.restarted = True
+        self.relaunches += 1
         self.start()
         return True
 
@@ -105,7 +107,9 @@ class Job:
     def finish(self, timeout: float = 240) -> int:
         try:
             status = self.process.wait(timeout=timeout)
-            return self.process.wait(timeout=timeout) if self.launched_again() else status
+            while self.launched_again():
+                status = self.process.wait(timeout=timeout)
+            return status
         except subprocess.TimeoutExpired:
             waiting = where_they_wait(self.mark)  # before the SIGTERM changes it
             self.process.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, find_mpirun, launcher_never_started
+from conftest import REPO, STARTUP_RACE_RETRIES, find_mpirun, launcher_never_started
 from fakehosts import FakeHosts, running_fake_hosts
 from test_leftovers import assert_nothing_left, marked_env
 from test_recovery_e2e import _ulfm_missing
@@ -50,7 +50,7 @@ class Script:
             find_mpirun(), *hosts.openmpi_args(), *(["--with-ft", "ulfm"] if ft else []), "-np", "3", "-H", HOSTS,
             sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP), where]
         self.command, self.env = hosts.command_on("nodea", command_line), env
-        self.restarted = False  # Open MPI's start-up race, before any rank ran, is met by one launch more
+        self.relaunches = 0  # Open MPI's start-up race, before any rank ran, is met by launches more
         self._start()
 
     def _start(self) -> None:
@@ -77,17 +77,19 @@ class Script:
         return {rank: int((self.out / f"pid.{rank}").read_text()) for rank in range(3)}
 
     def _launched_again(self) -> bool:
-        """Launched once more where the launcher ended in Open MPI's start-up race (nothing of mpiddp ran)."""
-        if self.restarted or self.process.returncode == 0 or not launcher_never_started(self.output()):
+        """Launched once more where the launcher ended in Open MPI's start-up race (nothing of mpiddp ran), at most
+        STARTUP_RACE_RETRIES times."""
+        if (self.relaunches >= STARTUP_RACE_RETRIES or self.process.returncode == 0
+                or not launcher_never_started(self.output())):
             return False
-        self.restarted = True
+        self.relaunches += 1
         self._start()
         return True
 
     def finish(self, timeout: float = 240) -> int:
         try:
             status = self.process.wait(timeout=timeout)
-            if status != 0 and self._launched_again():  # a job awaited only at its end meets the race here
+            while status != 0 and self._launched_again():  # a job awaited only at its end meets the race here
                 status = self.process.wait(timeout=timeout)
             return status
         except subprocess.TimeoutExpired:
