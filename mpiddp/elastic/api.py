@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar
 
-from mpiddp.elastic.decide import furthest, grow_record, script_refusal
+from mpiddp.elastic.decide import furthest, grow_record, recovery_cause, script_refusal
 from mpiddp.elastic.engine import Comm, DistComm, Engine, Policy, refused
 from mpiddp.elastic.grow import GrowBack, say_grown
 from mpiddp.elastic.membership import MembersLost, check_ulfm, nccl_abort_available
@@ -564,7 +564,7 @@ class ScriptRecovery(Policy):
                                   tuple(hosts_of(before, failed)), leader, phases)
         directory = self.records_dir()
         (hung, silent), self._ended_by_watch = self._ended_by_watch, (set(), set())
-        cause = "hang" if hung & set(failed) else "silent_host" if silent & set(failed) else "process_failed"
+        cause = recovery_cause(failed, hung, silent)
         if dist.is_main and directory is not None:  # under launch: it learns of the host lost, as the trainer's
             recoveries.record(directory, {"time": time.time(), "cause": cause, "ranks_lost": list(failed),
                                           "hosts_lost": list(change.hosts_lost), "world_before": before.world_size,

@@ -126,6 +126,13 @@ def old_group_plan(backend: str, can_abort: bool) -> str:
 
 # ---- who goes on, and from whose state --------------------------------------------------------------------------
 
+def recovery_cause(failed: Iterable[int], hung: set[int], silent: set[int]) -> str:
+    """A recovery's cause on record: "hang" where the hang watchdog ended a failed rank, "silent_host" where it cut
+    one off with its host, else "process_failed"."""
+    lost = set(failed)
+    return "hang" if hung & lost else "silent_host" if silent & lost else "process_failed"
+
+
 def survivors(old_size: int, failed: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """Old ranks that are left, in the order of their new ranks (Shrink keeps the old order)."""
     gone = set(failed)

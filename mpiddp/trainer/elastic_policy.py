@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mpiddp import recoveries
 from mpiddp.elastic.decide import Resplit, StepTimes, failure_refusal, job_refusal, nccl_errors_env, resplit
-from mpiddp.elastic.decide import split_for_growth, stand_still
+from mpiddp.elastic.decide import recovery_cause, split_for_growth, stand_still
 from mpiddp.elastic.engine import DistComm, Engine, Policy, from_furthest, refused
 from mpiddp.elastic.grow import GrowBack, say_grown
 from mpiddp.elastic.membership import CONFIRM_S, MembersLost, check_ulfm, members_lost, nccl_abort_available
@@ -266,7 +266,7 @@ class TrainerPolicy(Policy[Resumed]):
         unless_end_decided(directory, failed)  # decided during the shrink: nothing goes on record
         self.records.append({
             "time": time.time(),  # launch weighs it against the failure records' times (the end decided before it?)
-            "cause": "hang" if hung & set(failed) else "silent_host" if silent & set(failed) else "process_failed",
+            "cause": recovery_cause(failed, hung, silent),
             "ranks_lost": list(failed), "hosts_lost": hosts, "step": step,
             "steps_lost": (1 if in_step and not caught_up else 0) + self._undone,
             "world_before": before.world_size, "world_after": dist.world_size, "phases": phases,
