@@ -71,6 +71,9 @@ OPENMPI_DAEMON_LOST = re.compile(r"lost communication with a remote daemon.*?Rem
 SSH_UNREACHABLE = re.compile(r"ssh: connect to host (\S+?) port|ssh: Could not resolve hostname (\S+?):"
                              r"|unable to connect from \S+ to \"?([^\s\"]+)\"?|Task launch for \S+ failed on node (\S+?):"
                              r"|mpiddp agent: could not reach (\S+?):")  # launch's own agent wrapper (relay.py)
+# launch's own line on a host whose daemon came up and ended before every rank started (relay.ENDED_BEFORE_START):
+# under the relay layout mpirun says nothing and waits for it, so launch ended the attempt (supervisor)
+ENDED_BEFORE_START = re.compile(r"mpiddp launch: the daemon on (\S+) ended before the job started")
 # An exception about a lost peer or a collective that timed out waiting for one: the rank that raised it is a
 # witness, not the culprit (gloo, NCCL, MPI, plain sockets)
 LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"
@@ -295,6 +298,11 @@ def diagnose(status: int, record: FailureRecord | list[FailureRecord] | None, ou
     if lost:
         return Failure("unreachable", status, (), lost, f"the launcher could not reach {', '.join(lost)}", step,
                        "launcher output", **evidence)
+    ended = tuple(dict.fromkeys(match.group(1) for match in ENDED_BEFORE_START.finditer(output)))
+    if ended:
+        return Failure("unreachable", status, (), ended, f"the daemon on {', '.join(ended)} ended before the job "
+                       "started (the host went down, or Open MPI's start-up failed there)", step, "launcher output",
+                       **evidence)
     silent = tuple(dict.fromkeys(match.group(1) for match in OPENMPI_DAEMON_LOST.finditer(output)))
     if silent:
         return Failure("unreachable", status, (), silent, f"the launcher lost {', '.join(silent)} while the job ran "

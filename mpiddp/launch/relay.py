@@ -43,6 +43,11 @@ HOSTFILE = "mpiddp-hostfile"
 # daemon, whose output mpirun does not pass on (it exits 255 and says nothing), so launch reads this file instead
 AGENT_FAILURES = "mpiddp-agent-failures"
 UNREACHED = "mpiddp agent: could not reach {host}: {why}"  # one line per host, in AGENT_FAILURES and on stderr
+# The wrapper's account of the hosts whose connection ended after it came up (a line each: HOST STATUS): at the job's
+# end, a host lost mid-run, or a daemon that ended as the job started. That last one hangs: its relay carries on
+# and mpirun waits for the daemon's ranks forever; launch reads this file to end such an attempt (started_without)
+AGENT_ENDED = "mpiddp-agent-ended"
+ENDED_BEFORE_START = "the daemon on {host} ended before the job started"  # launch's evidence line (diagnose reads it)
 RADIX_PARAM = "rml_base_radix"
 RELAYS_FLAG = "--host-crash-relays"  # on for a script under `run` too (training: on by default)
 NO_RELAYS_FLAG = "--no-host-crash-relays"  # off: a crashed host ends the job and launch relaunches it
@@ -115,11 +120,11 @@ def decide_layout(recovery_on: bool, launcher: str, flavour: str, version: str, 
                              "failure)", count)
 
 
-def agent_script(agent: Sequence[str], failures: Path, python: str = sys.executable) -> str:
-    """The wrapper's text: this python running run_agent over the user's agent."""
+def agent_script(agent: Sequence[str], folder: Path, python: str = sys.executable) -> str:
+    """The wrapper's text: this python running run_agent over the user's agent, its accounts going into `folder`."""
     package = str(Path(__file__).resolve().parents[2])
     return (f"#!{python}\nimport sys\nsys.path.insert(0, {package!r})\nfrom mpiddp.launch.relay import run_agent\n"
-            f"sys.exit(run_agent({list(agent)!r}, sys.argv[1:], {str(failures.resolve())!r}))\n")
+            f"sys.exit(run_agent({list(agent)!r}, sys.argv[1:], {str(folder.resolve())!r}))\n")
 
 
 def write_layout(folder: Path, agent: Sequence[str], launch_host: str, hosts: Sequence[Host],
@@ -127,8 +132,9 @@ def write_layout(folder: Path, agent: Sequence[str], launch_host: str, hosts: Se
     """Write the hostfile and the agent wrapper into `folder`; the launcher arguments that use them."""
     hostfile, wrapper = folder / HOSTFILE, folder / AGENT_FILE
     hostfile.write_text(hostfile_text(launch_host, hosts, count))
-    (folder / AGENT_FAILURES).unlink(missing_ok=True)  # an earlier attempt's hosts do not explain this one
-    wrapper.write_text(agent_script(agent, folder / AGENT_FAILURES))
+    for name in (AGENT_FAILURES, AGENT_ENDED):  # an earlier attempt's hosts do not explain this one
+        (folder / name).unlink(missing_ok=True)
+    wrapper.write_text(agent_script(agent, folder))
     wrapper.chmod(0o755)
     return ("--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", str(wrapper), "--prtemca", RADIX_PARAM,
             str(count))
@@ -136,7 +142,7 @@ def write_layout(folder: Path, agent: Sequence[str], launch_host: str, hosts: Se
 
 def remove_layout(folder: Path) -> None:
     """The layout's files in `folder`, gone (launch's records moved to the job's run dir)."""
-    for name in (HOSTFILE, AGENT_FILE, AGENT_FAILURES):
+    for name in (HOSTFILE, AGENT_FILE, AGENT_FAILURES, AGENT_ENDED):
         (folder / name).unlink(missing_ok=True)
 
 
@@ -157,9 +163,10 @@ def marked_args(args: Sequence[str]) -> list[str]:
     return [*args[:at + 1], f"echo {MARKER};", *args[at + 1:]]
 
 
-def run_agent(agent: Sequence[str], args: Sequence[str], failures: str | None = None) -> int:
+def run_agent(agent: Sequence[str], args: Sequence[str], folder: str | None = None) -> int:
     """The agent wrapper: PRRTE runs it as `WRAPPER [options] HOST COMMAND...`. A host it could not reach (the
-    agent ended, not 0, before the marker came back) goes into `failures` with the agent's last line."""
+    agent ended, not 0, before the marker came back) goes into `folder`'s AGENT_FAILURES with the agent's last line;
+    a host whose connection came up and then ended, into its AGENT_ENDED."""
     local = relay_command(args)
     if local is not None:
         os.execv(local[0], local)
@@ -177,8 +184,10 @@ def run_agent(agent: Sequence[str], args: Sequence[str], failures: str | None = 
         sys.stdout.buffer.flush()
     status = child.wait()
     passing.join(5)
-    if not connected and status != 0:
-        _record_unreached(failures, host_of(args), status, said)
+    if connected:
+        _append(folder, AGENT_ENDED, f"{host_of(args)} {status}")
+    elif status != 0:
+        _record_unreached(folder, host_of(args), status, said)
     return 0 if connected else (status if status >= 0 else 128 - status)
 
 
@@ -195,17 +204,23 @@ def host_of(args: Sequence[str]) -> str:
     return next((arg for arg in args if not arg.startswith("-")), "?")
 
 
-def _record_unreached(failures: str | None, host: str, status: int, said: list[bytes]) -> None:
+def _record_unreached(folder: str | None, host: str, status: int, said: list[bytes]) -> None:
     last = next((line.decode(errors="replace").strip() for line in reversed(said) if line.strip()), "")
     why = f"the agent exited {status} before the host's daemon started" + (f" ({last})" if last else "")
     line = UNREACHED.format(host=host, why=why)
     sys.stderr.write(line + "\n")
-    if failures is not None:
-        try:
-            with open(failures, "a") as out:  # one short line per host: appends of this size do not interleave
-                out.write(line + "\n")
-        except OSError:
-            pass
+    _append(folder, AGENT_FAILURES, line)
+
+
+def _append(folder: str | None, name: str, line: str) -> None:
+    """One short line onto `folder`/`name` (appends of this size from several wrappers do not interleave)."""
+    if folder is None:
+        return
+    try:
+        with open(os.path.join(folder, name), "a") as out:
+            out.write(line + "\n")
+    except OSError:
+        pass
 
 
 def agent_failures(folder: Path) -> str:
@@ -214,6 +229,15 @@ def agent_failures(folder: Path) -> str:
         return (folder / AGENT_FAILURES).read_text()
     except OSError:
         return ""
+
+
+def hosts_ended(folder: Path) -> list[str]:
+    """The hosts whose connection came up and then ended in this attempt (AGENT_ENDED), each once, in order."""
+    try:
+        lines = (folder / AGENT_ENDED).read_text().splitlines()
+    except OSError:
+        return []
+    return list(dict.fromkeys(line.split()[0] for line in lines if line.strip()))
 
 
 def without_agent(extra: Sequence[str]) -> list[str]:

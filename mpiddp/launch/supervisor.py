@@ -38,8 +38,8 @@ from mpiddp.launch.diagnose import (CRASH_TAKES_S, EXIT_STOPPED, Failure, Output
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
-from mpiddp.launch.relay import (NO_RELAYS, RelayLayout, agent_failures, decide_layout, remove_layout, without_agent,
-                                 write_layout)
+from mpiddp.launch.relay import (ENDED_BEFORE_START, NO_RELAYS, RelayLayout, agent_failures, decide_layout, hosts_ended,
+                                 remove_layout, without_agent, write_layout)
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
@@ -53,7 +53,9 @@ RELAY_DRAIN_S = 10.0
 # unwatched run forever.
 FINISHED_LINGER_S = 60.0
 # The same after a job that lost a host in the job (its records say which): Open MPI's mpirun then waits for that
-# host's ranks forever, so it is ended once it had a moment to end by itself.
+# host's ranks forever, so it is ended once it had a moment to end by itself. Also how long a daemon may have
+# ended before the job started (no placement yet) until launch ends the attempt: under the relay layout its relay
+# carries on and mpirun waits for that host's ranks forever (started_without)
 LOST_HOST_LINGER_S = 5.0
 RELAY_POLL_S = 0.1  # how often a relay looks for new output
 # A stop (SIGTERM, SIGUSR1, Ctrl-C) lets the ranks save a snapshot; a job still running this long after it (a rank
@@ -222,6 +224,7 @@ class Supervisor:
         self.earlier, self.launch = earlier_launches(plan.run_dir)
         self.num_ranks = plan.num_ranks  # the next attempt's: fewer after a shrink (--min-np)
         self.ended_after_loss = False  # launch ended a launcher that waited for a lost host's ranks
+        self.started_without = ""  # launch's lines on the hosts whose daemon ended before the job started
 
     @property
     def child_stop(self) -> signal.Signals:
@@ -392,11 +395,12 @@ class Supervisor:
         # Under the relays a host the job lost was lost whole (its daemon too): mpirun waits for its ranks forever,
         # and nothing is left there to end. Elsewhere a lost rank's host keeps its daemon, which may need ending.
         lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
+        lost_at_start = self._ended_before_start if layout_args else list
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number),
-                                          lambda: self._end_accounted(attempt), lost_whole)
+                                          lambda: self._end_accounted(attempt), lost_whole, lost_at_start)
         if layout_args:  # a host the agent could not reach: mpirun says nothing of it under the relays
-            output += agent_failures(self.plan.run_dir)
+            output += agent_failures(self.plan.run_dir) + self.started_without
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
             lost = lost_whole()  # a crashed host would not answer
             end_daemons(host_agent(self.plan.extra, self.env),
@@ -475,6 +479,13 @@ class Supervisor:
         mark = failure.spawning(self.failure_file) if attempt.in_job_recovery else None
         return mark is not None and any((r.time or 0) >= mark[1] for r in failure.read_all(self.failure_file))
 
+    def _ended_before_start(self) -> list[str]:
+        """Under the relay layout: the hosts whose daemon's connection came up and ended before the job started
+        (rank 0 writes the placement once every rank came through MPI's start-up; the attempt cleared the last)."""
+        if failure.read_placement(self.failure_file) is not None:
+            return []
+        return hosts_ended(self.plan.run_dir)
+
     def _job_run_dir(self) -> Path:
         """Where training writes its outputs: the run dir its job record names, else launch's own."""
         record = read_job_record(self.plan.run_dir / JOB_RECORD_FILE)
@@ -524,11 +535,13 @@ class Supervisor:
 
     def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path],
                 marked: Callable[[], str] = lambda: "",
-                lost: Callable[[], list[str]] = list) -> tuple[int, str]:
+                lost: Callable[[], list[str]] = list,
+                lost_at_start: Callable[[], list[str]] = list) -> tuple[int, str]:
         """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
         until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (what marked it, or
         ""; LOST_HOST_LINGER_S
-        when the job's records say it `lost` a host: the launcher waits for that host's ranks; then it is ended);
+        when the job's records say it `lost` a host: the launcher waits for that host's ranks; then it is ended),
+        or LOST_HOST_LINGER_S after hosts were `lost_at_start` (self.started_without says which);
         then kill what is left of its session, so nothing of the attempt stays.
         (launcher's status, the last lines of its output)."""
         tail = OutputKeeper(OUTPUT_TAIL_LINES)  # evidence lines wherever they appear, and the last lines
@@ -538,7 +551,7 @@ class Supervisor:
         for relay in relays:
             relay.start()
         self.ended_after_loss = False
-        status = _wait_unless_lingering(child, marked, lost, self._stop_overdue)
+        status, self.started_without = _wait_unless_lingering(child, marked, lost, self._stop_overdue, lost_at_start)
         self.ended_after_loss = status == -signal.SIGKILL and bool(lost()) and bool(marked())
         end_session(child.pid)
         done.set()  # the relays read to the end of what was written, then stop
@@ -679,21 +692,34 @@ def stop_grace(env: dict[str, str]) -> float:
 
 
 def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], str],
-                           lost: Callable[[], list[str]] = list, overdue: Callable[[], bool] = lambda: False) -> int:
-    """The launcher's status once it exits; if it is still running FINISHED_LINGER_S after the job `marked` its end
-    (what marked it, or "": a grown rank or Open MPI's launcher that never exits), SIGKILL its session and return
-    its -9. After a job whose records say it `lost` a host in the job (Open MPI's mpirun waits for that host's ranks
-    forever), after LOST_HOST_LINGER_S. Once `overdue` (a stop's grace ran out), SIGKILL its session at once."""
-    mark_seen: float | None = None
+                           lost: Callable[[], list[str]] = list, overdue: Callable[[], bool] = lambda: False,
+                           lost_at_start: Callable[[], list[str]] = list) -> tuple[int, str]:
+    """(the launcher's status once it exits, the evidence lines launch added: "" or ENDED_BEFORE_START's). If it is
+    still running FINISHED_LINGER_S after the job `marked` its end (what marked it, or "": a grown rank or Open MPI's
+    launcher that never exits), SIGKILL its session: its -9. After a job whose records say it `lost` a host in the
+    job (Open MPI's mpirun waits for that host's ranks forever), after LOST_HOST_LINGER_S; the same after hosts
+    whose daemon ended before the job started (`lost_at_start`). Once `overdue` (a stop's grace ran out), at once."""
+    mark_seen = start_loss_seen = None
     what, hosts = "", []
     while True:
         try:
-            return child.wait(timeout=1.0)
+            return child.wait(timeout=1.0), ""
         except subprocess.TimeoutExpired:
             pass
         if overdue():
             end_session(child.pid)
-            return child.wait()
+            return child.wait(), ""
+        if start_loss_seen is None:
+            start_loss_seen = time.monotonic() if lost_at_start() else None
+        elif time.monotonic() - start_loss_seen > LOST_HOST_LINGER_S:
+            ended = lost_at_start()  # none now: the job started after all, and its own records tell the rest
+            start_loss_seen = None
+            if ended:
+                lines = [ENDED_BEFORE_START.format(host=host) for host in ended]
+                say(f"{'; '.join(lines)}: mpirun waits for its ranks forever under the relay layout; ending it")
+                evidence = "".join(f"mpiddp launch: {line}\n" for line in lines)
+                end_session(child.pid)
+                return child.wait(), evidence
         if mark_seen is None:
             what = marked()
             mark_seen = time.monotonic() if what else None
@@ -707,7 +733,7 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
             else:
                 say(f"the launcher still runs {FINISHED_LINGER_S:g} s after {what}: ending it")
             end_session(child.pid)
-            return child.wait()
+            return child.wait(), ""
 
 
 def end_session(session: int) -> None:

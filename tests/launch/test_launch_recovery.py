@@ -354,10 +354,43 @@ def test_a_launcher_without_the_mark_is_waited_for(tmp_path, monkeypatch):
     monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.0)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], start_new_session=True)
     try:
-        assert supervisor_module._wait_unless_lingering(child, lambda: "") == 0
+        assert supervisor_module._wait_unless_lingering(child, lambda: "") == (0, "")
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["never started", "started meanwhile"])
+def test_a_launcher_whose_host_daemon_ended_before_the_job_started_is_ended_naming_the_host(monkeypatch, capsys,
+                                                                                           started):
+    """Under the relay layout a daemon that came up and ended before every rank started (no placement yet) leaves
+    mpirun waiting for its ranks forever: launch ends the launcher LOST_HOST_LINGER_S later, with the line its
+    diagnosis reads (that host unreachable). A job that started meanwhile (its placement came) is left to its own
+    records."""
+    from mpiddp.launch.diagnose import diagnose
+
+    monkeypatch.setattr(supervisor_module, "LOST_HOST_LINGER_S", 0.5)
+    checks = []
+
+    def ended_before_start():
+        checks.append(1)
+        return [] if started and len(checks) > 1 else ["nodeb"]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(4)"], start_new_session=True)
+    try:
+        status, evidence = supervisor_module._wait_unless_lingering(child, lambda: "", lost_at_start=ended_before_start)
+    finally:
+        child.kill()
+        child.wait()
+    said = capsys.readouterr().err
+    if started:
+        assert (status, evidence, said) == (0, "", ""), said
+        return
+    assert status == -signal.SIGKILL and evidence == "mpiddp launch: the daemon on nodeb ended before the job started\n"
+    assert said == ("mpiddp launch: the daemon on nodeb ended before the job started: mpirun waits for its ranks "
+                    "forever under the relay layout; ending it\n")
+    found = diagnose(137, [], "launcher output\n" + evidence, 2)
+    assert (found.kind, found.hosts, found.ranks) == ("unreachable", ("nodeb",), ())
+    assert found.message.startswith("the daemon on nodeb ended before the job started")
 
 
 def test_a_script_under_run_keeps_the_relaunch_path(tmp_path):

@@ -14,6 +14,7 @@ from mpiddp.launch.relay import (
     agent_failures,
     decide_layout,
     hostfile_text,
+    hosts_ended,
     marked_args,
     num_relays,
     relay_command,
@@ -105,11 +106,18 @@ def test_the_wrapper_runs_a_relay_here_without_the_agent(wrapper):
     assert wrapper("mpiddp-relay0", "echo relayed; exit 4") == (4, "relayed\n", [])
 
 
-def test_a_connection_that_ended_after_it_came_up_is_reported_as_a_clean_end(wrapper):
+def test_a_connection_that_ended_after_it_came_up_is_reported_as_a_clean_end_and_recorded(wrapper, tmp_path):
     # the daemon's host crashed: ssh would exit 255; PRRTE must not take it for a daemon that failed to start
+    assert hosts_ended(tmp_path) == []
     status, out, calls = wrapper("nodeb", "echo from-nodeb; kill -KILL $$")
     assert (status, out, calls) == (0, "from-nodeb\n", ["nodeb"])  # the marker itself is not passed on
-    assert wrapper("nodeb", "exit 3")[0] == 0
+    assert wrapper("nodec", "exit 3")[0] == 0 and wrapper("nodeb", "exit 0")[0] == 0
+    # launch's account of the ended connections (it ends an attempt whose daemon ended before the job started)
+    assert hosts_ended(tmp_path) == ["nodeb", "nodec"]
+    assert (tmp_path / "mpiddp-agent-ended").read_text().split("\n")[:2] == ["nodeb -9", "nodec 3"]
+    assert agent_failures(tmp_path) == ""  # none of them failed to start
+    write_layout(tmp_path, ["agent"], "nodea", HOSTS, 2)  # the next attempt's layout
+    assert hosts_ended(tmp_path) == []
 
 
 def test_a_host_that_cannot_be_reached_still_fails_the_start_and_is_named_for_launch(wrapper, tmp_path):
@@ -121,6 +129,7 @@ def test_a_host_that_cannot_be_reached_still_fails_the_start_and_is_named_for_la
     assert agent_failures(tmp_path) == said and said in wrapper.stderr
     assert unreachable(agent_failures(tmp_path)) == ("down",)  # what launch's diagnosis reads
     assert wrapper("nodeb", "exit 3")[0] == 0 and agent_failures(tmp_path) == said  # a host reached: nothing
+    assert hosts_ended(tmp_path) == ["nodeb"]  # and the host that could not be reached never came up
 
 
 def test_launch_uses_the_layout_for_training_by_default_and_for_a_script_when_asked_saying_so_in_one_line(
