@@ -17,11 +17,11 @@ from mpiddp.launch.command import (LAUNCHERS, NO_RECOVERY_FLAG, InJobRecovery, c
 from mpiddp.launch.hosts import HostListError, discover, place
 from mpiddp.launch.relay import NO_RELAYS, NO_RELAYS_FLAG, RELAYS_FLAG, decide_layout
 from mpiddp.errors import EXIT_USER_ERROR, UserError
-from mpiddp.launch.supervisor import Plan, Supervisor, say
+from mpiddp.launch.supervisor import STARTUP_TIMEOUT_S, Plan, Supervisor, say
 from mpiddp.runname import DEFAULT_RUNS_ROOT, new_timestamped_dir
 
 USAGE = ("python -m mpiddp launch [--hostfile FILE | -H a:8,b:8] -np N [--max-restarts 3] [--min-np M] "
-         "[--host-strikes 1] [--exclude HOST,...] "
+         "[--host-strikes 1] [--exclude HOST,...] [--startup-timeout 600] "
          "[--launcher auto|mpirun|mpiexec|srun] [--no-in-job-recovery] [--[no-]host-crash-relays] "
          "-- TRAINING FLAGS | run SCRIPT ARGS")
 
@@ -46,6 +46,10 @@ def parser() -> argparse.ArgumentParser:
                    help="leave a host out on its N-th failure (default 1: at once); 2 tries it once more, "
                         "for an allocation with no spare host")
     p.add_argument("--exclude", default="", help="hosts never to use: HOST,HOST")
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="S",
+                   help=f"end an attempt whose ranks have not all come through MPI's start-up S seconds after it "
+                        f"started (a host's daemon or a rank stuck there), and relaunch it (default "
+                        f"{STARTUP_TIMEOUT_S:g}; 0 never)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                    help="auto: srun inside Slurm, else mpirun (Open MPI) or mpiexec (MPICH), judged by mpirun --version")
     p.add_argument("--launcher-path", help="the launcher program to run, e.g. /opt/mpich/bin/mpiexec (default: the one "
@@ -111,6 +115,9 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
     mode = "run" if job[0] == "run" else "train"
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.startup_timeout >= 0:  # NaN too
+        raise LaunchError(f"--startup-timeout must be >= 0 seconds (0 never ends a start-up), "
+                          f"got {args.startup_timeout}")
     if args.host_strikes < 1:
         raise LaunchError(f"--host-strikes must be >= 1 (1 leaves a failed host out at once), got {args.host_strikes}")
     hosts, source = discover(args.hostfile, args.host_option, env)
@@ -141,7 +148,8 @@ def make_plan(argv: list[str], env: Mapping[str, str]) -> Plan:
                 max_restarts=args.max_restarts, launcher=launcher, program=program, flavour=flavour,
                 extra=extra, min_np=args.min_np, host_strikes=args.host_strikes,
                 made_run_dir=not args.run_dir, in_job_recovery=recovery, relay_layout=layout,
-                node_loss_args=node_loss_args(launcher, flavour, version, extra))
+                node_loss_args=node_loss_args(launcher, flavour, version, extra),
+                startup_timeout_s=args.startup_timeout)
 
 
 def writable_run_dir(given: str | None) -> Path:

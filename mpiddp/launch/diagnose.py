@@ -71,9 +71,15 @@ OPENMPI_DAEMON_LOST = re.compile(r"lost communication with a remote daemon.*?Rem
 SSH_UNREACHABLE = re.compile(r"ssh: connect to host (\S+?) port|ssh: Could not resolve hostname (\S+?):"
                              r"|unable to connect from \S+ to \"?([^\s\"]+)\"?|Task launch for \S+ failed on node (\S+?):"
                              r"|mpiddp agent: could not reach (\S+?):")  # launch's own agent wrapper (relay.py)
-# launch's own line on a host whose daemon came up and ended before every rank started (relay.ENDED_BEFORE_START):
-# under the relay layout mpirun says nothing and waits for it, so launch ended the attempt (supervisor)
-ENDED_BEFORE_START = re.compile(r"mpiddp launch: the daemon on (\S+) ended before the job started")
+# launch's own lines where it ended an attempt whose job never started (Supervisor._not_started): a host whose
+# daemon came up and ended before every rank started (under the relay layout mpirun says nothing and waits for
+# it), or a start-up past --startup-timeout (a daemon or a rank stuck in it: nobody to blame)
+ENDED_BEFORE_START = "the daemon on {host} ended before the job started"
+STARTUP_OVERDUE = ("not every rank came through MPI's start-up within --startup-timeout {seconds:g} s (the job "
+                   "recorded no placement: a host's daemon or a rank stuck there, e.g. on a hung filesystem or a "
+                   "blocked port)")
+_ENDED_BEFORE_START = re.compile("mpiddp launch: " + ENDED_BEFORE_START.format(host=r"(\S+?)"))
+_STARTUP_OVERDUE = re.compile(r"mpiddp launch: not every rank came through MPI's start-up within .*")
 # An exception about a lost peer or a collective that timed out waiting for one: the rank that raised it is a
 # witness, not the culprit (gloo, NCCL, MPI, plain sockets)
 LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"
@@ -298,11 +304,15 @@ def diagnose(status: int, record: FailureRecord | list[FailureRecord] | None, ou
     if lost:
         return Failure("unreachable", status, (), lost, f"the launcher could not reach {', '.join(lost)}", step,
                        "launcher output", **evidence)
-    ended = tuple(dict.fromkeys(match.group(1) for match in ENDED_BEFORE_START.finditer(output)))
+    ended = tuple(dict.fromkeys(match.group(1) for match in _ENDED_BEFORE_START.finditer(output)))
     if ended:
         return Failure("unreachable", status, (), ended, f"the daemon on {', '.join(ended)} ended before the job "
                        "started (the host went down, or Open MPI's start-up failed there)", step, "launcher output",
                        **evidence)
+    overdue = _STARTUP_OVERDUE.search(output)
+    if overdue and found is None:
+        return Failure("hang", status, message=overdue.group(0).removeprefix("mpiddp launch: "),
+                       source="launcher output")
     silent = tuple(dict.fromkeys(match.group(1) for match in OPENMPI_DAEMON_LOST.finditer(output)))
     if silent:
         return Failure("unreachable", status, (), silent, f"the launcher lost {', '.join(silent)} while the job ran "

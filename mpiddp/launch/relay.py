@@ -47,7 +47,6 @@ UNREACHED = "mpiddp agent: could not reach {host}: {why}"  # one line per host, 
 # end, a host lost mid-run, or a daemon that ended as the job started. That last one hangs: its relay carries on
 # and mpirun waits for the daemon's ranks forever; launch reads this file to end such an attempt (started_without)
 AGENT_ENDED = "mpiddp-agent-ended"
-ENDED_BEFORE_START = "the daemon on {host} ended before the job started"  # launch's evidence line (diagnose reads it)
 RADIX_PARAM = "rml_base_radix"
 RELAYS_FLAG = "--host-crash-relays"  # on for a script under `run` too (training: on by default)
 NO_RELAYS_FLAG = "--no-host-crash-relays"  # off: a crashed host ends the job and launch relaunches it

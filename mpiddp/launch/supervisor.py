@@ -33,12 +33,12 @@ from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts, hot_spare_ranks
 from mpiddp.launch.ender import Ender, end_daemons, host_agent
-from mpiddp.launch.diagnose import (CRASH_TAKES_S, EXIT_STOPPED, Failure, OutputKeeper, after_spawn, diagnose,
-                                    during_spawn)
+from mpiddp.launch.diagnose import (CRASH_TAKES_S, ENDED_BEFORE_START, EXIT_STOPPED, STARTUP_OVERDUE, Failure,
+                                    OutputKeeper, after_spawn, diagnose, during_spawn)
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
-from mpiddp.launch.relay import (ENDED_BEFORE_START, NO_RELAYS, RelayLayout, agent_failures, decide_layout, hosts_ended,
+from mpiddp.launch.relay import (NO_RELAYS, RelayLayout, agent_failures, decide_layout, hosts_ended,
                                  remove_layout, without_agent, write_layout)
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -55,9 +55,13 @@ FINISHED_LINGER_S = 60.0
 # The same after a job that lost a host in the job (its records say which): Open MPI's mpirun then waits for that
 # host's ranks forever, so it is ended once it had a moment to end by itself. Also how long a daemon may have
 # ended before the job started (no placement yet) until launch ends the attempt: under the relay layout its relay
-# carries on and mpirun waits for that host's ranks forever (started_without)
+# carries on and mpirun waits for that host's ranks forever (Supervisor._not_started)
 LOST_HOST_LINGER_S = 5.0
 RELAY_POLL_S = 0.1  # how often a relay looks for new output
+# How long an attempt may run before every rank came through MPI's start-up (the job's placement: --startup-timeout,
+# 0 never): a daemon or a rank stuck there (a hung filesystem, a blocked port) holds mpirun forever, silently.
+# Python's imports from a shared filesystem at thousands of ranks take minutes; a stuck start never ends.
+STARTUP_TIMEOUT_S = 600.0
 # A stop (SIGTERM, SIGUSR1, Ctrl-C) lets the ranks save a snapshot; a job still running this long after it (a rank
 # stopped or wedged holds the others in the stop's collectives) is ended whole, as the third Ctrl-C ends it
 STOP_GRACE_S = 120.0
@@ -86,6 +90,7 @@ class Plan:
     in_job_recovery: InJobRecovery = InJobRecovery(False, "in-job recovery is off")  # decided once per launch
     node_loss_args: tuple[str, ...] = ()  # so a silent host ends the attempt in seconds (command.node_loss_args)
     relay_layout: RelayLayout = NO_RELAYS  # a crashed host recovered in the job (launch.relay), when asked for
+    startup_timeout_s: float = STARTUP_TIMEOUT_S  # an attempt whose job never started is ended after it (0: never)
 
 
 @dataclass
@@ -224,7 +229,8 @@ class Supervisor:
         self.earlier, self.launch = earlier_launches(plan.run_dir)
         self.num_ranks = plan.num_ranks  # the next attempt's: fewer after a shrink (--min-np)
         self.ended_after_loss = False  # launch ended a launcher that waited for a lost host's ranks
-        self.started_without = ""  # launch's lines on the hosts whose daemon ended before the job started
+        self.not_started = ""  # why launch ended an attempt whose job never started ("" when it did not)
+        self._ended_seen: float | None = None  # when a host's daemon was first seen ended before the job started
 
     @property
     def child_stop(self) -> signal.Signals:
@@ -395,12 +401,14 @@ class Supervisor:
         # Under the relays a host the job lost was lost whole (its daemon too): mpirun waits for its ranks forever,
         # and nothing is left there to end. Elsewhere a lost rank's host keeps its daemon, which may need ending.
         lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
-        lost_at_start = self._ended_before_start if layout_args else list
+        self._ended_seen = None
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number),
-                                          lambda: self._end_accounted(attempt), lost_whole, lost_at_start)
+                                          lambda: self._end_accounted(attempt), lost_whole,
+                                          lambda: self._not_started(attempt, bool(layout_args)))
         if layout_args:  # a host the agent could not reach: mpirun says nothing of it under the relays
-            output += agent_failures(self.plan.run_dir) + self.started_without
+            output += agent_failures(self.plan.run_dir)
+        output += f"mpiddp launch: {self.not_started}\n" if self.not_started else ""  # what diagnose reads
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
             lost = lost_whole()  # a crashed host would not answer
             end_daemons(host_agent(self.plan.extra, self.env),
@@ -479,12 +487,24 @@ class Supervisor:
         mark = failure.spawning(self.failure_file) if attempt.in_job_recovery else None
         return mark is not None and any((r.time or 0) >= mark[1] for r in failure.read_all(self.failure_file))
 
-    def _ended_before_start(self) -> list[str]:
-        """Under the relay layout: the hosts whose daemon's connection came up and ended before the job started
-        (rank 0 writes the placement once every rank came through MPI's start-up; the attempt cleared the last)."""
+    def _not_started(self, attempt: Attempt, relays: bool) -> str:
+        """While the job has recorded no placement (rank 0 writes it once every rank came through MPI's start-up;
+        the attempt cleared the last): why launch ends the attempt now, or "". Under the relay layout, hosts whose
+        daemon's connection came up and ended LOST_HOST_LINGER_S ago (their relay carries on: mpirun would wait for
+        their ranks forever); with any launcher, --startup-timeout passed since the attempt started."""
         if failure.read_placement(self.failure_file) is not None:
-            return []
-        return hosts_ended(self.plan.run_dir)
+            self._ended_seen = None
+            return ""
+        ended = hosts_ended(self.plan.run_dir) if relays else []
+        now = time.monotonic()
+        self._ended_seen = (self._ended_seen or now) if ended else None
+        if ended and now - self._ended_seen > LOST_HOST_LINGER_S:
+            return "; ".join(ENDED_BEFORE_START.format(host=host) for host in ended) + (
+                ": mpirun waits for its ranks forever under the relay layout")
+        timeout = self.plan.startup_timeout_s
+        if timeout and time.time() - attempt.started_at > timeout:
+            return STARTUP_OVERDUE.format(seconds=timeout)
+        return ""
 
     def _job_run_dir(self) -> Path:
         """Where training writes its outputs: the run dir its job record names, else launch's own."""
@@ -536,12 +556,12 @@ class Supervisor:
     def _follow(self, child: subprocess.Popen[bytes], paths: tuple[Path, Path],
                 marked: Callable[[], str] = lambda: "",
                 lost: Callable[[], list[str]] = list,
-                lost_at_start: Callable[[], list[str]] = list) -> tuple[int, str]:
+                not_started: Callable[[], str] = lambda: "") -> tuple[int, str]:
         """Pass the launcher's output on as it comes (both streams: Hydra prints which process died on stdout),
         until the launcher itself exits, or FINISHED_LINGER_S after the job `marked` its end (what marked it, or
         ""; LOST_HOST_LINGER_S
         when the job's records say it `lost` a host: the launcher waits for that host's ranks; then it is ended),
-        or LOST_HOST_LINGER_S after hosts were `lost_at_start` (self.started_without says which);
+        or at once when launch finds the job `not_started` (self.not_started says why);
         then kill what is left of its session, so nothing of the attempt stays.
         (launcher's status, the last lines of its output)."""
         tail = OutputKeeper(OUTPUT_TAIL_LINES)  # evidence lines wherever they appear, and the last lines
@@ -551,7 +571,7 @@ class Supervisor:
         for relay in relays:
             relay.start()
         self.ended_after_loss = False
-        status, self.started_without = _wait_unless_lingering(child, marked, lost, self._stop_overdue, lost_at_start)
+        status, self.not_started = _wait_unless_lingering(child, marked, lost, self._stop_overdue, not_started)
         self.ended_after_loss = status == -signal.SIGKILL and bool(lost()) and bool(marked())
         end_session(child.pid)
         done.set()  # the relays read to the end of what was written, then stop
@@ -693,13 +713,13 @@ def stop_grace(env: dict[str, str]) -> float:
 
 def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], str],
                            lost: Callable[[], list[str]] = list, overdue: Callable[[], bool] = lambda: False,
-                           lost_at_start: Callable[[], list[str]] = list) -> tuple[int, str]:
-    """(the launcher's status once it exits, the evidence lines launch added: "" or ENDED_BEFORE_START's). If it is
-    still running FINISHED_LINGER_S after the job `marked` its end (what marked it, or "": a grown rank or Open MPI's
+                           not_started: Callable[[], str] = lambda: "") -> tuple[int, str]:
+    """(the launcher's status once it exits, why launch ended a job that never started or ""). If it is still
+    running FINISHED_LINGER_S after the job `marked` its end (what marked it, or "": a grown rank or Open MPI's
     launcher that never exits), SIGKILL its session: its -9. After a job whose records say it `lost` a host in the
-    job (Open MPI's mpirun waits for that host's ranks forever), after LOST_HOST_LINGER_S; the same after hosts
-    whose daemon ended before the job started (`lost_at_start`). Once `overdue` (a stop's grace ran out), at once."""
-    mark_seen = start_loss_seen = None
+    job (Open MPI's mpirun waits for that host's ranks forever), after LOST_HOST_LINGER_S. At once where the job
+    is `not_started` (why, or ""), and once `overdue` (a stop's grace ran out)."""
+    mark_seen: float | None = None
     what, hosts = "", []
     while True:
         try:
@@ -709,17 +729,11 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
         if overdue():
             end_session(child.pid)
             return child.wait(), ""
-        if start_loss_seen is None:
-            start_loss_seen = time.monotonic() if lost_at_start() else None
-        elif time.monotonic() - start_loss_seen > LOST_HOST_LINGER_S:
-            ended = lost_at_start()  # none now: the job started after all, and its own records tell the rest
-            start_loss_seen = None
-            if ended:
-                lines = [ENDED_BEFORE_START.format(host=host) for host in ended]
-                say(f"{'; '.join(lines)}: mpirun waits for its ranks forever under the relay layout; ending it")
-                evidence = "".join(f"mpiddp launch: {line}\n" for line in lines)
-                end_session(child.pid)
-                return child.wait(), evidence
+        why = not_started()
+        if why:
+            say(f"{why}; ending the attempt")
+            end_session(child.pid)
+            return child.wait(), why
         if mark_seen is None:
             what = marked()
             mark_seen = time.monotonic() if what else None

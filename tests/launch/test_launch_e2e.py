@@ -379,16 +379,21 @@ def refusing_transport(hosts, path, refused):
     return " ".join(hosts.transport_args()).replace(str(hosts.agent), str(path))
 
 
+def daemon_replaced(hosts, path, host, program):
+    """The fake hosts' transport flags, with an agent that runs `program` (given the daemon's arguments) on `host` in
+    place of Open MPI's daemon (prted): a daemon that ends at once, or one that never reports."""
+    path.write_text(hosts.agent.read_text().replace('host="$1"; shift\n', f'host="$1"; shift\nif [ "$host" = {host} ]; '
+                    f'then set -- "$(printf "%s" "$*" | sed "s#/[^ ;]*/prted #{program} #")"; fi\n'))
+    path.chmod(0o755)
+    return " ".join(hosts.transport_args()).replace(str(hosts.agent), str(path))
+
+
 def test_a_host_whose_daemon_ends_as_the_job_starts_is_left_out_for_the_spare_not_waited_for_forever(hosts, tmp_path):
     """Under the relay layout a daemon that came up and then ended before any rank started (a host that went down
     then, or Open MPI's start-up race, which struck CI so) was never noticed: its relay carries on and mpirun waited
     for that host's ranks forever, launch with it. Here nodeb's daemon is a program that exits at once."""
     run_dir = tmp_path / "run"
-    dying = tmp_path / "dying-agent.sh"
-    dying.write_text(hosts.agent.read_text().replace('host="$1"; shift\n', 'host="$1"; shift\nif [ "$host" = nodeb ]; '
-                     'then set -- "$(echo "$*" | sed "s#[^ ]*/prted #/bin/false #")"; fi\n'))
-    dying.chmod(0o755)
-    transport = " ".join(hosts.transport_args()).replace(str(hosts.agent), str(dying))
+    transport = daemon_replaced(hosts, tmp_path / "dying-agent.sh", "nodeb", "/bin/false")
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
                              "--launcher-args", transport, "--", "--run-dir", str(run_dir), "--epochs", "1", *FAST)
     env = job_env()
@@ -400,6 +405,30 @@ def test_a_host_whose_daemon_ends_as_the_job_starts_is_left_out_for_the_spare_no
     assert first["message"].startswith("the daemon on nodeb ended before the job started"), first
     assert "the daemon on nodeb ended before the job started: mpirun waits for its ranks forever" in job.output
     assert "without nodeb" in first["decision"] and second["hosts"] == ["nodea", "nodec"], second
+
+
+def test_a_start_that_never_ends_is_ended_after_the_startup_timeout_leaving_nothing(hosts, tmp_path):
+    """A daemon that never reports (here a sleeper in its place on nodeb: a host whose filesystem hangs) holds mpirun
+    in its start-up forever, with any layout: launch ends the attempt --startup-timeout s after it started, blames
+    no host, and nothing of it stays on any host."""
+    run_dir, stuck = tmp_path / "run", tmp_path / "stuck-daemon.sh"
+    # the daemon's arguments stay on its command line: launch ends a dead launcher's daemons by them (end_daemons)
+    stuck.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import time; time.sleep(397)' \"$@\"\n")
+    stuck.chmod(0o755)
+    transport = daemon_replaced(hosts, tmp_path / "stuck-agent.sh", "nodeb", str(stuck))
+    command = launch_command("-H", "nodea:1,nodeb:1", "-np", "2", "--launcher", "mpirun", "--max-restarts", "0",
+                             "--startup-timeout", "8", "--run-dir", str(run_dir),  # launch's: the job never says its own
+                             "--launcher-args", transport, "--", "--epochs", "1", *FAST)
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
+    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env, races=0)
+    assert job.returncode == 137, job.output[-5000:]
+    (attempt,) = attempts(run_dir)["attempts"]
+    assert (attempt["cause"], attempt["blamed_hosts"]) == ("hang", []), attempt
+    assert attempt["message"].startswith("not every rank came through MPI's start-up within --startup-timeout 8 s")
+    assert "within --startup-timeout 8 s" in job.output and "ending the attempt" in job.output
+    left = subprocess.run(["pgrep", "-f", "time.sleep.397"], capture_output=True, text=True).stdout.split()
+    assert left == [], left
 
 
 def test_a_host_the_launcher_cannot_reach_is_left_out_for_the_spare(hosts, tmp_path):

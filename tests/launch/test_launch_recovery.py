@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -360,37 +361,62 @@ def test_a_launcher_without_the_mark_is_waited_for(tmp_path, monkeypatch):
         child.wait()
 
 
-@pytest.mark.parametrize("started", [False, True], ids=["never started", "started meanwhile"])
-def test_a_launcher_whose_host_daemon_ended_before_the_job_started_is_ended_naming_the_host(monkeypatch, capsys,
-                                                                                           started):
-    """Under the relay layout a daemon that came up and ended before every rank started (no placement yet) leaves
-    mpirun waiting for its ranks forever: launch ends the launcher LOST_HOST_LINGER_S later, with the line its
-    diagnosis reads (that host unreachable). A job that started meanwhile (its placement came) is left to its own
-    records."""
+def test_a_job_that_never_starts_is_ended_after_the_startup_timeout_and_relaunched(tmp_path, monkeypatch, capsys):
+    """A launcher whose ranks never all come through MPI's start-up (no placement: a daemon or a rank stuck there)
+    would hold launch forever: each attempt is ended --startup-timeout s after it started, saying so in one line,
+    as a hang that blames no host."""
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls", finishes=False, lingers=True)
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--max-restarts", "1",
+                      "--startup-timeout", "1", "--", "--epochs", "1"], {})
+    assert plan.startup_timeout_s == 1.0
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 137
+    first, second = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+    overdue = ("not every rank came through MPI's start-up within --startup-timeout 1 s (the job recorded no "
+               "placement: a host's daemon or a rank stuck there, e.g. on a hung filesystem or a blocked port)")
+    for attempt in (first, second):
+        assert (attempt["status"], attempt["cause"], attempt["message"]) == (137, "hang", overdue), attempt
+        assert attempt["failed_hosts"] == attempt["blamed_hosts"] == [], attempt
+    assert first["decision"].startswith("relaunching") and "--max-restarts 1 spent" in second["decision"]
+    assert capsys.readouterr().err.count(f"mpiddp launch: {overdue}; ending the attempt\n") == 2
+
+
+def test_a_job_is_taken_as_not_started_only_until_its_placement_and_for_the_relay_layout_hosts_that_ended(
+        tmp_path, monkeypatch):
+    """Launch's evidence that the job never started: no placement yet (rank 0 writes it once every rank came
+    through MPI's start-up), with a host whose daemon's connection came up and ended LOST_HOST_LINGER_S ago (under
+    the relay layout only: its relay carries on and mpirun waits forever), or --startup-timeout passed."""
+    from mpiddp import failure
     from mpiddp.launch.diagnose import diagnose
+    from mpiddp.launch.supervisor import Attempt
 
-    monkeypatch.setattr(supervisor_module, "LOST_HOST_LINGER_S", 0.5)
-    checks = []
-
-    def ended_before_start():
-        checks.append(1)
-        return [] if started and len(checks) > 1 else ["nodeb"]
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(4)"], start_new_session=True)
-    try:
-        status, evidence = supervisor_module._wait_unless_lingering(child, lambda: "", lost_at_start=ended_before_start)
-    finally:
-        child.kill()
-        child.wait()
-    said = capsys.readouterr().err
-    if started:
-        assert (status, evidence, said) == (0, "", ""), said
-        return
-    assert status == -signal.SIGKILL and evidence == "mpiddp launch: the daemon on nodeb ended before the job started\n"
-    assert said == ("mpiddp launch: the daemon on nodeb ended before the job started: mpirun waits for its ranks "
-                    "forever under the relay layout; ending it\n")
-    found = diagnose(137, [], "launcher output\n" + evidence, 2)
+    clock = iter(range(100, 200))
+    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(supervisor_module, "LOST_HOST_LINGER_S", 1.5)
+    run_dir = tmp_path / "run"
+    launcher = fake_open_mpi(tmp_path / "bin", "yes", tmp_path / "calls")
+    plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--", "--epochs", "1"],
+                     {})
+    sup = Supervisor(plan, {"PATH": "/usr/bin:/bin"})
+    attempt = Attempt(0, ["nodea", "nodeb"], [], time.time())
+    assert sup._not_started(attempt, relays=True) == ""
+    (run_dir / "mpiddp-agent-ended").write_text("nodeb 0\n")
+    assert sup._not_started(attempt, relays=False) == ""  # without the relays PRRTE itself notices it
+    assert [sup._not_started(attempt, relays=True) for _ in range(2)] == ["", ""]  # seen; 1 s after it
+    ended = ("the daemon on nodeb ended before the job started: mpirun waits for its ranks forever under the relay "
+             "layout")
+    assert sup._not_started(attempt, relays=True) == ended  # 2 s after it: past LOST_HOST_LINGER_S
+    found = diagnose(137, [], f"launcher output\nmpiddp launch: {ended}\n", 2)
     assert (found.kind, found.hosts, found.ranks) == ("unreachable", ("nodeb",), ())
-    assert found.message.startswith("the daemon on nodeb ended before the job started")
+    assert found.message.startswith("the daemon on nodeb ended before the job started (the host went down")
+    failure.write_placement(sup.failure_file, [("nodea", [0]), ("nodeb", [1])])
+    assert sup._not_started(attempt, relays=True) == ""  # the job started: a host lost now is its records' to tell
+    old = Attempt(0, ["nodea", "nodeb"], [], time.time() - plan.startup_timeout_s - 1)
+    assert sup._not_started(old, relays=False) == ""
+    failure.clear(sup.failure_file)
+    assert sup._not_started(old, relays=False).startswith("not every rank came through MPI's start-up within "
+                                                          f"--startup-timeout {plan.startup_timeout_s:g} s")
 
 
 def test_a_script_under_run_keeps_the_relaunch_path(tmp_path):
