@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from mpiddp.errors import AgreedError, HostFault, UserError
-from mpiddp.failure import write_placement
+from mpiddp.failure import ATTEMPTS_FILE, write_placement
 from mpiddp.job import storekeys
 from mpiddp.job.collective import Dist, MpiTransport, Rendezvous, agree_on
 from mpiddp.job.failfast import FailFast
@@ -54,7 +54,20 @@ def connect(guard: FailFast | None = None) -> Dist:
         guard.dist = dist
     if dist.topology.failure_file and dist.is_main:  # a local write, no collective: launch maps ranks to hosts by it
         write_placement(Path(dist.topology.failure_file), [(name, list(ranks)) for name, ranks in topology.hosts])
+        blind = launch_blind(dist.topology.launch_run_dir, dist.topology.hostname)
+        if blind:
+            log.warning("%s", blind)
     return dist
+
+
+def launch_blind(launch_run_dir: str, host: str) -> str:
+    """Rank 0 under `launch`: a warning when launch's run dir (where launch listed this attempt before starting it)
+    is not there on this host: launch then reads none of this job's records (its start, its failures, its end)."""
+    if not launch_run_dir or (Path(launch_run_dir) / ATTEMPTS_FILE).exists():
+        return ""
+    return (f"mpiddp: launch's run dir {launch_run_dir} is not on {host}, rank 0's host: launch cannot read this "
+            "job's records (its start, its failures, its end), and ends it after its --startup-timeout; give "
+            "launch a --run-dir on a filesystem every host shares")
 
 
 def _provisional_topology(transport: MpiTransport) -> Topology:

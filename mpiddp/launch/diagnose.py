@@ -74,12 +74,12 @@ SSH_UNREACHABLE = re.compile(r"ssh: connect to host (\S+?) port|ssh: Could not r
 # launch's own lines where it ended an attempt whose job never started (Supervisor._not_started): a host whose
 # daemon came up and ended before every rank started (under the relay layout mpirun says nothing and waits for
 # it), or a start-up past --startup-timeout (a daemon or a rank stuck in it: nobody to blame)
-ENDED_BEFORE_START = "the daemon on {host} ended before the job started"
+ENDED_BEFORE_START = "the daemon on {host} ended before the job started ({why})"
 STARTUP_OVERDUE = ("not every rank came through MPI's start-up within --startup-timeout {seconds:g} s (the job "
-                   "recorded no placement: a host's daemon or a rank stuck there, e.g. on a hung filesystem or a "
-                   "blocked port)")
-_ENDED_BEFORE_START = re.compile("mpiddp launch: " + ENDED_BEFORE_START.format(host=r"(\S+?)"))
-_STARTUP_OVERDUE = re.compile(r"mpiddp launch: not every rank came through MPI's start-up within .*")
+                   "recorded no placement in {failures}: a host's daemon or a rank stuck there, e.g. on a hung "
+                   "filesystem or a blocked port; or that directory is not shared with rank 0's host)")
+_ENDED_BEFORE_START = re.compile(r"the daemon on (\S+?) ended before the job started \((.*?)\)(?:; |:)")
+_STARTUP_OVERDUE = re.compile(r"mpiddp launch: (not every rank came through MPI's start-up within .*)")
 # An exception about a lost peer or a collective that timed out waiting for one: the rank that raised it is a
 # witness, not the culprit (gloo, NCCL, MPI, plain sockets)
 LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"
@@ -304,15 +304,16 @@ def diagnose(status: int, record: FailureRecord | list[FailureRecord] | None, ou
     if lost:
         return Failure("unreachable", status, (), lost, f"the launcher could not reach {', '.join(lost)}", step,
                        "launcher output", **evidence)
-    ended = tuple(dict.fromkeys(match.group(1) for match in _ENDED_BEFORE_START.finditer(output)))
+    ended = {match.group(1): match.group(2) for match in _ENDED_BEFORE_START.finditer(output)}
     if ended:
-        return Failure("unreachable", status, (), ended, f"the daemon on {', '.join(ended)} ended before the job "
-                       "started (the host went down, or Open MPI's start-up failed there)", step, "launcher output",
-                       **evidence)
+        hosts = tuple(ended)
+        return Failure("unreachable", status, (), hosts, "; ".join(f"the daemon on {host} ended before the job "
+                       f"started ({why})" for host, why in ended.items()) + " (the host went down, or Open MPI's "
+                       "start-up failed there)", step, "launcher output", **evidence)
     overdue = _STARTUP_OVERDUE.search(output)
-    if overdue and found is None:
-        return Failure("hang", status, message=overdue.group(0).removeprefix("mpiddp launch: "),
-                       source="launcher output")
+    if overdue:  # what records there are tell of lost peers only (a record that names a failure returned above)
+        return Failure("hang", status, message=overdue.group(1).removesuffix("; ending the attempt"), step=step,
+                       source="launcher output", **evidence)
     silent = tuple(dict.fromkeys(match.group(1) for match in OPENMPI_DAEMON_LOST.finditer(output)))
     if silent:
         return Failure("unreachable", status, (), silent, f"the launcher lost {', '.join(silent)} while the job ran "

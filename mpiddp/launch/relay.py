@@ -43,7 +43,8 @@ HOSTFILE = "mpiddp-hostfile"
 # daemon, whose output mpirun does not pass on (it exits 255 and says nothing), so launch reads this file instead
 AGENT_FAILURES = "mpiddp-agent-failures"
 UNREACHED = "mpiddp agent: could not reach {host}: {why}"  # one line per host, in AGENT_FAILURES and on stderr
-# The wrapper's account of the hosts whose connection ended after it came up (a line each: HOST STATUS): at the job's
+# The wrapper's account of the hosts whose connection ended after it came up (a line each: HOST STATUS [the agent's
+# last word]): at the job's
 # end, a host lost mid-run, or a daemon that ended as the job started. That last one hangs: its relay carries on
 # and mpirun waits for the daemon's ranks forever; launch reads this file to end such an attempt (started_without)
 AGENT_ENDED = "mpiddp-agent-ended"
@@ -184,7 +185,7 @@ def run_agent(agent: Sequence[str], args: Sequence[str], folder: str | None = No
     status = child.wait()
     passing.join(5)
     if connected:
-        _append(folder, AGENT_ENDED, f"{host_of(args)} {status}")
+        _append(folder, AGENT_ENDED, f"{host_of(args)} {status} {_last_line(said)}".rstrip())
     elif status != 0:
         _record_unreached(folder, host_of(args), status, said)
     return 0 if connected else (status if status >= 0 else 128 - status)
@@ -203,8 +204,12 @@ def host_of(args: Sequence[str]) -> str:
     return next((arg for arg in args if not arg.startswith("-")), "?")
 
 
+def _last_line(said: list[bytes]) -> str:
+    return next((line.decode(errors="replace").strip() for line in reversed(said) if line.strip()), "")[:200]
+
+
 def _record_unreached(folder: str | None, host: str, status: int, said: list[bytes]) -> None:
-    last = next((line.decode(errors="replace").strip() for line in reversed(said) if line.strip()), "")
+    last = _last_line(said)
     why = f"the agent exited {status} before the host's daemon started" + (f" ({last})" if last else "")
     line = UNREACHED.format(host=host, why=why)
     sys.stderr.write(line + "\n")
@@ -230,13 +235,20 @@ def agent_failures(folder: Path) -> str:
         return ""
 
 
-def hosts_ended(folder: Path) -> list[str]:
-    """The hosts whose connection came up and then ended in this attempt (AGENT_ENDED), each once, in order."""
+def hosts_ended(folder: Path) -> list[tuple[str, str]]:
+    """The hosts whose connection came up and then ended in this attempt (AGENT_ENDED), each once, in order, with
+    how: (host, "the agent exited S[: its last word]")."""
     try:
         lines = (folder / AGENT_ENDED).read_text().splitlines()
     except OSError:
         return []
-    return list(dict.fromkeys(line.split()[0] for line in lines if line.strip()))
+    ended: dict[str, str] = {}
+    for line in lines:
+        host, _, rest = line.strip().partition(" ")
+        status, _, last = rest.partition(" ")
+        if host and host not in ended:
+            ended[host] = f"the agent exited {status}" + (f": {last}" if last else "")
+    return list(ended.items())
 
 
 def without_agent(extra: Sequence[str]) -> list[str]:

@@ -128,7 +128,8 @@ class Attempt:
 def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
     """What attempt `number` tells the job through the environment (names in mpiddp.contract); the launcher
     forwards them to every host. Training takes its run dir from here unless its own flags name another."""
-    exports = {FAILURE_FILE_ENV: str(plan.run_dir / failure.FAILURES_DIR), RESTART_COUNT_ENV: str(number),
+    # absolute paths: a rank may run in another directory (--wdir, srun --chdir, $HOME on a host without this one)
+    exports = {FAILURE_FILE_ENV: str(plan.run_dir.resolve() / failure.FAILURES_DIR), RESTART_COUNT_ENV: str(number),
                LAUNCH_ID_ENV: launch_id, RUN_DIR_ENV: str(plan.run_dir.resolve())}  # a script's finished mark too
     if plan.mode == "train":
         exports[JOB_RECORD_ENV] = str(plan.run_dir.resolve() / JOB_RECORD_FILE)
@@ -231,6 +232,8 @@ class Supervisor:
         self.ended_after_loss = False  # launch ended a launcher that waited for a lost host's ranks
         self.not_started = ""  # why launch ended an attempt whose job never started ("" when it did not)
         self._ended_seen: float | None = None  # when a host's daemon was first seen ended before the job started
+        self._started: bool = False  # the attempt's job recorded its placement: its start is never judged again
+        self._started_at = 0.0  # the attempt's start, on the monotonic clock
 
     @property
     def child_stop(self) -> signal.Signals:
@@ -401,7 +404,7 @@ class Supervisor:
         # Under the relays a host the job lost was lost whole (its daemon too): mpirun waits for its ranks forever,
         # and nothing is left there to end. Elsewhere a lost rank's host keeps its daemon, which may need ending.
         lost_whole = (lambda: self._lost_hosts(attempt)) if layout_args else list
-        self._ended_seen = None
+        self._ended_seen, self._started, self._started_at = None, False, time.monotonic()
         with self._ender(attempt):  # under in-job recovery: hung ranks the job asks launch to end
             status, output = self._follow(self.child, self._output_paths(number),
                                           lambda: self._end_accounted(attempt), lost_whole,
@@ -492,18 +495,18 @@ class Supervisor:
         the attempt cleared the last): why launch ends the attempt now, or "". Under the relay layout, hosts whose
         daemon's connection came up and ended LOST_HOST_LINGER_S ago (their relay carries on: mpirun would wait for
         their ranks forever); with any launcher, --startup-timeout passed since the attempt started."""
-        if failure.read_placement(self.failure_file) is not None:
-            self._ended_seen = None
+        if self._started or failure.read_placement(self.failure_file) is not None:
+            self._started = True  # latched: a read that fails later (NFS) must not end a job that runs
             return ""
         ended = hosts_ended(self.plan.run_dir) if relays else []
         now = time.monotonic()
         self._ended_seen = (self._ended_seen or now) if ended else None
         if ended and now - self._ended_seen > LOST_HOST_LINGER_S:
-            return "; ".join(ENDED_BEFORE_START.format(host=host) for host in ended) + (
-                ": mpirun waits for its ranks forever under the relay layout")
+            return "; ".join(ENDED_BEFORE_START.format(host=host, why=why) for host, why in ended) + (
+                ": mpirun waits for their ranks forever under the relay layout")
         timeout = self.plan.startup_timeout_s
-        if timeout and time.time() - attempt.started_at > timeout:
-            return STARTUP_OVERDUE.format(seconds=timeout)
+        if timeout and now - self._started_at > timeout:
+            return STARTUP_OVERDUE.format(seconds=timeout, failures=self.failure_file)
         return ""
 
     def _job_run_dir(self) -> Path:

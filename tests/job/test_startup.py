@@ -117,3 +117,18 @@ def test_a_training_rank_runs_its_exit_handlers_and_skips_the_teardown(run_job, 
     assert job.summary["world_size"] == 2
     made = sorted(path.name.split("-")[0] for path in marks.iterdir())
     assert made == ["exit", "exit"], made  # both ranks ran the exit handlers; neither tore the interpreter down
+
+
+def test_rank_0_warns_when_launchs_run_dir_is_not_on_its_host(tmp_path):
+    """Launch lists the attempt in its run dir before starting it; a rank 0 that cannot see that listing writes its
+    records where launch never reads them (a run dir not shared with this host): said in one line, not silently."""
+    from mpiddp.job.bootstrap import launch_blind
+
+    assert launch_blind("", "nodeb") == ""  # not under launch
+    said = launch_blind(str(tmp_path / "run"), "nodeb")
+    assert said == (f"mpiddp: launch's run dir {tmp_path / 'run'} is not on nodeb, rank 0's host: launch cannot read "
+                    "this job's records (its start, its failures, its end), and ends it after its --startup-timeout; "
+                    "give launch a --run-dir on a filesystem every host shares")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "attempts.json").write_text("{}")
+    assert launch_blind(str(tmp_path / "run"), "nodeb") == ""

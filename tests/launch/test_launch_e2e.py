@@ -403,7 +403,8 @@ def test_a_host_whose_daemon_ends_as_the_job_starts_is_left_out_for_the_spare_no
     first, second = attempts(run_dir)["attempts"]
     assert (first["cause"], first["failed_hosts"], first["status"]) == ("unreachable", ["nodeb"], 137), first
     assert first["message"].startswith("the daemon on nodeb ended before the job started"), first
-    assert "the daemon on nodeb ended before the job started: mpirun waits for its ranks forever" in job.output
+    assert "the daemon on nodeb ended before the job started (the agent exited 1): mpirun waits for their ranks " \
+        "forever under the relay layout; ending the attempt" in job.output
     assert "without nodeb" in first["decision"] and second["hosts"] == ["nodea", "nodec"], second
 
 

@@ -111,10 +111,14 @@ def test_a_connection_that_ended_after_it_came_up_is_reported_as_a_clean_end_and
     assert hosts_ended(tmp_path) == []
     status, out, calls = wrapper("nodeb", "echo from-nodeb; kill -KILL $$")
     assert (status, out, calls) == (0, "from-nodeb\n", ["nodeb"])  # the marker itself is not passed on
-    assert wrapper("nodec", "exit 3")[0] == 0 and wrapper("nodeb", "exit 0")[0] == 0
+    assert wrapper("nodec", "echo 'prted: not found' >&2; exit 127")[0] == 0 and wrapper("nodeb", "exit 0")[0] == 0
+    assert wrapper("noded", "exit 0")[0] == 0
     # launch's account of the ended connections (it ends an attempt whose daemon ended before the job started)
-    assert hosts_ended(tmp_path) == ["nodeb", "nodec"]
-    assert (tmp_path / "mpiddp-agent-ended").read_text().split("\n")[:2] == ["nodeb -9", "nodec 3"]
+    assert hosts_ended(tmp_path) == [("nodeb", "the agent exited -9"),
+                                     ("nodec", "the agent exited 127: prted: not found"),
+                                     ("noded", "the agent exited 0")]
+    assert (tmp_path / "mpiddp-agent-ended").read_text().splitlines() == [
+        "nodeb -9", "nodec 127 prted: not found", "nodeb 0", "noded 0"]
     assert agent_failures(tmp_path) == ""  # none of them failed to start
     write_layout(tmp_path, ["agent"], "nodea", HOSTS, 2)  # the next attempt's layout
     assert hosts_ended(tmp_path) == []
@@ -129,7 +133,7 @@ def test_a_host_that_cannot_be_reached_still_fails_the_start_and_is_named_for_la
     assert agent_failures(tmp_path) == said and said in wrapper.stderr
     assert unreachable(agent_failures(tmp_path)) == ("down",)  # what launch's diagnosis reads
     assert wrapper("nodeb", "exit 3")[0] == 0 and agent_failures(tmp_path) == said  # a host reached: nothing
-    assert hosts_ended(tmp_path) == ["nodeb"]  # and the host that could not be reached never came up
+    assert [host for host, _ in hosts_ended(tmp_path)] == ["nodeb"]  # the host not reached never came up
 
 
 def test_launch_uses_the_layout_for_training_by_default_and_for_a_script_when_asked_saying_so_in_one_line(
