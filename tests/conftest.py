@@ -131,6 +131,13 @@ STARTUP_RACE_RETRIES = 2  # launches more after Open MPI's start-up race (each o
 ENDED_BEFORE_START = "ended before the job started"
 
 
+def past_start_races(attempts: list[dict]) -> list[dict]:
+    """The attempts a test describes: less those Open MPI's start-up race ended before any rank ran (launch's
+    "ended before the job started", or the launcher's exit 213 naming no host), which launch relaunches."""
+    return [a for a in attempts if ENDED_BEFORE_START not in str(a.get("message") or "")
+            and not (a.get("status") == 213 and a.get("cause") == "exit" and not a.get("failed_hosts"))]
+
+
 def launch_raced_at_start(run_dir: Path) -> bool:
     """Whether the first attempt of a launch that kept its records in `run_dir` met Open MPI's start-up race
     before any rank ran (either form)."""
