@@ -127,7 +127,7 @@ STARTUP_RACE_RETRIES = 2  # launches more after Open MPI's start-up race (each o
 
 # Under launch's relay layout the race takes another form: a fake host's daemon comes up and ends before any rank
 # started, and mpirun would wait for it forever; launch ends that attempt and leaves the host out (its line:
-# mpiddp.launch.relay.ENDED_BEFORE_START). That run is not the one a test describes: it is launched again.
+# mpiddp.launch.diagnose.ENDED_BEFORE_START). That run is not the one a test describes: it is launched again.
 ENDED_BEFORE_START = "ended before the job started"
 
 
