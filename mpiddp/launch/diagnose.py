@@ -75,11 +75,12 @@ SSH_UNREACHABLE = re.compile(r"ssh: connect to host (\S+?) port|ssh: Could not r
 # daemon came up and ended before every rank started (under the relay layout mpirun says nothing and waits for
 # it), or a start-up past --startup-timeout (a daemon or a rank stuck in it: nobody to blame)
 ENDED_BEFORE_START = "the daemon on {host} ended before the job started ({why})"
-STARTUP_OVERDUE = ("not every rank came through MPI's start-up within --startup-timeout {seconds:g} s (the job "
+STARTUP_OVERDUE_PREFIX = "not every rank came through MPI's start-up within"
+STARTUP_OVERDUE = (STARTUP_OVERDUE_PREFIX + " --startup-timeout {seconds:g} s (the job "
                    "recorded no placement in {failures}: a host's daemon or a rank stuck there, e.g. on a hung "
                    "filesystem or a blocked port; or that directory is not shared with rank 0's host)")
 _ENDED_BEFORE_START = re.compile(r"the daemon on (\S+?) ended before the job started \((.*?)\)(?:; |:)")
-_STARTUP_OVERDUE = re.compile(r"mpiddp launch: (not every rank came through MPI's start-up within .*)")
+_STARTUP_OVERDUE = re.compile(r"mpiddp launch: (" + re.escape(STARTUP_OVERDUE_PREFIX) + r" .*)")
 # An exception about a lost peer or a collective that timed out waiting for one: the rank that raised it is a
 # witness, not the culprit (gloo, NCCL, MPI, plain sockets)
 LOST_PEER = re.compile(r"connection reset|connection closed|connection refused|broken pipe|socket closed"

@@ -38,6 +38,7 @@ from mpiddp.launch.diagnose import (CRASH_TAKES_S, ENDED_BEFORE_START, EXIT_STOP
 from mpiddp.launch.hosts import Host, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
+from mpiddp.launch.probe import PROBE_TIMEOUT_S, hosts_to_probe, probe_command, probe_hosts, remote_hosts, weigh
 from mpiddp.launch.relay import (NO_RELAYS, RelayLayout, agent_failures, decide_layout, hosts_ended,
                                  remove_layout, without_agent, write_layout)
 
@@ -123,6 +124,7 @@ class Attempt:
     in_job_recovery_off: str = ""  # why not, in one line, when off
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # in-job recoveries (the job's summary.json)
     launcher_crash: str = ""  # when the launcher itself failed: during a spawn, or after the job marked its end
+    probed: dict[str, str] = field(default_factory=dict)  # after a start that failed: host -> "" answered, or why not
 
 
 def job_exports(plan: Plan, number: int, launch_id: str) -> dict[str, str]:
@@ -234,6 +236,8 @@ class Supervisor:
         self._ended_seen: float | None = None  # when a host's daemon was first seen ended before the job started
         self._started: bool = False  # the attempt's job recorded its placement: its start is never judged again
         self._started_at = 0.0  # the attempt's start, on the monotonic clock
+        self._daemon_hosts: list[str] = []  # the attempt's hosts, spares included: where its launcher starts daemons
+        self.pardoned: set[str] = set()  # hosts kept once after a start that failed there (mpiddp.launch.probe)
 
     @property
     def child_stop(self) -> signal.Signals:
@@ -361,7 +365,26 @@ class Supervisor:
             if not ranks and recorded is None:
                 ranks = ranks_on(hosts_now, found.hosts)
             found = Failure(**{**asdict(found), "ranks": ranks})
+        if recorded is None:  # the job never started: the hosts in question are asked to answer
+            found = self._probe_start(attempt, found)
         return found, placement, records
+
+    def _probe_start(self, attempt: Attempt, found: Failure) -> Failure:
+        """A failure of an attempt whose job recorded no placement (it never started), weighed with what the hosts
+        in question answer when asked through the launcher's agent (mpiddp.launch.probe); as it is under srun."""
+        if self.plan.launcher == "srun":
+            return found
+        asked = hosts_to_probe(found, self._daemon_hosts, self.pardoned)
+        if not asked:
+            return found
+        agent = host_agent(self.plan.extra, self.env)
+        if remote_hosts(asked):
+            say(f"attempt {attempt.number}: the job never started; asking {', '.join(remote_hosts(asked))} to answer"
+                f" ({' '.join(probe_command(agent, 'HOST'))}, {PROBE_TIMEOUT_S:g} s at most)")
+        attempt.probed = probe_hosts(agent, asked)
+        found, kept = weigh(found, attempt.probed, self.pardoned)
+        self.pardoned.update(kept)
+        return found
 
     def _first_hosts(self) -> list[Host]:
         remaining = [h for h in self.plan.hosts if h.name not in self.plan.excluded]
@@ -374,6 +397,7 @@ class Supervisor:
         if spares:  # what the job grows back onto after an in-job recovery (mpiddp.elastic.grow)
             exports[SPARE_RANKS_ENV] = str(hot_spare_ranks(spares))
         placed, extra, layout_args = [*hosts, *spares], self.plan.extra, self._relay_args([*hosts, *spares])
+        self._daemon_hosts = [h.name for h in placed]
         if layout_args:  # the hostfile with the relays, and the agent wrapper over the user's agent
             placed, extra = [], without_agent(extra)
             exports[HOST_RELAYS_ENV] = "1"  # the job may cut a silent host off: its daemon's loss is survived

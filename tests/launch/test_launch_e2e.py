@@ -388,10 +388,11 @@ def daemon_replaced(hosts, path, host, program):
     return " ".join(hosts.transport_args()).replace(str(hosts.agent), str(path))
 
 
-def test_a_host_whose_daemon_ends_as_the_job_starts_is_left_out_for_the_spare_not_waited_for_forever(hosts, tmp_path):
+def test_a_host_whose_daemon_ends_as_the_job_starts_is_tried_once_more_then_left_out_never_waited_for(hosts, tmp_path):
     """Under the relay layout a daemon that came up and then ended before any rank started (a host that went down
     then, or Open MPI's start-up race, which struck CI so) was never noticed: its relay carries on and mpirun waited
-    for that host's ranks forever, launch with it. Here nodeb's daemon is a program that exits at once."""
+    for that host's ranks forever, launch with it. Here nodeb's daemon is a program that exits at once, every
+    time, while nodeb itself answers."""
     run_dir = tmp_path / "run"
     transport = daemon_replaced(hosts, tmp_path / "dying-agent.sh", "nodeb", "/bin/false")
     command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
@@ -400,34 +401,48 @@ def test_a_host_whose_daemon_ends_as_the_job_starts_is_left_out_for_the_spare_no
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")
     job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env, races=0)
     assert job.returncode == 0, job.output[-5000:]
-    first, second = attempts(run_dir)["attempts"]
-    assert (first["cause"], first["failed_hosts"], first["status"]) == ("unreachable", ["nodeb"], 137), first
-    assert first["message"].startswith("the daemon on nodeb ended before the job started"), first
+    first, second, third = attempts(run_dir)["attempts"]
+    for attempt in (first, second):
+        assert (attempt["cause"], attempt["status"]) == ("unreachable", 137), attempt
+        assert attempt["message"].startswith("the daemon on nodeb ended before the job started"), attempt
     assert "the daemon on nodeb ended before the job started (the agent exited 1): mpirun waits for their ranks " \
         "forever under the relay layout; ending the attempt" in job.output
-    assert "without nodeb" in first["decision"] and second["hosts"] == ["nodea", "nodec"], second
+    # nodeb answers launch's probe: the first time it is kept (a start can fail once without the host being down),
+    # the second time it is left out, and the spare takes its place
+    assert (first["probed"], first["failed_hosts"], first["hosts"]) == ({"nodeb": ""}, [], ["nodea", "nodeb"]), first
+    assert "answered launch's probe afterwards" in first["message"] and "same hosts" in first["decision"], first
+    assert (second["probed"], second["failed_hosts"], second["hosts"]) == ({}, ["nodeb"], ["nodea", "nodeb"]), second
+    assert "without nodeb" in second["decision"] and third["hosts"] == ["nodea", "nodec"], third
 
 
-def test_a_start_that_never_ends_is_ended_after_the_startup_timeout_leaving_nothing(hosts, tmp_path):
-    """A daemon that never reports (here a sleeper in its place on nodeb: a host whose filesystem hangs) holds mpirun
-    in its start-up forever, with any layout: launch ends the attempt --startup-timeout s after it started, blames
-    no host, and nothing of it stays on any host."""
+def test_a_host_hung_at_start_is_found_by_launchs_probe_and_left_out_for_the_spare_leaving_nothing(hosts, tmp_path):
+    """A host hung as the job starts (here its daemon is a sleeper, and it does not answer `true` either: a hung
+    filesystem, say) holds mpirun in its start-up forever, with any layout: launch ends the attempt
+    --startup-timeout s after it started, asks every host to answer, leaves out the one that does not, relaunches
+    on the spare, and nothing of the hung attempt stays on any host."""
     run_dir, stuck = tmp_path / "run", tmp_path / "stuck-daemon.sh"
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(397)'"
     # the daemon's arguments stay on its command line: launch ends a dead launcher's daemons by them (end_daemons)
-    stuck.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import time; time.sleep(397)' \"$@\"\n")
+    stuck.write_text(f"#!/bin/sh\nexec {sleeper} \"$@\"\n")
     stuck.chmod(0o755)
     transport = daemon_replaced(hosts, tmp_path / "stuck-agent.sh", "nodeb", str(stuck))
-    command = launch_command("-H", "nodea:1,nodeb:1", "-np", "2", "--launcher", "mpirun", "--max-restarts", "0",
-                             "--startup-timeout", "8", "--run-dir", str(run_dir),  # launch's: the job never says its own
+    agent = tmp_path / "stuck-agent.sh"
+    agent.write_text(agent.read_text().replace('host="$1"; shift\n', 'host="$1"; shift\nif [ "$host" = nodeb ] && '
+                                               f'[ "$*" = true ]; then exec {sleeper}; fi\n'))
+    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun", "--max-restarts",
+                             "1", "--startup-timeout", "8", "--run-dir", str(run_dir),  # launch's: no job says its own
                              "--launcher-args", transport, "--", "--epochs", "1", *FAST)
     env = job_env()
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")
     job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env, races=0)
-    assert job.returncode == 137, job.output[-5000:]
-    (attempt,) = attempts(run_dir)["attempts"]
-    assert (attempt["cause"], attempt["blamed_hosts"]) == ("hang", []), attempt
-    assert attempt["message"].startswith("not every rank came through MPI's start-up within --startup-timeout 8 s")
-    assert "within --startup-timeout 8 s" in job.output and "ending the attempt" in job.output
+    assert job.returncode == 0, job.output[-5000:]
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["status"], first["cause"], first["failed_hosts"]) == (137, "unreachable", ["nodeb"]), first
+    assert first["probed"] == {"nodea": "", "nodeb": "no answer within 10 s", "nodec": ""}, first
+    assert first["message"].startswith("not every rank came through MPI's start-up within --startup-timeout 8 s")
+    assert first["message"].endswith("found nodeb not answering (nodeb: no answer within 10 s)"), first
+    assert "ending the attempt" in job.output and "asking nodeb, nodec to answer" in job.output
+    assert "without nodeb" in first["decision"] and second["hosts"] == ["nodea", "nodec"], second
     left = subprocess.run(["pgrep", "-f", "time.sleep.397"], capture_output=True, text=True).stdout.split()
     assert left == [], left
 
