@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -243,3 +244,16 @@ def _no_job_ender_left():
     from mpiddp.job.collective import set_end_everyone
 
     set_end_everyone(None)
+
+
+def run_supervisor(sup) -> int:
+    """`sup.run()` in-process (a launch Supervisor whose attempts a test fakes), with the signal handlers it
+    installs put back afterwards: pytest's own must survive it."""
+    from mpiddp.launch import supervisor
+
+    saved = {signum: signal.getsignal(signum) for signum in (*supervisor.FORWARDED, signal.SIGHUP)}
+    try:
+        return sup.run()
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

@@ -13,7 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, job_env, rank_pid
+from conftest import REPO, job_env, rank_pid, run_supervisor
 from fakehosts import FakeHosts, running_fake_hosts
 
 import mpiddp.elastic.engine as engine_module
@@ -24,7 +24,6 @@ from mpiddp.failure import FailureRecord, replace_placement, write_placement
 from mpiddp.job.collective import Dist, SoloTransport
 from mpiddp.job.failfast import FailFast
 from mpiddp.job.topology import RankRecord, build_topology
-from mpiddp.launch import supervisor
 from mpiddp.launch.diagnose import diagnose, lost_peer
 from mpiddp.launch.hosts import Host
 from mpiddp.launch.supervisor import Attempt, Plan, Supervisor
@@ -163,12 +162,7 @@ def relaunch_after(tmp_path, monkeypatch, hosts, num_ranks, directory):
         return record, "MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\n"
 
     monkeypatch.setattr(sup, "_attempt", attempt)
-    saved = {signum: signal.getsignal(signum) for signum in (*supervisor.FORWARDED, signal.SIGHUP)}
-    try:
-        assert sup.run() == 0
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
+    assert run_supervisor(sup) == 0
     first = sup.attempts[0]
     assert first.blamed_hosts == ["nodeb"] and "nodeb" in first.excluded_hosts, first
     return placed

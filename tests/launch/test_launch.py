@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_supervisor
 from mpiddp.failure import FailureRecord
 from mpiddp.launch.cli import LaunchError, make_plan
 from mpiddp.launch.command import build_command, choose_launcher, mpi_flavour
@@ -189,12 +189,7 @@ def test_the_supervisor_counts_strikes_across_attempts(tmp_path, monkeypatch):
         return attempt, "srun: error: b: task 1: Killed\n"
 
     monkeypatch.setattr(sup, "_attempt", fake_attempt)
-    saved = {signum: signal.getsignal(signum) for signum in (*supervisor.FORWARDED, signal.SIGHUP)}
-    try:
-        assert sup.run() == 0
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
+    assert run_supervisor(sup) == 0
     assert placements == [["a", "b"], ["a", "b"], ["a", "c"]]
     assert [a.excluded_hosts for a in sup.attempts] == [[], ["b"], ["b"]]
 

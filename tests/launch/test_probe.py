@@ -2,12 +2,11 @@
 and the supervisor keeping an answering host once and leaving it out when its start fails again."""
 
 import json
-import signal
 import sys
 import threading
 import time
 
-from mpiddp.launch import supervisor
+from conftest import run_supervisor
 from mpiddp.launch.diagnose import STARTUP_OVERDUE, Failure, diagnose
 from mpiddp.launch.hosts import Host
 from mpiddp.launch.probe import PARDONED, hosts_to_probe, probe_command, probe_hosts, run_probe, weigh
@@ -104,12 +103,7 @@ def test_the_supervisor_keeps_an_answering_host_once_then_leaves_it_out(tmp_path
 
     monkeypatch.setattr(sup, "_attempt", fake_attempt)
     monkeypatch.setattr(sup, "_job_status", lambda attempt: attempt.status)  # no job ran to mark its end
-    saved = {signum: signal.getsignal(signum) for signum in (*supervisor.FORWARDED, signal.SIGHUP)}
-    try:
-        assert sup.run() == 0
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
+    assert run_supervisor(sup) == 0
     assert placements == [["a", "b"], ["a", "b"], ["a", "c"]]
     assert calls.read_text() == "b true\n"  # asked once: kept once, never asked again
     first, second, _ = json.loads((tmp_path / "attempts.json").read_text())["attempts"]
