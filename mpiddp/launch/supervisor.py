@@ -29,7 +29,7 @@ from mpiddp.atomicfile import write_text_atomic
 from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, HOST_RELAYS_ENV, JOB_RECORD_ENV, JOB_RECORD_FILE,
                              LAUNCH_ID_ENV, MIN_NP_ENV, RESTART_COUNT_ENV, RUN_DIR_ENV, SPARE_RANKS_ENV, JobRecord,
                              finished_since, read_job_record)
-from mpiddp.errors import EXIT_CRASH, EXIT_USER_ERROR
+from mpiddp.errors import EXIT_CRASH, EXIT_HANG, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts, hot_spare_ranks
 from mpiddp.launch.ender import Ender, end_daemons, host_agent
@@ -233,6 +233,7 @@ class Supervisor:
         self.num_ranks = plan.num_ranks  # the next attempt's: fewer after a shrink (--min-np)
         self.ended_after_loss = False  # launch ended a launcher that waited for a lost host's ranks
         self.not_started = ""  # why launch ended an attempt whose job never started ("" when it did not)
+        self.ended_launcher = False  # launch ended the attempt's launcher itself (its status is launch's SIGKILL)
         self._ended_seen: float | None = None  # when a host's daemon was first seen ended before the job started
         self._started: bool = False  # the attempt's job recorded its placement: its start is never judged again
         self._started_at = 0.0  # the attempt's start, on the monotonic clock
@@ -307,10 +308,18 @@ class Supervisor:
                 f"{', after ' + within if within else ''}): {found.kind} per the {found.source}"
                 f"{': ' + found.message.splitlines()[0] if found.message else ''}; {decision.reason}")
             if not decision.retry:
-                return attempt.status or 1
+                return self._exit_status(attempt)
             hosts_now, excluded, strikes = decision.hosts, decision.excluded, decision.strikes
             self.num_ranks = decision.num_ranks
         raise AssertionError("the policy stops once --max-restarts is spent")
+
+    def _exit_status(self, attempt: Attempt) -> int:
+        """launch's own exit status after a failed attempt it does not relaunch: the launcher's, except where launch
+        ended the launcher itself (its SIGKILL: 137, which reads as the OOM killer's): then the status the job's
+        own end would have had, 4 for a hang, else 1."""
+        if self.ended_launcher and attempt.status == 128 + signal.SIGKILL:
+            return EXIT_HANG if attempt.cause == "hang" else EXIT_CRASH
+        return attempt.status or EXIT_CRASH
 
     def _failed_in_a_spawn(self, attempt: Attempt, found: Failure) -> tuple[Failure, float | None]:
         """(the failure, from when no recovery is held against a host) where the launcher failed during the job's
@@ -598,8 +607,9 @@ class Supervisor:
         for relay in relays:
             relay.start()
         self.ended_after_loss = False
-        status, self.not_started = _wait_unless_lingering(child, marked, lost, self._stop_overdue, not_started)
-        self.ended_after_loss = status == -signal.SIGKILL and bool(lost()) and bool(marked())
+        status, self.not_started, ended = _wait_unless_lingering(child, marked, lost, self._stop_overdue, not_started)
+        self.ended_launcher = ended and status == -signal.SIGKILL
+        self.ended_after_loss = self.ended_launcher and bool(lost()) and bool(marked())
         end_session(child.pid)
         done.set()  # the relays read to the end of what was written, then stop
         deadline = time.monotonic() + RELAY_DRAIN_S
@@ -740,8 +750,9 @@ def stop_grace(env: dict[str, str]) -> float:
 
 def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], str],
                            lost: Callable[[], list[str]] = list, overdue: Callable[[], bool] = lambda: False,
-                           not_started: Callable[[], str] = lambda: "") -> tuple[int, str]:
-    """(the launcher's status once it exits, why launch ended a job that never started or ""). If it is still
+                           not_started: Callable[[], str] = lambda: "") -> tuple[int, str, bool]:
+    """(the launcher's status once it exits, why launch ended a job that never started or "", whether launch ended
+    the launcher: its status is then launch's SIGKILL, -9). If it is still
     running FINISHED_LINGER_S after the job `marked` its end (what marked it, or "": a grown rank or Open MPI's
     launcher that never exits), SIGKILL its session: its -9. After a job whose records say it `lost` a host in the
     job (Open MPI's mpirun waits for that host's ranks forever), after LOST_HOST_LINGER_S. At once where the job
@@ -750,17 +761,17 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
     what, hosts = "", []
     while True:
         try:
-            return child.wait(timeout=1.0), ""
+            return child.wait(timeout=1.0), "", False
         except subprocess.TimeoutExpired:
             pass
         if overdue():
             end_session(child.pid)
-            return child.wait(), ""
+            return child.wait(), "", True
         why = not_started()
         if why:
             say(f"{why}; ending the attempt")
             end_session(child.pid)
-            return child.wait(), why
+            return child.wait(), why, True
         if mark_seen is None:
             what = marked()
             mark_seen = time.monotonic() if what else None
@@ -774,7 +785,7 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
             else:
                 say(f"the launcher still runs {FINISHED_LINGER_S:g} s after {what}: ending it")
             end_session(child.pid)
-            return child.wait(), ""
+            return child.wait(), "", True
 
 
 def end_session(session: int) -> None:

@@ -339,7 +339,7 @@ def test_a_launcher_that_lingers_after_every_rank_recorded_its_failure_is_ended(
                              lingers=True if len(recorded) == 2 else 3.5, failed_ranks=recorded)
     plan = make_plan(["-np", "3", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--max-restarts", "0",
                       "--", "--epochs", "1"], {})
-    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() != 0
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 1  # the job's crash; never 137, launch's SIGKILL
     (attempt,) = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     said = capsys.readouterr().err
     ended = "the launcher still runs 0.5 s after every rank recorded its failure and ended: ending it"
@@ -355,7 +355,7 @@ def test_a_launcher_without_the_mark_is_waited_for(tmp_path, monkeypatch):
     monkeypatch.setattr(supervisor_module, "FINISHED_LINGER_S", 0.0)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], start_new_session=True)
     try:
-        assert supervisor_module._wait_unless_lingering(child, lambda: "") == (0, "")
+        assert supervisor_module._wait_unless_lingering(child, lambda: "") == (0, "", False)
     finally:
         child.kill()
         child.wait()
@@ -371,7 +371,7 @@ def test_a_job_that_never_starts_is_ended_after_the_startup_timeout_and_relaunch
     plan = make_plan(["-np", "2", "--launcher-path", str(launcher), "--run-dir", str(run_dir), "--max-restarts", "1",
                       "--startup-timeout", "1", "--", "--epochs", "1"], {})
     assert plan.startup_timeout_s == 1.0
-    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 137
+    assert Supervisor(plan, {"PATH": "/usr/bin:/bin"}).run() == 4  # a hang's status, not launch's own SIGKILL's
     first, second = json.loads((run_dir / "attempts.json").read_text())["attempts"]
     overdue = ("not every rank came through MPI's start-up within --startup-timeout 1 s (the job recorded no "
                f"placement in {run_dir / 'failures'}: a host's daemon or a rank stuck there, e.g. on a hung "
