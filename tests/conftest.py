@@ -127,8 +127,10 @@ STARTUP_RACE_RETRIES = 2  # launches more after Open MPI's start-up race (each o
 
 
 # Under launch's relay layout the race takes another form: a fake host's daemon comes up and ends before any rank
-# started, and mpirun would wait for it forever; launch ends that attempt and leaves the host out (its line:
-# mpiddp.launch.diagnose.ENDED_BEFORE_START). That run is not the one a test describes: it is launched again.
+# started, and mpirun would wait for it forever; launch ends that attempt (its line:
+# mpiddp.launch.diagnose.ENDED_BEFORE_START) and relaunches: without that host where a spare takes its place, else
+# on the same hosts, the host answering launch's probe (mpiddp.launch.probe). That attempt is not one a test
+# describes (past_start_races), and a run whose first attempt it was is launched again.
 ENDED_BEFORE_START = "ended before the job started"
 
 

@@ -7,30 +7,36 @@ start-up races now and then, and sshd drops connections beyond its MaxStartups w
 So `launch` asks: it runs `true` on the host through the agent the launcher uses (mpiddp.launch.ender.host_agent),
 with a deadline, before it decides.
 
-- A named host that answers is kept for the relaunch, once per launch (`PARDONED`): the start failed, the host did
-  not. A host whose start fails again is left out as before (per --host-strikes): a fault of its own that a probe
-  cannot see (a daemon that cannot start there) costs one attempt more, never the run.
+- A named host that answers is kept for the relaunch, once per launch (`PARDONED`), where leaving it out would
+  cost the run (no spare host can take its place) and --host-strikes is 1 (more already retries a host): the start
+  failed, the host did not. If its start fails again it is left out as before: a fault of its own that a probe
+  cannot see (a firewalled daemon port, a broken prted) costs one attempt more. Where a spare can take its place it
+  is left out at once, as before: the spare costs nothing.
 - After a start past --startup-timeout, a host that does not answer within PROBE_TIMEOUT_S is the one blamed
-  (`unreachable`); where every host answers, none is.
-The probe runs only when the job recorded no placement (it never started) and the launcher reaches hosts through an
-agent (mpirun, mpiexec; not srun).
+  (`unreachable`), provided another host answered: where none does, the probe may not reach hosts the way the
+  launcher does (Open MPI starting its daemons through Slurm or PBS, ssh options of its own), and none is blamed.
+The probe runs only when the job recorded no placement (it never started), the launcher reaches hosts through an
+agent (mpirun, mpiexec; not srun), and a relaunch is left for the answers to change.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from mpiddp.launch.diagnose import STARTUP_OVERDUE_PREFIX, Failure
-from mpiddp.launch.policy import same_host
+from mpiddp.launch.policy import short_name
 
 PROBE_TIMEOUT_S = 10.0  # a host that has not run `true` by then is taken for one that does not answer
-PROBE_PARALLEL = 64  # hosts asked at once (one connection each: a thousand-host start-up failure stays bounded)
+PROBE_PARALLEL = 64  # hosts asked at a time (one connection each: a thousand-host start-up failure stays bounded)
 PARDONED = "answered launch's probe afterwards (`true` through the launcher's agent): a start that failed, not a " \
-           "host that is down; kept once"
+           "host that is down; kept once, as no spare host can take its place"
 
 
 def probe_command(agent: Sequence[str], host: str) -> list[str]:
@@ -39,44 +45,67 @@ def probe_command(agent: Sequence[str], host: str) -> list[str]:
 
 
 def run_probe(command: list[str], timeout: float = PROBE_TIMEOUT_S) -> str:
-    """"" when `command` exited 0 within `timeout`, else why not, in a few words (its last line of stderr)."""
+    """"" when `command` exited 0 within `timeout`, else why not, in a few words (its last line of stderr). It runs
+    in a session of its own: a Ctrl-C to launch's terminal does not end it (a probe killed so would read as a host
+    that does not answer), and at the deadline the whole session is ended (an agent that does not exec leaves
+    children behind). Its stderr goes to a file: a child that outlives the agent cannot hold launch waiting."""
+    with tempfile.TemporaryFile("w+", errors="replace") as err:
+        try:
+            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                     start_new_session=True)
+        except OSError as exc:
+            return f"cannot run {command[0]}: {exc.strerror or exc}"
+        try:
+            status = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end_session(child.pid)
+            child.wait()
+            return f"no answer within {timeout:g} s"
+        if status == 0:
+            return ""
+        err.seek(0)
+        said = next((line.strip() for line in reversed(err.read().splitlines()) if line.strip()), "")
+    return f"exit status {status}" + (f": {said[:200]}" if said else "")
+
+
+def _end_session(session: int) -> None:
     try:
-        done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              timeout=timeout, text=True, errors="replace")
-    except subprocess.TimeoutExpired:
-        return f"no answer within {timeout:g} s"
-    except OSError as exc:
-        return f"cannot run {command[0]}: {exc.strerror or exc}"
-    if done.returncode == 0:
-        return ""
-    said = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "")
-    return f"exit status {done.returncode}" + (f": {said[:200]}" if said else "")
+        os.killpg(session, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def is_here(name: str, here: str) -> bool:
+    """Whether host-list name `name` names launch's host `here`: the same name, `localhost`, or the short form of
+    the other (node1 for node1.cluster.org; node1.racka and node1.rackb are two hosts)."""
+    if name in ("localhost", here):
+        return True
+    return ("." not in name or "." not in here) and short_name(name) == short_name(here)
 
 
 def remote_hosts(hosts: Sequence[str], launch_host: str | None = None) -> list[str]:
-    """`hosts` less this one (launch's own, or `localhost`), each once: the hosts a probe asks."""
+    """`hosts` less launch's own (is_here), each once: the hosts a probe asks."""
     here = launch_host or socket.gethostname()
-    return [name for name in dict.fromkeys(hosts) if name != "localhost" and not same_host(name, here)]
+    return [name for name in dict.fromkeys(hosts) if not is_here(name, here)]
 
 
 def probe_hosts(agent: Sequence[str], hosts: Sequence[str], launch_host: str | None = None,
                 run: Callable[[list[str]], str] = run_probe) -> dict[str, str]:
-    """Each of `hosts` -> "" where it answered, else why not; all asked at once (PROBE_PARALLEL at most). This
-    host answers without being asked (remote_hosts)."""
+    """Each of `hosts` but launch's own (remote_hosts) -> "" where it answered, else why not; PROBE_PARALLEL at a
+    time."""
     remote = remote_hosts(hosts, launch_host)
-    answers = dict.fromkeys(hosts, "")
-    if remote:
-        with ThreadPoolExecutor(min(PROBE_PARALLEL, len(remote)), thread_name_prefix="mpiddp-probe") as pool:
-            for name, why in zip(remote, pool.map(lambda name: run(probe_command(agent, name)), remote)):
-                answers[name] = why
-    return answers
+    if not remote:
+        return {}
+    with ThreadPoolExecutor(min(PROBE_PARALLEL, len(remote)), thread_name_prefix="mpiddp-probe") as pool:
+        return dict(zip(remote, pool.map(lambda name: run(probe_command(agent, name)), remote)))
 
 
-def hosts_to_probe(found: Failure, hosts: Sequence[str], pardoned: set[str]) -> list[str]:
-    """Which hosts a start-up failure asks about: those it names as unreachable and not yet kept once, or after a
-    start past --startup-timeout every host of the attempt; none for any other failure."""
+def hosts_to_probe(found: Failure, hosts: Sequence[str], pardoned: set[str], may_keep: bool) -> list[str]:
+    """Which hosts a start-up failure asks about: those it names as unreachable and not yet kept once, where a host
+    may be kept (`may_keep`: no spare could take its place, --host-strikes 1); after a start past
+    --startup-timeout, every host of the attempt; none for any other failure."""
     if found.kind == "unreachable":
-        return [host for host in found.hosts if host not in pardoned]
+        return [host for host in found.hosts if host not in pardoned] if may_keep else []
     if overdue(found):
         return list(hosts)
     return []
@@ -102,6 +131,9 @@ def weigh(found: Failure, answers: dict[str, str], pardoned: set[str]) -> tuple[
         if not silent:
             return replace(found, message=f"{found.message}; every host answered launch's probe: none is blamed"), []
         said = "; ".join(f"{host}: {why}" for host, why in silent.items())
+        if len(silent) == len(answers):  # no host answered: the probe's own way to hosts may be what fails
+            return replace(found, message=f"{found.message}; no host answered launch's probe ({said}), which may "
+                                          "not reach hosts the way the launcher does: none is blamed"), []
         return replace(found, kind="unreachable", hosts=tuple(silent),
                        message=f"{found.message}; launch's probe (`true` through the launcher's agent) found "
                                f"{', '.join(silent)} not answering ({said})"), []

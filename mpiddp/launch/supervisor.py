@@ -35,13 +35,15 @@ from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts, ho
 from mpiddp.launch.ender import Ender, end_daemons, host_agent
 from mpiddp.launch.diagnose import (CRASH_TAKES_S, ENDED_BEFORE_START, EXIT_STOPPED, STARTUP_OVERDUE, Failure,
                                     OutputKeeper, after_spawn, diagnose, during_spawn)
-from mpiddp.launch.hosts import Host, place
+from mpiddp.launch.hosts import Host, HostListError, place
 from mpiddp.launch.policy import (Decision, blamed, contradicted_by_records, decide, same_host,
                                   strike_lost_in_job)
 from mpiddp.launch.probe import PROBE_TIMEOUT_S, hosts_to_probe, probe_command, probe_hosts, remote_hosts, weigh
 from mpiddp.launch.relay import (NO_RELAYS, RelayLayout, agent_failures, decide_layout, hosts_ended,
                                  remove_layout, without_agent, write_layout)
 
+# launch's exit status after a failure it ended the launcher for, by the failure's cause (else EXIT_CRASH)
+CAUSE_STATUS = {"hang": EXIT_HANG, "stopped": EXIT_STOPPED, "user_error": EXIT_USER_ERROR}
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 KILL_AFTER_INTERRUPTS = 3  # the third Ctrl-C kills the launcher's process group: no snapshot
 OUTPUT_TAIL_LINES = 400  # the launcher's last lines, kept with every evidence line before them (OutputKeeper)
@@ -315,10 +317,10 @@ class Supervisor:
 
     def _exit_status(self, attempt: Attempt) -> int:
         """launch's own exit status after a failed attempt it does not relaunch: the launcher's, except where launch
-        ended the launcher itself (its SIGKILL: 137, which reads as the OOM killer's): then the status the job's
-        own end would have had, 4 for a hang, else 1."""
+        ended the launcher itself (its SIGKILL: 137, which reads as the OOM killer's): then the status of the
+        failure's cause (mpiddp.errors: a hang 4, a stop 3, a user error 2), else 1."""
         if self.ended_launcher and attempt.status == 128 + signal.SIGKILL:
-            return EXIT_HANG if attempt.cause == "hang" else EXIT_CRASH
+            return CAUSE_STATUS.get(attempt.cause or "", EXIT_CRASH)
         return attempt.status or EXIT_CRASH
 
     def _failed_in_a_spawn(self, attempt: Attempt, found: Failure) -> tuple[Failure, float | None]:
@@ -380,20 +382,34 @@ class Supervisor:
 
     def _probe_start(self, attempt: Attempt, found: Failure) -> Failure:
         """A failure of an attempt whose job recorded no placement (it never started), weighed with what the hosts
-        in question answer when asked through the launcher's agent (mpiddp.launch.probe); as it is under srun."""
-        if self.plan.launcher == "srun":
+        in question answer when asked through the launcher's agent (mpiddp.launch.probe); as it is under srun, or
+        with no relaunch left for the answers to change."""
+        if self.plan.launcher == "srun" or attempt.number >= self.plan.max_restarts:
             return found
-        asked = hosts_to_probe(found, self._daemon_hosts, self.pardoned)
+        may_keep = self.plan.host_strikes == 1 and not self._replaceable(attempt, found.hosts)
+        asked = remote_hosts(hosts_to_probe(found, self._daemon_hosts, self.pardoned, may_keep))
         if not asked:
             return found
         agent = host_agent(self.plan.extra, self.env)
-        if remote_hosts(asked):
-            say(f"attempt {attempt.number}: the job never started; asking {', '.join(remote_hosts(asked))} to answer"
-                f" ({' '.join(probe_command(agent, 'HOST'))}, {PROBE_TIMEOUT_S:g} s at most)")
+        say(f"attempt {attempt.number}: the job never started; asking {', '.join(asked)} to answer "
+            f"({' '.join(probe_command(agent, 'HOST'))}, {PROBE_TIMEOUT_S:g} s at most)")
         attempt.probed = probe_hosts(agent, asked)
         found, kept = weigh(found, attempt.probed, self.pardoned)
         self.pardoned.update(kept)
         return found
+
+    def _replaceable(self, attempt: Attempt, hosts: tuple[str, ...]) -> bool:
+        """Whether the hosts left, without `hosts` and those left out already, still hold the attempt's ranks (a
+        spare takes their place); True without a host list (the launcher places the ranks: none is left out)."""
+        if not self.plan.hosts:
+            return True
+        remaining = [h for h in self.plan.hosts if h.name not in attempt.excluded_hosts
+                     and not any(same_host(h.name, name) for name in hosts)]
+        try:
+            place(remaining, attempt.num_ranks or self.num_ranks)
+        except HostListError:
+            return False
+        return True
 
     def _first_hosts(self) -> list[Host]:
         remaining = [h for h in self.plan.hosts if h.name not in self.plan.excluded]
