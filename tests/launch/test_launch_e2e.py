@@ -391,6 +391,17 @@ def daemon_replaced(hosts, path, host, program, once=None):
     return " ".join(hosts.transport_args()).replace(str(hosts.agent), str(path))
 
 
+def train_on_fake_hosts(hosts, run_dir, host_list, transport, *launch_flags, races=None):
+    """launch, typed on nodea, training 1 epoch on `host_list` (-np 2) with Open MPI reaching hosts by `transport`
+    (its --launcher-args); the job (conftest.run_command: `races` None keeps its retries)."""
+    command = launch_command("-H", host_list, "-np", "2", "--launcher", "mpirun", *launch_flags, "--launcher-args",
+                             transport, "--", "--run-dir", str(run_dir), "--epochs", "1", *FAST)
+    env = job_env()
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy")  # slots come from -H
+    retries = {} if races is None else {"races": races}
+    return run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env, **retries)
+
+
 def test_a_host_whose_daemon_ends_as_the_job_starts_is_left_out_for_the_spare_not_waited_for_forever(hosts, tmp_path):
     """Under the relay layout a daemon that came up and then ended before any rank started (a host that went down
     then, or Open MPI's start-up race, which struck CI so) was never noticed: its relay carries on and mpirun waited
@@ -398,11 +409,7 @@ def test_a_host_whose_daemon_ends_as_the_job_starts_is_left_out_for_the_spare_no
     can take nodeb's place, so nodeb is left out at once (launch asks nothing)."""
     run_dir = tmp_path / "run"
     transport = daemon_replaced(hosts, tmp_path / "dying-agent.sh", "nodeb", "/bin/false")
-    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
-                             "--launcher-args", transport, "--", "--run-dir", str(run_dir), "--epochs", "1", *FAST)
-    env = job_env()
-    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
-    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env, races=0)
+    job = train_on_fake_hosts(hosts, run_dir, "nodea:1,nodeb:1,nodec:1", transport, races=0)
     assert job.returncode == 0, job.output[-5000:]
     first, second = attempts(run_dir)["attempts"]
     assert (first["cause"], first["failed_hosts"], first["status"], first["probed"]) == \
@@ -420,11 +427,7 @@ def test_a_start_that_fails_once_on_a_host_no_spare_can_replace_is_retried_there
     nodeb"); nodeb answers launch's probe, so the relaunch keeps it, and the run finishes on both hosts."""
     run_dir = tmp_path / "run"
     transport = daemon_replaced(hosts, tmp_path / "dying-agent.sh", "nodeb", "/bin/false", once=tmp_path / "failed")
-    command = launch_command("-H", "nodea:1,nodeb:1", "-np", "2", "--launcher", "mpirun",
-                             "--launcher-args", transport, "--", "--run-dir", str(run_dir), "--epochs", "1", *FAST)
-    env = job_env()
-    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
-    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env, races=0)
+    job = train_on_fake_hosts(hosts, run_dir, "nodea:1,nodeb:1", transport, races=0)
     assert job.returncode == 0, job.output[-5000:]
     first, second = attempts(run_dir)["attempts"]
     assert (first["cause"], first["status"], first["failed_hosts"], first["probed"]) == \
@@ -470,11 +473,7 @@ def test_a_host_hung_at_start_is_found_by_launchs_probe_and_left_out_for_the_spa
 def test_a_host_the_launcher_cannot_reach_is_left_out_for_the_spare(hosts, tmp_path):
     run_dir = tmp_path / "run"
     transport = refusing_transport(hosts, tmp_path / "refusing-agent.sh", "nodeb")
-    command = launch_command("-H", "nodea:1,nodeb:1,nodec:1", "-np", "2", "--launcher", "mpirun",
-                             "--launcher-args", transport, "--", "--run-dir", str(run_dir), "--epochs", "1", *FAST)
-    env = job_env()
-    env.pop("PRTE_MCA_rmaps_default_mapping_policy")
-    job = run_command(hosts.command_on("nodea", command), run_dir, timeout=300, env=env)
+    job = train_on_fake_hosts(hosts, run_dir, "nodea:1,nodeb:1,nodec:1", transport)
     assert job.returncode == 0, job.output[-5000:]
     first, second = attempts(run_dir)["attempts"]
     assert (first["cause"], first["failed_hosts"], first["cause_source"]) == ("unreachable", ["nodeb"],
