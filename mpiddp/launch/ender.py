@@ -4,7 +4,8 @@ Under in-job recovery the hang watchdog ends a rank that stopped answering (SIGK
 failed and the survivors go on; a rank on the same host does it. Where no other rank runs on that host, the
 watchdog asks `launch` instead, with a file in the failures directory naming the host and the pid
 (mpiddp.failure.ask_to_end). `launch` reaches the host the way the launcher does: through the agent the user
-named for it, however it was named (host_agent), else ssh, and runs `kill -KILL PID` there. Where that fails
+named for it, however it was named (host_agent), else ssh, with the options Open MPI gives it (plm_ssh_args:
+host_command), and runs `kill -KILL PID` there. Where that fails
 (the host cannot be reached), one line says so, and the job's own fallback stands: the watchdog ends the job.
 """
 
@@ -27,6 +28,10 @@ MCA_FLAGS = ("--mca", "-mca", "--prtemca", "-prtemca", "--omca", "-omca", "--gmc
 HYDRA_FLAGS = ("-launcher-exec", "--launcher-exec", "-bootstrap-exec", "--bootstrap-exec")
 AGENT_ENV = ("PRTE_MCA_plm_ssh_agent", "PRTE_MCA_plm_rsh_agent", "OMPI_MCA_plm_ssh_agent", "OMPI_MCA_plm_rsh_agent",
              "HYDRA_LAUNCHER_EXEC", "HYDRA_BOOTSTRAP_EXEC")
+# The options Open MPI puts between the agent and the host (`--mca plm_ssh_args "-p 2222"`: sshd elsewhere, as in
+# containers), under the same names and in the same order of precedence
+AGENT_ARGS_PARAMS = ("plm_ssh_args", "plm_rsh_args")
+AGENT_ARGS_ENV = ("PRTE_MCA_plm_ssh_args", "PRTE_MCA_plm_rsh_args", "OMPI_MCA_plm_ssh_args", "OMPI_MCA_plm_rsh_args")
 POLL_S = 0.5  # how often the failures directory is looked at while the job runs (a listing: cheap)
 END_TIMEOUT_S = 30.0  # the most one `kill` through the agent may take (an unreachable host: the hang stands)
 
@@ -46,6 +51,25 @@ def host_agent(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str
     if not agent:
         agent = next((env[name] for name in AGENT_ENV if env.get(name, "").strip()), "ssh")
     return shlex.split(agent.split(":")[0].strip()) or ["ssh"]
+
+
+def agent_args(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """The options the launcher gives its agent before the host: Open MPI's plm_ssh_args (the launcher's command
+    line first, the last one given, else the environment); none for Hydra, whose agent is all in -launcher-exec."""
+    given = None
+    args = list(launcher_args)
+    for index, arg in enumerate(args):
+        if arg in MCA_FLAGS and index + 2 < len(args) and args[index + 1] in AGENT_ARGS_PARAMS:
+            given = args[index + 2]
+    if given is None:
+        given = next((env[name] for name in AGENT_ARGS_ENV if env.get(name, "").strip()), "")
+    return shlex.split(given)
+
+
+def host_command(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """What runs a command on another host exactly as the launcher reaches it: the agent (host_agent) and the
+    options it gives it (agent_args); the host and the command follow."""
+    return [*host_agent(launcher_args, env), *agent_args(launcher_args, env)]
 
 
 def end_command(agent: Sequence[str], host: str, pid: int) -> list[str]:

@@ -7,7 +7,7 @@ start-up races now and then, and sshd drops connections beyond its MaxStartups w
 So `launch` asks: it runs `true` on the host through the agent the launcher uses (mpiddp.launch.ender.host_agent),
 with a deadline, before it decides.
 
-- A named host that answers is kept for the relaunch, once per launch (`PARDONED`), where leaving it out would
+- A named host that answers is kept for the relaunch, once per launch (`KEPT_ONCE`), where leaving it out would
   cost the run (no spare host can take its place) and --host-strikes is 1 (more already retries a host): the start
   failed, the host did not. If its start fails again it is left out as before: a fault of its own that a probe
   cannot see (a firewalled daemon port, a broken prted) costs one attempt more. Where a spare can take its place it
@@ -35,7 +35,7 @@ from mpiddp.launch.policy import short_name
 
 PROBE_TIMEOUT_S = 10.0  # a host that has not run `true` by then is taken for one that does not answer
 PROBE_PARALLEL = 64  # hosts asked at a time (one connection each: a thousand-host start-up failure stays bounded)
-PARDONED = "answered launch's probe afterwards (`true` through the launcher's agent): a start that failed, not a " \
+KEPT_ONCE = "answered launch's probe afterwards (`true` through the launcher's agent): a start that failed, not a " \
            "host that is down; kept once, as no spare host can take its place"
 
 
@@ -100,12 +100,12 @@ def probe_hosts(agent: Sequence[str], hosts: Sequence[str], launch_host: str | N
         return dict(zip(remote, pool.map(lambda name: run(probe_command(agent, name)), remote)))
 
 
-def hosts_to_probe(found: Failure, hosts: Sequence[str], pardoned: set[str], may_keep: bool) -> list[str]:
+def hosts_to_probe(found: Failure, hosts: Sequence[str], kept_once: set[str], may_keep: bool) -> list[str]:
     """Which hosts a start-up failure asks about: those it names as unreachable and not yet kept once, where a host
     may be kept (`may_keep`: no spare could take its place, --host-strikes 1); after a start past
     --startup-timeout, every host of the attempt; none for any other failure."""
     if found.kind == "unreachable":
-        return [host for host in found.hosts if host not in pardoned] if may_keep else []
+        return [host for host in found.hosts if host not in kept_once] if may_keep else []
     if overdue(found):
         return list(hosts)
     return []
@@ -116,15 +116,15 @@ def overdue(found: Failure) -> bool:
     return found.kind == "hang" and found.source == "launcher output" and found.message.startswith(STARTUP_OVERDUE_PREFIX)
 
 
-def weigh(found: Failure, answers: dict[str, str], pardoned: set[str]) -> tuple[Failure, list[str]]:
+def weigh(found: Failure, answers: dict[str, str], kept_once: set[str]) -> tuple[Failure, list[str]]:
     """(the failure as the probe's answers leave it, the hosts kept once now). A host named unreachable that
     answered, and was not kept once before, is no longer named; after a start past --startup-timeout the hosts
     that did not answer are named `unreachable`."""
     if found.kind == "unreachable":
-        kept = [host for host in found.hosts if host not in pardoned and answers.get(host) == ""]
+        kept = [host for host in found.hosts if host not in kept_once and answers.get(host) == ""]
         if not kept:
             return found, []
-        message = f"{found.message}; {', '.join(kept)} {PARDONED}"
+        message = f"{found.message}; {', '.join(kept)} {KEPT_ONCE}"
         return replace(found, hosts=tuple(h for h in found.hosts if h not in kept), message=message), kept
     if overdue(found) and answers:
         silent = {host: why for host, why in answers.items() if why}

@@ -146,20 +146,35 @@ def remove_layout(folder: Path) -> None:
         (folder / name).unlink(missing_ok=True)
 
 
+# ssh's options that take a value (ssh(1): -B -b -c -D -E -e -F -I -i -J -L -l -m -O -o -p -Q -R -S -W -w): PRRTE
+# puts its plm_ssh_args (`-p 2222 -o ConnectTimeout=5`, common where sshd listens elsewhere, as in containers)
+# before the host, so the host is the first word that is neither an option nor an option's value
+SSH_VALUED = frozenset("BbcDEeFIiJLlmOopQRSWw")
+
+
+def host_index(args: Sequence[str]) -> int:
+    """Where the host is in an agent command line `[options] HOST COMMAND...` (ssh's option grammar, as getopt
+    reads it: `-p 2222`, `-p2222`, `-xp 2222`); len(args) when there is none."""
+    index = 0
+    while index < len(args) and args[index].startswith("-") and args[index] != "-":
+        flags = args[index][1:]
+        valued = next((at for at, flag in enumerate(flags) if flag in SSH_VALUED), None)
+        index += 2 if valued is not None and valued == len(flags) - 1 else 1
+    return index
+
+
 def relay_command(args: Sequence[str]) -> list[str] | None:
     """The local command for a relay entry (`[options] mpiddp-relayK COMMAND...`), or None for a real host."""
-    for index, arg in enumerate(args):
-        if arg.startswith(RELAY_PREFIX) and arg[len(RELAY_PREFIX):].isdigit():
-            return ["/bin/sh", "-c", " ".join(args[index + 1:])]
-        if not arg.startswith("-"):
-            return None
+    at = host_index(args)
+    if at < len(args) and args[at].startswith(RELAY_PREFIX) and args[at][len(RELAY_PREFIX):].isdigit():
+        return ["/bin/sh", "-c", " ".join(args[at + 1:])]
     return None
 
 
 def marked_args(args: Sequence[str]) -> list[str]:
     """The agent's arguments with the marker printed first on the remote side: `[options] HOST echo MARKER; CMD`."""
     args = list(args)
-    at = next((i for i, arg in enumerate(args) if not arg.startswith("-")), len(args))
+    at = host_index(args)
     return [*args[:at + 1], f"echo {MARKER};", *args[at + 1:]]
 
 
@@ -201,7 +216,8 @@ def _pass_on(stream: Any, said: list[bytes]) -> None:
 
 def host_of(args: Sequence[str]) -> str:
     """The host of an agent command line `[options] HOST COMMAND...`."""
-    return next((arg for arg in args if not arg.startswith("-")), "?")
+    at = host_index(args)
+    return args[at] if at < len(args) else "?"
 
 
 def _last_line(said: list[bytes]) -> str:

@@ -32,7 +32,7 @@ from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, HOST_RELAYS_ENV
 from mpiddp.errors import EXIT_CRASH, EXIT_HANG, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts, hot_spare_ranks
-from mpiddp.launch.ender import Ender, end_daemons, host_agent
+from mpiddp.launch.ender import Ender, end_daemons, host_agent, host_command
 from mpiddp.launch.diagnose import (CRASH_TAKES_S, ENDED_BEFORE_START, EXIT_STOPPED, STARTUP_OVERDUE, Failure,
                                     OutputKeeper, after_spawn, diagnose, during_spawn)
 from mpiddp.launch.hosts import Host, HostListError, place
@@ -240,7 +240,7 @@ class Supervisor:
         self._started: bool = False  # the attempt's job recorded its placement: its start is never judged again
         self._started_at = 0.0  # the attempt's start, on the monotonic clock
         self._daemon_hosts: list[str] = []  # the attempt's hosts, spares included: where its launcher starts daemons
-        self.pardoned: set[str] = set()  # hosts kept once after a start that failed there (mpiddp.launch.probe)
+        self.kept_once: set[str] = set()  # hosts kept once after a start that failed there (mpiddp.launch.probe)
 
     @property
     def child_stop(self) -> signal.Signals:
@@ -387,15 +387,15 @@ class Supervisor:
         if self.plan.launcher == "srun" or attempt.number >= self.plan.max_restarts:
             return found
         may_keep = self.plan.host_strikes == 1 and not self._replaceable(attempt, found.hosts)
-        asked = remote_hosts(hosts_to_probe(found, self._daemon_hosts, self.pardoned, may_keep))
+        asked = remote_hosts(hosts_to_probe(found, self._daemon_hosts, self.kept_once, may_keep))
         if not asked:
             return found
-        agent = host_agent(self.plan.extra, self.env)
+        agent = host_command(self.plan.extra, self.env)
         say(f"attempt {attempt.number}: the job never started; asking {', '.join(asked)} to answer "
             f"({' '.join(probe_command(agent, 'HOST'))}, {PROBE_TIMEOUT_S:g} s at most)")
         attempt.probed = probe_hosts(agent, asked)
-        found, kept = weigh(found, attempt.probed, self.pardoned)
-        self.pardoned.update(kept)
+        found, kept = weigh(found, attempt.probed, self.kept_once)
+        self.kept_once.update(kept)
         return found
 
     def _replaceable(self, attempt: Attempt, hosts: tuple[str, ...]) -> bool:
@@ -463,7 +463,7 @@ class Supervisor:
         output += f"mpiddp launch: {self.not_started}\n" if self.not_started else ""  # what diagnose reads
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
             lost = lost_whole()  # a crashed host would not answer
-            end_daemons(host_agent(self.plan.extra, self.env),
+            end_daemons(host_command(self.plan.extra, self.env),
                         [h.name for h in [*hosts, *spares] if not any(same_host(h.name, x) for x in lost)],
                         self.child.pid)
         self.child = None
@@ -491,7 +491,7 @@ class Supervisor:
         """While the attempt runs under in-job recovery: ends the hung ranks the job names (mpiddp.launch.ender)."""
         if not attempt.in_job_recovery:
             return contextlib.nullcontext()
-        return Ender(self.failure_file, host_agent(self.plan.extra, self.env), say)
+        return Ender(self.failure_file, host_command(self.plan.extra, self.env), say)
 
     def _finished(self, attempt: Attempt) -> bool:
         """Whether a 0 from the launcher means the job finished: always without MPI fault tolerance; with it (where

@@ -15,7 +15,7 @@ from mpiddp import failure
 from mpiddp.errors import EXIT_HANG
 from mpiddp.job import storekeys
 from mpiddp.job.watchdog import Watchdog
-from mpiddp.launch.ender import Ender, end_command, host_agent
+from mpiddp.launch.ender import Ender, end_command, host_agent, host_command
 from test_launch_record import DictStore
 from test_watch import wait_for
 
@@ -145,6 +145,21 @@ def test_without_in_job_recovery_a_hang_ends_the_job_and_nobody_is_killed(tmp_pa
 ])
 def test_launch_reaches_the_host_through_the_agent_however_it_is_named(args, env):
     assert host_agent(args, env) == ["/x/agent.sh", "-q"]
+
+
+@pytest.mark.parametrize("args, env, options", [
+    (["--mca", "plm_ssh_args", "-p 2222 -o ConnectTimeout=5"], {}, ["-p", "2222", "-o", "ConnectTimeout=5"]),
+    (["--prtemca", "plm_rsh_args", "-p 2222"], {"PRTE_MCA_plm_ssh_args": "-q"}, ["-p", "2222"]),  # the line wins
+    ([], {"PRTE_MCA_plm_ssh_args": "-p 2222", "OMPI_MCA_plm_rsh_args": "-q"}, ["-p", "2222"]),
+    ([], {"OMPI_MCA_plm_rsh_args": "-p 2222"}, ["-p", "2222"]),
+    (["--mca", "btl", "tcp,self"], {"PRTE_MCA_plm_ssh_args": " "}, []),
+])
+def test_launch_reaches_the_host_with_the_options_the_launcher_gives_its_agent(args, env, options):
+    """Open MPI puts plm_ssh_args between the agent and the host (sshd on another port, as in containers): launch's
+    own commands on a host (ending a hung rank or a dead launcher's daemons, its probe) carry them too."""
+    agent = ["--mca", "plm_ssh_agent", "/x/agent.sh -q"]
+    assert host_command([*agent, *args], env) == ["/x/agent.sh", "-q", *options]
+    assert host_command(args, env) == ["ssh", *options]
 
 
 def test_launch_reaches_the_host_through_the_launchers_agent():

@@ -438,6 +438,30 @@ def test_a_start_that_fails_once_on_a_host_no_spare_can_replace_is_retried_there
     assert second["hosts"] == ["nodea", "nodeb"] and job.summary["hosts"] == {"nodea": [0], "nodeb": [1]}
 
 
+def test_an_agent_given_options_before_the_host_reaches_every_host_relays_and_launchs_probe_included(hosts, tmp_path):
+    """sshd on port 2222 (as in containers): `--mca plm_ssh_args "-p 2222 ..."`, which Open MPI puts before the
+    host. The relay layout found the host at `2222` (its relays went to ssh, its marker before the host: no start
+    ever worked), and launch's own commands on a host (its probe, ending a hung rank) went to port 22. Here nodeb's
+    first daemon ends as the job starts and no spare can take its place: launch asks nodeb on port 2222, keeps it,
+    and the run finishes on both hosts."""
+    run_dir = tmp_path / "run"
+    transport = daemon_replaced(hosts, tmp_path / "port-agent.sh", "nodeb", "/bin/false", once=tmp_path / "failed")
+    agent = tmp_path / "port-agent.sh"
+    agent.write_text(agent.read_text().replace(  # an sshd that answers on port 2222 only
+        'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n',
+        'port=22; while [ $# -gt 0 ]; do case "$1" in -p) port="$2"; shift 2 ;; -o) shift 2 ;; -*) shift ;; '
+        '*) break ;; esac; done\n[ "$port" = 2222 ] || { echo "ssh: connect to host $1 port $port: Connection '
+        'refused" >&2; exit 255; }\n'))
+    assert "port=22" in agent.read_text()
+    job = train_on_fake_hosts(hosts, run_dir, "nodea:1,nodeb:1",
+                              f"{transport} --mca plm_ssh_args '-p 2222 -o ConnectTimeout=5'", races=0)
+    assert job.returncode == 0, job.output[-5000:]
+    first, second = attempts(run_dir)["attempts"]
+    assert (first["cause"], first["failed_hosts"], first["probed"]) == ("unreachable", [], {"nodeb": ""}), first
+    assert any(arg.endswith("mpiddp-agent") for arg in first["command"]), first["command"]  # the relay layout
+    assert second["hosts"] == ["nodea", "nodeb"] and job.summary["hosts"] == {"nodea": [0], "nodeb": [1]}
+
+
 def test_a_host_hung_at_start_is_found_by_launchs_probe_and_left_out_for_the_spare_leaving_nothing(hosts, tmp_path):
     """A host hung as the job starts (here its daemon is a sleeper, and it does not answer `true` either: a hung
     filesystem, say) holds mpirun in its start-up forever, with any layout: launch ends the attempt

@@ -12,7 +12,7 @@ import time
 from conftest import run_supervisor
 from mpiddp.launch.diagnose import STARTUP_OVERDUE, Failure, diagnose
 from mpiddp.launch.hosts import Host
-from mpiddp.launch.probe import (PARDONED, hosts_to_probe, probe_command, probe_hosts, remote_hosts, run_probe,
+from mpiddp.launch.probe import (KEPT_ONCE, hosts_to_probe, probe_command, probe_hosts, remote_hosts, run_probe,
                                  weigh)
 from mpiddp.launch.supervisor import Attempt, Plan, Supervisor
 
@@ -77,7 +77,7 @@ def test_an_unreachable_host_that_answers_is_kept_once():
     assert hosts_to_probe(found, ["a", "b", "c"], set(), may_keep=False) == []  # a spare, or --host-strikes 2
     weighed, kept = weigh(found, {"b": ""}, set())
     assert (weighed.kind, weighed.hosts, kept) == ("unreachable", (), ["b"])
-    assert weighed.message == f"the launcher could not reach b; b {PARDONED}"
+    assert weighed.message == f"the launcher could not reach b; b {KEPT_ONCE}"
     assert hosts_to_probe(found, ["a", "b", "c"], {"b"}, may_keep=True) == []  # kept once already: not asked again
     assert weigh(found, {"b": ""}, {"b"}) == (found, [])  # and blamed, were it asked
     assert weigh(found, {"b": "exit status 255: ssh: connect to host b port 22: Connection refused"}, set()) == \
@@ -152,7 +152,7 @@ def test_with_no_spare_an_answering_host_is_kept_once_then_left_out(tmp_path, mo
     assert probes == ["b true"]  # asked once: kept once, never asked again
     assert (first["probed"], first["failed_hosts"], first["blamed_hosts"], first["excluded_hosts"]) == \
         ({"b": ""}, [], [], [])
-    assert first["message"].endswith(f"b {PARDONED}") and first["decision"].startswith("relaunching on the same hosts")
+    assert first["message"].endswith(f"b {KEPT_ONCE}") and first["decision"].startswith("relaunching on the same hosts")
     assert (second["probed"], second["failed_hosts"], second["excluded_hosts"]) == ({}, ["b"], ["b"])
     assert second["decision"].startswith("cannot relaunch without b")
     said = capsys.readouterr().err

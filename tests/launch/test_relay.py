@@ -13,6 +13,7 @@ from mpiddp.launch.relay import (
     MARKER,
     agent_failures,
     decide_layout,
+    host_of,
     hostfile_text,
     hosts_ended,
     marked_args,
@@ -73,6 +74,19 @@ def test_relay_entries_run_here_and_a_hosts_command_gets_the_marker_first():
     assert relay_command(["nodeb", "prted"]) is None
     assert relay_command(["mpiddp-relayX", "prted"]) is None  # only relayN: never a real host's name
     assert marked_args(["-x", "nodeb", "prted", "--x"]) == ["-x", "nodeb", f"echo {MARKER};", "prted", "--x"]
+
+
+@pytest.mark.parametrize("options", [[], ["-x"], ["-p", "2222"], ["-p2222"], ["-xp", "2222"], ["-q", "-o",
+                                     "StrictHostKeyChecking=no", "-p", "2222", "-i", "/k/id"], ["-o", "-x"]])
+def test_the_host_is_found_after_the_agents_options_and_their_values(options):
+    """PRRTE puts plm_ssh_args (`-p 2222`: sshd on another port, as in containers) before the host: an option's
+    value is no host, or relays would go to ssh and markers before the host (a start that never works)."""
+    relay = [*options, "mpiddp-relay0", "PRTE_PREFIX=/p;", "prted", "-x"]
+    assert relay_command(relay) == ["/bin/sh", "-c", "PRTE_PREFIX=/p; prted -x"]
+    real = [*options, "nodeb", "prted", "--x"]
+    assert relay_command(real) is None and host_of(real) == "nodeb"
+    assert marked_args(real) == [*options, "nodeb", f"echo {MARKER};", "prted", "--x"]
+    assert host_of(options) == "?"
 
 
 @pytest.fixture
