@@ -114,18 +114,8 @@ class JobResult:
 LAUNCHER_NEVER_STARTED = "The PMIx server's listener thread failed to start"
 
 
-def launcher_never_started(output: str) -> bool:
-    """Whether a launcher's output shows Open MPI's start-up race (its PMIx listener, or a fake host's daemon that
-    "failed to report back", exit 213: seen under CI's load) before any rank of mpiddp ran."""
-    return "mpiddp" not in output and (LAUNCHER_NEVER_STARTED in output or "failed to report back" in output)
-
-
-# pytest-timeout ends a test after 300 s (setup.cfg) with its own traceback only: a job, its relaunch after Open
-# MPI's start-up race included, gets less, so that a hang fails with the job's output (_run_once).
-JOB_TIMEOUT_CAP_S = 260.0
-STARTUP_RACE_RETRIES = 2  # launches more after Open MPI's start-up race (each one dies within a second)
-
-
+# ssh's own failure to reach a host (the agent's exit 255, in Open MPI's report): a host a test made unreachable
+AGENT_FAILED = "Daemon exit status: 255"
 # Under launch's relay layout the race takes another form: a fake host's daemon comes up and ends before any rank
 # started, and mpirun would wait for it forever; launch ends that attempt (its line:
 # mpiddp.launch.diagnose.ENDED_BEFORE_START) and relaunches: without that host where a spare takes its place, else
@@ -134,11 +124,40 @@ STARTUP_RACE_RETRIES = 2  # launches more after Open MPI's start-up race (each o
 ENDED_BEFORE_START = "ended before the job started"
 
 
-def past_start_races(attempts: list[dict]) -> list[dict]:
-    """The attempts a test describes: less those Open MPI's start-up race ended before any rank ran (launch's
-    "ended before the job started", or the launcher's exit 213 naming no host), which launch relaunches."""
-    return [a for a in attempts if ENDED_BEFORE_START not in str(a.get("message") or "")
-            and not (a.get("status") == 213 and a.get("cause") == "exit" and not a.get("failed_hosts"))]
+def launcher_never_started(output: str) -> bool:
+    """Whether a launcher's output, or launch's, shows Open MPI's start-up race before any rank of mpiddp ran: its
+    PMIx listener, a fake host's daemon that "failed to report back" with a status of its own (213: seen under
+    CI's load, naming a host or none), or under launch's relay layout a daemon that "ended before the job started".
+    launch's own lines (`mpiddp launch: ...`) are no rank's; an agent that failed (ssh's 255) is a host a test made
+    unreachable, no race."""
+    ranks = "\n".join(line for line in output.splitlines() if not line.startswith("mpiddp launch: "))
+    return "mpiddp" not in ranks and AGENT_FAILED not in ranks and (
+        LAUNCHER_NEVER_STARTED in ranks or "failed to report back" in ranks or ENDED_BEFORE_START in output)
+
+
+# pytest-timeout ends a test after 300 s (setup.cfg) with its own traceback only: a job, its relaunch after Open
+# MPI's start-up race included, gets less, so that a hang fails with the job's output (_run_once).
+JOB_TIMEOUT_CAP_S = 260.0
+STARTUP_RACE_RETRIES = 2  # launches more after Open MPI's start-up race (each one dies within a second)
+
+
+def raced_at_start(run_dir: Path, attempt: dict) -> bool:
+    """Whether one of launch's attempts (kept in `run_dir`) met Open MPI's start-up race before any rank ran:
+    launch's "ended before the job started", or the launcher's 213 with its output showing the race."""
+    if ENDED_BEFORE_START in str(attempt.get("message") or ""):
+        return True
+    if attempt.get("status") != 213:
+        return False
+    stem = f"attempt{attempt.get('number')}" if not attempt.get("launch") else \
+        f"launch{attempt['launch']}-attempt{attempt.get('number')}"
+    return launcher_never_started("".join(path.read_text(errors="replace") for path in
+                                          (run_dir / f"{stem}.out", run_dir / f"{stem}.err") if path.exists()))
+
+
+def past_start_races(run_dir: Path) -> list[dict]:
+    """The attempts of launch's attempts.json in `run_dir` a test describes: less those Open MPI's start-up race
+    ended before any rank ran (raced_at_start), which launch relaunches."""
+    return [a for a in json.loads((run_dir / "attempts.json").read_text())["attempts"] if not raced_at_start(run_dir, a)]
 
 
 def launch_raced_at_start(run_dir: Path) -> bool:
@@ -148,11 +167,7 @@ def launch_raced_at_start(run_dir: Path) -> bool:
         first = json.loads((run_dir / "attempts.json").read_text())["attempts"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return False
-    if ENDED_BEFORE_START in str(first.get("message") or ""):
-        return True
-    output = "".join(path.read_text(errors="replace") for path in (run_dir / "attempt0.out", run_dir / "attempt0.err")
-                     if path.exists())
-    return first.get("status") == 213 and launcher_never_started(output)
+    return raced_at_start(run_dir, first)
 
 
 def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None,
@@ -171,6 +186,34 @@ def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str
             shutil.rmtree(run_dir)
         result = _run_once(command, run_dir, max(1.0, deadline - time.monotonic()), env, cwd)
     return result
+
+
+def run_acting_on(command: list[str], env: dict[str, str], run_dir: Path, trigger: Callable[[str], bool],
+                  act: Callable[[], None], timeout: float = 300) -> tuple[int, str]:
+    """Run `command` (launch, or a launcher) to its end, calling `act` once at the first line of its output that
+    `trigger` accepts (a rank to stop or kill): (its status, its output). A run that met Open MPI's start-up race
+    before any rank ran (launcher_never_started) is run again in a new `run_dir`, at most STARTUP_RACE_RETRIES
+    times. Nothing of it is left running."""
+    for _ in range(STARTUP_RACE_RETRIES + 1):
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+        seen = []
+        try:
+            for line in process.stdout:
+                seen.append(line)
+                if trigger(line):
+                    act()
+                    break
+            rest, _ = process.communicate(timeout=timeout)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        output = "".join(seen) + rest
+        if process.returncode == 0 or not launcher_never_started(output):
+            break
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return process.returncode, output
 
 
 def _run_once(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None, cwd: Path) -> JobResult:

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import LAUNCHER_NEVER_STARTED, REPO, job_env, past_start_races, rank_pid, rank_pids
+from conftest import (REPO, job_env, launcher_never_started, past_start_races, rank_pid, rank_pids,
+                      run_acting_on)
 from fakehosts import SUBNET, FakeHosts, running_fake_hosts
 from mpiddp import recoveries
 from mpiddp.failure import FAILURES_DIR
@@ -34,25 +35,14 @@ def hosts(tmp_path, mpirun):
 def stop_rank_1_and_wait(hosts, command, env, run_dir, timeout=300):
     """Run launch on nodea; once the epoch-2 snapshot is saved, SIGSTOP rank 1 (nodeb): alive and silent, as a
     wedged GPU or NFS. Returns (launch's status, its output)."""
-    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    seen = []
-    try:
-        for line in process.stdout:
-            seen.append(line)
-            if "saved " in line and "snapshot-epoch0002.pt" in line:
-                break
-        os.kill(rank_pid(run_dir, 1), signal.SIGSTOP)
-        output, _ = process.communicate(timeout=timeout)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    return process.returncode, "".join(seen) + output
+    return run_acting_on(hosts.command_on("nodea", command), env, run_dir,
+                         lambda line: "saved " in line and "snapshot-epoch0002.pt" in line,
+                         lambda: os.kill(rank_pid(run_dir, 1), signal.SIGSTOP), timeout)
 
 
 def attempts(run_dir):
     """The attempts, less one lost to Open MPI's start-up race (launch relaunched it: the run these tests follow)."""
-    return past_start_races(json.loads((run_dir / "attempts.json").read_text())["attempts"])
+    return past_start_races(run_dir)
 
 
 @pytest.mark.parametrize("named", ["PRTE_MCA_plm_ssh_agent", "--prtemca plm_ssh_agent"])
@@ -132,7 +122,7 @@ def test_a_spare_host_lost_while_its_hot_spare_waits_never_stops_the_survivors(h
             break
         process.wait(timeout=60)
         reader.join(30)
-        assert LAUNCHER_NEVER_STARTED in "".join(seen), "".join(seen)[-4000:]
+        assert launcher_never_started("".join(seen)), "".join(seen)[-4000:]
         shutil.rmtree(run_dir)
     try:
         pids = rank_pids(run_dir)

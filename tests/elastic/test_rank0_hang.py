@@ -4,7 +4,6 @@ request a deadline, find rank 0 after --hang-timeout, and have it ended (launch 
 its host); the survivor recovers in the job on a new store. A SIGTERM to launch while such a hang holds the job
 ends everything within the stop's grace (fake hosts, real processes)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -74,7 +73,7 @@ class Launch:
 
 def attempts(run_dir):
     """The attempts, less one lost to Open MPI's start-up race (launch relaunched it: the run these tests follow)."""
-    return past_start_races(json.loads((run_dir / "attempts.json").read_text())["attempts"])
+    return past_start_races(run_dir)
 
 
 def test_a_stopped_rank_0_is_ended_and_the_survivor_recovers_in_the_job_on_a_new_store(hosts, tmp_path):

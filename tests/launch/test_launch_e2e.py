@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, job_env, mpich_env, rank_pid, run_command
+from conftest import REPO, job_env, mpich_env, rank_pid, run_acting_on, run_command
 from fakehosts import FakeHosts, running_fake_hosts
 
 pytestmark = pytest.mark.mpi
@@ -169,21 +169,10 @@ def test_a_stopped_rank_hangs_the_job_which_is_explained_and_relaunched_on_the_s
                              "--collective-timeout", "8")  # the healthy rank's gloo timeout must not speak first
     env = job_env()
     env.pop("PRTE_MCA_rmaps_default_mapping_policy")
-    process = subprocess.Popen(hosts.command_on("nodea", command), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    seen = []
-    try:
-        for line in process.stdout:
-            seen.append(line)
-            if "saved " in line and "snapshot-epoch0002.pt" in line:
-                break
-        os.kill(rank_pid(run_dir, 1), signal.SIGSTOP)  # rank 1 runs on nodeb; alive but silent, as a wedged GPU or NFS
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    output = "".join(seen) + output
-    assert process.returncode == 0, output[-5000:]
+    status, output = run_acting_on(  # rank 1 runs on nodeb; alive but silent, as a wedged GPU or NFS
+        hosts.command_on("nodea", command), env, run_dir, lambda line: "saved " in line and "snapshot-epoch0002.pt"
+        in line, lambda: os.kill(rank_pid(run_dir, 1), signal.SIGSTOP))
+    assert status == 0, output[-5000:]
     first, second = attempts(run_dir)["attempts"]
     assert (first["cause"], first["failed_ranks"], first["failed_hosts"]) == ("hang", [1], ["nodeb"]), output[-5000:]
     assert first["blamed_hosts"] == ["nodeb"] and "raised to 38 s" in output

@@ -38,9 +38,10 @@ class GrowingScript(Script):
     """The example script under `mpirun --with-ft ulfm -np 3` with noded in the host list and named as the spare."""
 
     def __init__(self, hosts: FakeHosts, tmp_path, victim: int, runner: bool, command=None,
-                 steps: str = UNTIL_FULL) -> None:
-        """`command(out)`: another command line (launch's, which names the spare itself)."""
-        super().__init__(hosts, tmp_path, victim, command=command or (lambda out: [
+                 steps: str = UNTIL_FULL, launch_run_dir=None) -> None:
+        """`command(out)`: another command line (launch's, which names the spare itself, keeping its records in
+        `launch_run_dir`)."""
+        super().__init__(hosts, tmp_path, victim, launch_run_dir=launch_run_dir, command=command or (lambda out: [
             find_mpirun(), *hosts.openmpi_args(), "--with-ft", "ulfm", "-np", "3", "-H", HOSTS, sys.executable,
             *(["-m", "mpiddp", "run"] if runner else []), str(PROGRAM), str(out), steps, str(victim),
             str(AT_STEP)]), **({} if command else {"MPIDDP_SPARE_HOSTS": "noded"}))
@@ -132,7 +133,7 @@ def test_under_launch_a_script_grows_back_onto_its_spare_host(hosts, tmp_path):
     script = GrowingScript(hosts, tmp_path, 1, runner=True, command=lambda out: [
         sys.executable, "-m", "mpiddp", "launch", "-H", HOSTS, "-np", "3", "--max-restarts", "0",
         "--run-dir", str(run_dir), "--launcher-args", " ".join(["--with-ft", "ulfm", *hosts.transport_args()]),
-        "--", "run", str(PROGRAM), str(out), UNTIL_FULL, "1", str(AT_STEP)])
+        "--", "run", str(PROGRAM), str(out), UNTIL_FULL, "1", str(AT_STEP)], launch_run_dir=run_dir)
     script.kill_victim()
     status = script.finish()
     output = script.output()

@@ -5,6 +5,7 @@ all-reduce, and the survivors (the same processes) finish the training on 2 rank
 tests/programs/recoverable_script.py (the example of docs/run-script.md)."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +41,10 @@ class Script:
     """`mpirun [--with-ft ulfm] -np 3` of the example script on the three hosts, started on nodea."""
 
     def __init__(self, hosts: FakeHosts, tmp_path: Path, victim: int, ft: bool = True, where: str = "step",
-                 command: Callable[[Path], list[str]] | None = None, **env_extra: str) -> None:
-        """`command(out)`: another command line (tests/script/test_script_grow_e2e.py)."""
+                 command: Callable[[Path], list[str]] | None = None, launch_run_dir: Path | None = None,
+                 **env_extra: str) -> None:
+        """`command(out)`: another command line (tests/script/test_script_grow_e2e.py); `launch_run_dir`: where
+        that command's launch keeps its records (a launch run again after the start-up race starts afresh)."""
         self.out, self.log = tmp_path / "out", tmp_path / "job.log"
         self.out.mkdir(parents=True)
         env, self.mark = marked_env(PYTHONPATH=str(REPO), **env_extra)
@@ -51,6 +54,7 @@ class Script:
             sys.executable, str(PROGRAM), str(self.out), str(STEPS), str(victim), str(AT_STEP), where]
         self.command, self.env = hosts.command_on("nodea", command_line), env
         self.relaunches = 0  # Open MPI's start-up race, before any rank ran, is met by launches more
+        self.launch_run_dir = launch_run_dir
         self._start()
 
     def _start(self) -> None:
@@ -83,6 +87,8 @@ class Script:
                 or not launcher_never_started(self.output())):
             return False
         self.relaunches += 1
+        if self.launch_run_dir is not None:
+            shutil.rmtree(self.launch_run_dir, ignore_errors=True)
         self._start()
         return True
 

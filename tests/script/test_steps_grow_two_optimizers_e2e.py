@@ -6,15 +6,15 @@ parameters and optimizer state of both models and the same scheduler position, s
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, find_mpirun
-from test_leftovers import assert_nothing_left, marked_env
+from test_leftovers import marked_env
 from test_recovery_e2e import _ulfm_missing
+from test_steps_grow_e2e import run_job
 
 pytestmark = pytest.mark.mpi
 PROGRAM = REPO / "tests" / "programs" / "steps_grow_two_optimizers.py"
@@ -29,13 +29,7 @@ def test_a_two_optimizer_loop_grows_back_after_rank_0_dies_and_every_rank_ends_a
     env, mark = marked_env(MPIDDP_SPARE_RANKS="1")
     command = [find_mpirun(), "--with-ft", "ulfm", "-np", "4", "-x", "MPIDDP_SPARE_RANKS", sys.executable, "-m",
                "mpiddp", "run", str(PROGRAM), str(out), "30", "5", "20"]
-    try:
-        with log.open("w") as sink:
-            status = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=sink,
-                                    stderr=subprocess.STDOUT, timeout=300).returncode
-    finally:
-        assert_nothing_left(mark)
-    output = log.read_text(errors="replace")
+    status, output = run_job(command, env, mark, log, tmp_path)
     assert status == 0, output[-6000:]
     assert "grew back: ranks [2] joined" in output, output[-5000:]
     lines = {path: [json.loads(line) for line in path.read_text().splitlines()] for path in out.glob("pid*.jsonl")}
