@@ -28,10 +28,11 @@ MCA_FLAGS = ("--mca", "-mca", "--prtemca", "-prtemca", "--omca", "-omca", "--gmc
 HYDRA_FLAGS = ("-launcher-exec", "--launcher-exec", "-bootstrap-exec", "--bootstrap-exec")
 AGENT_ENV = ("PRTE_MCA_plm_ssh_agent", "PRTE_MCA_plm_rsh_agent", "OMPI_MCA_plm_ssh_agent", "OMPI_MCA_plm_rsh_agent",
              "HYDRA_LAUNCHER_EXEC", "HYDRA_BOOTSTRAP_EXEC")
-# The options Open MPI puts between the agent and the host (`--mca plm_ssh_args "-p 2222"`: sshd elsewhere, as in
-# containers), under the same names and in the same order of precedence
-AGENT_ARGS_PARAMS = ("plm_ssh_args", "plm_rsh_args")
-AGENT_ARGS_ENV = ("PRTE_MCA_plm_ssh_args", "PRTE_MCA_plm_rsh_args", "OMPI_MCA_plm_ssh_args", "OMPI_MCA_plm_rsh_args")
+# The options Open MPI 5 puts between the agent and the host (`--mca plm_ssh_args "-p 2222"`: sshd elsewhere, as in
+# containers), read as PRRTE 3.0.14 reads them (checked with a logging agent): plm_ssh_args on the command line
+# (the last given), else PRTE_MCA_plm_ssh_args, else plm_rsh_args on the command line; PRTE_MCA_plm_rsh_args and
+# the OMPI_MCA_ names reach no agent. Its parameter files are not read here.
+AGENT_ARGS_PARAM, AGENT_ARGS_ALIAS, AGENT_ARGS_ENV = "plm_ssh_args", "plm_rsh_args", "PRTE_MCA_plm_ssh_args"
 POLL_S = 0.5  # how often the failures directory is looked at while the job runs (a listing: cheap)
 END_TIMEOUT_S = 30.0  # the most one `kill` through the agent may take (an unreachable host: the hang stands)
 
@@ -53,23 +54,24 @@ def host_agent(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str
     return shlex.split(agent.split(":")[0].strip()) or ["ssh"]
 
 
-def agent_args(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    """The options the launcher gives its agent before the host: Open MPI's plm_ssh_args (the launcher's command
-    line first, the last one given, else the environment); none for Hydra, whose agent is all in -launcher-exec."""
-    given = None
+def agent_args(launcher_args: Sequence[str], env: Mapping[str, str], flavour: str = "openmpi") -> list[str]:
+    """The options Open MPI gives its agent before the host (AGENT_ARGS_PARAM), split on spaces as PRRTE splits
+    them (quotes are no quoting there); none for MPICH, whose Hydra takes its agent whole from -launcher-exec."""
+    if flavour != "openmpi":
+        return []
+    given: dict[str, str] = {}
     args = list(launcher_args)
     for index, arg in enumerate(args):
-        if arg in MCA_FLAGS and index + 2 < len(args) and args[index + 1] in AGENT_ARGS_PARAMS:
-            given = args[index + 2]
-    if given is None:
-        given = next((env[name] for name in AGENT_ARGS_ENV if env.get(name, "").strip()), "")
-    return shlex.split(given)
+        if arg in MCA_FLAGS and index + 2 < len(args) and args[index + 1] in (AGENT_ARGS_PARAM, AGENT_ARGS_ALIAS):
+            given[args[index + 1]] = args[index + 2]
+    value = given.get(AGENT_ARGS_PARAM) or env.get(AGENT_ARGS_ENV, "").strip() or given.get(AGENT_ARGS_ALIAS, "")
+    return value.split()
 
 
-def host_command(launcher_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    """What runs a command on another host exactly as the launcher reaches it: the agent (host_agent) and the
-    options it gives it (agent_args); the host and the command follow."""
-    return [*host_agent(launcher_args, env), *agent_args(launcher_args, env)]
+def host_command(launcher_args: Sequence[str], env: Mapping[str, str], flavour: str = "openmpi") -> list[str]:
+    """What runs a command on another host as the launcher reaches it: the agent (host_agent) and the options
+    Open MPI gives it (agent_args); the host and the command follow."""
+    return [*host_agent(launcher_args, env), *agent_args(launcher_args, env, flavour)]
 
 
 def end_command(agent: Sequence[str], host: str, pid: int) -> list[str]:

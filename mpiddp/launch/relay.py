@@ -146,10 +146,10 @@ def remove_layout(folder: Path) -> None:
         (folder / name).unlink(missing_ok=True)
 
 
-# ssh's options that take a value (ssh(1): -B -b -c -D -E -e -F -I -i -J -L -l -m -O -o -p -Q -R -S -W -w): PRRTE
+# ssh's options that take a value (ssh(1): -B -b -c -D -E -e -F -I -i -J -L -l -m -O -o -P -p -Q -R -S -W -w): PRRTE
 # puts its plm_ssh_args (`-p 2222 -o ConnectTimeout=5`, common where sshd listens elsewhere, as in containers)
 # before the host, so the host is the first word that is neither an option nor an option's value
-SSH_VALUED = frozenset("BbcDEeFIiJLlmOopQRSWw")
+SSH_VALUED = frozenset("BbcDEeFIiJLlmOoPpQRSWw")
 
 
 def host_index(args: Sequence[str]) -> int:

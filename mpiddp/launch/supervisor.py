@@ -390,7 +390,7 @@ class Supervisor:
         asked = remote_hosts(hosts_to_probe(found, self._daemon_hosts, self.kept_once, may_keep))
         if not asked:
             return found
-        agent = host_command(self.plan.extra, self.env)
+        agent = host_command(self.plan.extra, self.env, self.plan.flavour)
         say(f"attempt {attempt.number}: the job never started; asking {', '.join(asked)} to answer "
             f"({' '.join(probe_command(agent, 'HOST'))}, {PROBE_TIMEOUT_S:g} s at most)")
         attempt.probed = probe_hosts(agent, asked)
@@ -463,7 +463,7 @@ class Supervisor:
         output += f"mpiddp launch: {self.not_started}\n" if self.not_started else ""  # what diagnose reads
         if self.plan.flavour == "openmpi" and status < 0:  # the launcher itself died by a signal: its daemons may not
             lost = lost_whole()  # a crashed host would not answer
-            end_daemons(host_command(self.plan.extra, self.env),
+            end_daemons(host_command(self.plan.extra, self.env, self.plan.flavour),
                         [h.name for h in [*hosts, *spares] if not any(same_host(h.name, x) for x in lost)],
                         self.child.pid)
         self.child = None
@@ -491,7 +491,7 @@ class Supervisor:
         """While the attempt runs under in-job recovery: ends the hung ranks the job names (mpiddp.launch.ender)."""
         if not attempt.in_job_recovery:
             return contextlib.nullcontext()
-        return Ender(self.failure_file, host_command(self.plan.extra, self.env), say)
+        return Ender(self.failure_file, host_command(self.plan.extra, self.env, self.plan.flavour), say)
 
     def _finished(self, attempt: Attempt) -> bool:
         """Whether a 0 from the launcher means the job finished: always without MPI fault tolerance; with it (where

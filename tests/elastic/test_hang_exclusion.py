@@ -149,17 +149,26 @@ def test_launch_reaches_the_host_through_the_agent_however_it_is_named(args, env
 
 @pytest.mark.parametrize("args, env, options", [
     (["--mca", "plm_ssh_args", "-p 2222 -o ConnectTimeout=5"], {}, ["-p", "2222", "-o", "ConnectTimeout=5"]),
-    (["--prtemca", "plm_rsh_args", "-p 2222"], {"PRTE_MCA_plm_ssh_args": "-q"}, ["-p", "2222"]),  # the line wins
-    ([], {"PRTE_MCA_plm_ssh_args": "-p 2222", "OMPI_MCA_plm_rsh_args": "-q"}, ["-p", "2222"]),
-    ([], {"OMPI_MCA_plm_rsh_args": "-p 2222"}, ["-p", "2222"]),
+    (["--prtemca", "plm_ssh_args", "-p 1"], {"PRTE_MCA_plm_ssh_args": "-q"}, ["-p", "1"]),  # the line wins
+    (["--mca", "plm_ssh_args", "-p 2222", "--mca", "plm_rsh_args", "-p 1111"], {}, ["-p", "2222"]),  # ssh's name
+    (["--mca", "plm_rsh_args", "-p 1111", "--mca", "plm_ssh_args", "-p 1", "--mca", "plm_ssh_args", "-p 2222"], {},
+     ["-p", "2222"]),  # in either order; the last given
+    (["--prtemca", "plm_rsh_args", "-p 1111"], {}, ["-p", "1111"]),
+    (["--prtemca", "plm_rsh_args", "-p 1111"], {"PRTE_MCA_plm_ssh_args": "-p 2222"}, ["-p", "2222"]),
+    ([], {"PRTE_MCA_plm_ssh_args": "-p 2222"}, ["-p", "2222"]),
+    # names Open MPI 5 reads for no agent (PRRTE 3.0.14 passes none of these on): none
+    ([], {"PRTE_MCA_plm_rsh_args": "-p 1", "OMPI_MCA_plm_ssh_args": "-p 1", "OMPI_MCA_plm_rsh_args": "-p 1"}, []),
     (["--mca", "btl", "tcp,self"], {"PRTE_MCA_plm_ssh_args": " "}, []),
+    (["--mca", "plm_ssh_args", "-l o'brien"], {}, ["-l", "o'brien"]),  # split on spaces, as PRRTE: no quoting
 ])
-def test_launch_reaches_the_host_with_the_options_the_launcher_gives_its_agent(args, env, options):
+def test_launch_reaches_the_host_with_the_options_open_mpi_gives_its_agent(args, env, options):
     """Open MPI puts plm_ssh_args between the agent and the host (sshd on another port, as in containers): launch's
-    own commands on a host (ending a hung rank or a dead launcher's daemons, its probe) carry them too."""
+    own commands on a host (ending a hung rank or a dead launcher's daemons, its probe) carry them too, read as
+    PRRTE 3.0.14 reads them (checked with a logging agent). MPICH's Hydra takes none."""
     agent = ["--mca", "plm_ssh_agent", "/x/agent.sh -q"]
     assert host_command([*agent, *args], env) == ["/x/agent.sh", "-q", *options]
     assert host_command(args, env) == ["ssh", *options]
+    assert host_command(["-launcher-exec", "/x/agent.sh", *args], env, "mpich") == ["/x/agent.sh"]
 
 
 def test_launch_reaches_the_host_through_the_launchers_agent():

@@ -77,7 +77,8 @@ def test_relay_entries_run_here_and_a_hosts_command_gets_the_marker_first():
 
 
 @pytest.mark.parametrize("options", [[], ["-x"], ["-p", "2222"], ["-p2222"], ["-xp", "2222"], ["-q", "-o",
-                                     "StrictHostKeyChecking=no", "-p", "2222", "-i", "/k/id"], ["-o", "-x"]])
+                                     "StrictHostKeyChecking=no", "-p", "2222", "-i", "/k/id"], ["-o", "-x"], ["-P", "tag"],
+                                     ["-oStrictHostKeyChecking=no", "-vp", "2222", "-tt", "--"]])
 def test_the_host_is_found_after_the_agents_options_and_their_values(options):
     """PRRTE puts plm_ssh_args (`-p 2222`: sshd on another port, as in containers) before the host: an option's
     value is no host, or relays would go to ssh and markers before the host (a start that never works)."""
