@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import (REPO, job_env, launcher_never_started, past_start_races, rank_pid, rank_pids,
+from conftest import (LAUNCHER_NEVER_STARTED, REPO, job_env, past_start_races, raced_at_start, rank_pid, rank_pids,
                       run_acting_on)
 from fakehosts import SUBNET, FakeHosts, running_fake_hosts
 from mpiddp import recoveries
@@ -122,7 +122,10 @@ def test_a_spare_host_lost_while_its_hot_spare_waits_never_stops_the_survivors(h
             break
         process.wait(timeout=60)
         reader.join(30)
-        assert launcher_never_started("".join(seen)), "".join(seen)[-4000:]
+        # the stall never came: an attempt met Open MPI's start-up race (launch relaunched it, without the fault)
+        tried = json.loads((run_dir / "attempts.json").read_text())["attempts"]
+        raced = [a for a in tried if raced_at_start(run_dir, a)]
+        assert LAUNCHER_NEVER_STARTED in "".join(seen) or raced, "".join(seen)[-4000:]
         shutil.rmtree(run_dir)
     try:
         pids = rank_pids(run_dir)
