@@ -11,7 +11,9 @@ host_command), and runs `kill -KILL PID` there. Where that fails
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import threading
@@ -153,3 +155,28 @@ def _run(command: list[str]) -> int:
                               stderr=subprocess.DEVNULL, timeout=END_TIMEOUT_S).returncode
     except (OSError, subprocess.TimeoutExpired):
         return -1
+
+
+def end_session(session: int) -> None:
+    """SIGKILL every process left in `session` (the launcher's: its pid), wherever it moved in the process tree.
+    Off Linux (no /proc), the launcher's process group only."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        kill_group(session)
+        return
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == session:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours
+            continue
+
+
+def kill_group(group: int) -> None:
+    """SIGKILL process group `group`, if any is left."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:  # none left
+        pass

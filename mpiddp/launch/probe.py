@@ -4,7 +4,7 @@ A start-up failure names a host (its daemon "failed to report back", ssh refused
 before every rank started) or none (a start past --startup-timeout: a daemon or a rank stuck somewhere). Either
 way the launcher's account alone cannot tell a host that is down from a start that failed once: Open MPI's own
 start-up races now and then, and sshd drops connections beyond its MaxStartups when a launcher opens many at once.
-So `launch` asks: it runs `true` on the host through the agent the launcher uses (mpiddp.launch.ender.host_agent),
+So `launch` asks: it runs `true` on the host through the agent the launcher uses (mpiddp.launch.ender.host_command),
 with a deadline, before it decides.
 
 - A named host that answers is kept for the relaunch, once per launch (`KEPT_ONCE`), where leaving it out would
@@ -21,8 +21,6 @@ agent (mpirun, mpiexec; not srun), and a relaunch is left for the answers to cha
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import tempfile
@@ -31,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from mpiddp.launch.diagnose import STARTUP_OVERDUE_PREFIX, Failure
+from mpiddp.launch.ender import end_session
 from mpiddp.launch.policy import short_name
 
 PROBE_TIMEOUT_S = 10.0  # a host that has not run `true` by then is taken for one that does not answer
@@ -58,7 +57,7 @@ def run_probe(command: list[str], timeout: float = PROBE_TIMEOUT_S) -> str:
         try:
             status = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _end_session(child.pid)
+            end_session(child.pid)
             child.wait()
             return f"no answer within {timeout:g} s"
         if status == 0:
@@ -66,13 +65,6 @@ def run_probe(command: list[str], timeout: float = PROBE_TIMEOUT_S) -> str:
         err.seek(0)
         said = next((line.strip() for line in reversed(err.read().splitlines()) if line.strip()), "")
     return f"exit status {status}" + (f": {said[:200]}" if said else "")
-
-
-def _end_session(session: int) -> None:
-    try:
-        os.killpg(session, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def is_here(name: str, here: str) -> bool:

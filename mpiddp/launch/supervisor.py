@@ -32,7 +32,7 @@ from mpiddp.contract import (FAILURE_FILE_ENV, GLOBAL_BATCH_ENV, HOST_RELAYS_ENV
 from mpiddp.errors import EXIT_CRASH, EXIT_HANG, EXIT_USER_ERROR
 from mpiddp.failure import ATTEMPTS_FILE
 from mpiddp.launch.command import InJobRecovery, build_command, growth_hosts, hot_spare_ranks
-from mpiddp.launch.ender import Ender, end_daemons, host_agent, host_command
+from mpiddp.launch.ender import Ender, end_daemons, end_session, host_agent, host_command, kill_group
 from mpiddp.launch.diagnose import (CRASH_TAKES_S, ENDED_BEFORE_START, EXIT_STOPPED, STARTUP_OVERDUE, Failure,
                                     OutputKeeper, after_spawn, diagnose, during_spawn)
 from mpiddp.launch.hosts import Host, HostListError, place
@@ -658,7 +658,7 @@ class Supervisor:
                 _say_now("killing the job (SIGKILL to the launcher's process group): no snapshot")
                 assert self.child is not None
                 self.killed_at = time.time()
-                _kill_group(self.child.pid)  # its own session: the group id is its pid
+                kill_group(self.child.pid)  # its own session: the group id is its pid
                 return
         if running:
             assert self.child is not None
@@ -802,30 +802,6 @@ def _wait_unless_lingering(child: subprocess.Popen[bytes], marked: Callable[[], 
                 say(f"the launcher still runs {FINISHED_LINGER_S:g} s after {what}: ending it")
             end_session(child.pid)
             return child.wait(), "", True
-
-
-def end_session(session: int) -> None:
-    """SIGKILL every process left in `session` (the launcher's: its pid), wherever it moved in the process tree.
-    Off Linux (no /proc), the launcher's process group only."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        _kill_group(session)
-        return
-    for entry in proc.iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if os.getsid(int(entry.name)) == session:
-                os.kill(int(entry.name), signal.SIGKILL)
-        except OSError:  # gone meanwhile, or not ours
-            continue
-
-
-def _kill_group(group: int) -> None:
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except OSError:  # none left
-        pass
 
 
 def _ignore_hangup(signum: int, frame: FrameType | None) -> None:
